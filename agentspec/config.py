@@ -1,0 +1,81 @@
+"""Frozen, validated configuration: how to sample and how to speculate."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target's next-token distribution is processed and sampled.
+
+    ``temperature == 0`` is greedy decoding (argmax), token-identical to plain decoding.
+    With ``temperature > 0`` the output is distributed exactly as plain sampling with the same
+    temperature, ``top_k`` and ``top_p``. ``seed`` seeds the explicit ``torch.Generator`` of a
+    generation; ``None`` draws a fresh seed.
+
+    ``repetition_penalty`` is accepted only at 1.0: a history-dependent processor would have to
+    be applied per tree path, which the verifier does not do yet.
+    """
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or math.isnan(t) or t < 0 or math.isinf(t):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 1):
+            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.repetition_penalty != 1.0:
+            raise ValueError(
+                f"repetition_penalty={self.repetition_penalty!r} is not supported: a "
+                "history-dependent logits processor cannot yet be applied per draft path, "
+                "and agentspec never changes an output silently"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How much to speculate.
+
+    Attributes:
+        max_draft_tokens: upper bound on draft nodes per step.
+        min_draft_tokens: the adaptive draft length never goes below this.
+        ngram_min / ngram_max: prompt lookup match lengths (in tokens).
+        adaptive: grow the draft after full acceptance, shrink it after rejections.
+        max_tree_nodes: node budget when several candidates merge into a tree.
+    """
+
+    max_draft_tokens: int = 64
+    min_draft_tokens: int = 2
+    ngram_min: int = 2
+    ngram_max: int = 4
+    adaptive: bool = True
+    max_tree_nodes: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+        if not 1 <= self.min_draft_tokens <= self.max_draft_tokens:
+            raise ValueError(
+                f"min_draft_tokens must be in [1, max_draft_tokens={self.max_draft_tokens}], "
+                f"got {self.min_draft_tokens}"
+            )
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"need 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min}, "
+                f"ngram_max={self.ngram_max}"
+            )
+        if self.max_tree_nodes < 1:
+            raise ValueError(f"max_tree_nodes must be >= 1, got {self.max_tree_nodes}")

@@ -1,0 +1,17 @@
+"""The few exception types agentspec raises besides ValueError/TypeError for bad arguments."""
+
+
+class AgentSpecError(Exception):
+    """Base class of every agentspec-specific error."""
+
+
+class ModelNotAvailableError(AgentSpecError):
+    """A model was asked for whose package or files are not installed; the message says how."""
+
+
+class UnsupportedModelError(AgentSpecError):
+    """The target cannot be rolled back exactly (static or sliding-window KV, for example)."""
+
+
+class StoreError(AgentSpecError):
+    """The completion memory's database cannot be opened, read or written."""

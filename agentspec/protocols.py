@@ -1,0 +1,98 @@
+"""The seams of agentspec: small Protocols that drafters, stores, indexes and embedders satisfy."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from agentspec.types import Draft, Record, Verdict
+
+
+@dataclass
+class DraftContext:
+    """What a drafter may look at. Owned and updated by the decode loop.
+
+    Attributes:
+        tokens: every committed token id: the prompt, then the generated ones.
+        prompt_len: how many of ``tokens`` are the prompt.
+        scope: the memory scope of the request (tenant / agent role).
+        key_text: the text the completion memory is keyed on (the conversation).
+        extra_sources: token sequences the caller adds as lookup sources (earlier outputs
+            and tool results of a session).
+    """
+
+    tokens: list[int]
+    prompt_len: int
+    scope: str = "default"
+    key_text: str = ""
+    extra_sources: Sequence[Sequence[int]] = field(default_factory=tuple)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A source of drafts. ``begin`` is called once per request, before the first step."""
+
+    name: str
+
+    def begin(self, context: DraftContext) -> None: ...
+
+    def propose(self, context: DraftContext, *, max_tokens: int) -> Draft: ...
+
+    def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None: ...
+
+
+@runtime_checkable
+class RecordStore(Protocol):
+    """The completion memory's source of truth (SQL or in-memory)."""
+
+    def add(self, record: Record) -> tuple[int, bool]:
+        """Insert ``record``; an exact duplicate (same scope, model, key and completion) bumps
+        its ``hits`` instead. Returns ``(id, created)``."""
+        ...
+
+    def get(self, record_id: int) -> Record | None: ...
+
+    def get_many(self, ids: Sequence[int]) -> list[Record]: ...
+
+    def iter(self, *, scope: str | None = None, model: str | None = None,
+             after_id: int = 0) -> Iterator[Record]: ...
+
+    def delete(self, ids: Iterable[int]) -> int: ...
+
+    def touch(self, record_id: int, *, accepted_tokens: int = 0) -> None:
+        """Mark a record used now: bump ``hits``, add ``accepted_tokens``, set ``last_used_at``."""
+        ...
+
+    def max_id(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+
+@runtime_checkable
+class VectorIndex(Protocol):
+    """Inner-product search over L2-normalised vectors whose ids are store ids."""
+
+    def add(self, ids: Sequence[int], vectors: np.ndarray) -> None: ...
+
+    def search(self, vector: np.ndarray, k: int) -> list[tuple[int, float]]: ...
+
+    def remove(self, ids: Iterable[int]) -> int: ...
+
+    def __len__(self) -> int: ...
+
+
+@runtime_checkable
+class Embedder(Protocol):
+    """Text to L2-normalised float32 vectors ``[n, dim]``."""
+
+    name: str
+    dim: int
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray: ...

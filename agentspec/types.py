@@ -1,0 +1,185 @@
+"""Frozen data passed between the engine's parts: drafts, verdicts, statistics, records."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A token tree proposed by a drafter, in parent-pointer form.
+
+    Node ``i`` carries ``token_ids[i]``; its parent is ``parents[i]`` (``-1`` for a child of the
+    last committed token) and ``parents[i] < i``. Sibling token ids are distinct. A chain has
+    ``parents == (-1, 0, 1, ...)``. An empty draft means plain decoding for this step.
+
+    Attributes:
+        token_ids: draft token per node.
+        parents: parent node index per node, -1 for the root's children.
+        source: name of the drafter ("prompt_lookup", "memory", "suffix", "model", ...), or a
+            per-node tuple of names when candidates from several sources were merged.
+        draft_probs: only for probabilistic (model) drafts: q, ``[num_nodes, vocab_size]``.
+    """
+
+    token_ids: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
+    source: str | tuple[str, ...] = "none"
+    draft_probs: torch.Tensor | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.parents):
+            raise ValueError(
+                f"token_ids and parents differ in length: {len(self.token_ids)} != {len(self.parents)}"
+            )
+        for i, p in enumerate(self.parents):
+            if not -1 <= p < i:
+                raise ValueError(f"parents[{i}] must be in [-1, {i}), got {p}")
+        if isinstance(self.source, tuple) and len(self.source) != len(self.token_ids):
+            raise ValueError(f"per-node source has {len(self.source)} entries for {len(self.token_ids)} nodes")
+
+    @staticmethod
+    def chain(token_ids: list[int] | tuple[int, ...], source: str, draft_probs: Any = None) -> Draft:
+        """A linear draft: each token's parent is the one before it."""
+        ids = tuple(int(t) for t in token_ids)
+        return Draft(ids, tuple(range(-1, len(ids) - 1)), source, draft_probs)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def source_of(self, node: int) -> str:
+        """The drafter that proposed ``node``."""
+        return self.source[node] if isinstance(self.source, tuple) else self.source
+
+
+EMPTY_DRAFT = Draft()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What exact acceptance decided for one draft (vLLM's vocabulary).
+
+    Attributes:
+        path: accepted node indices, root to leaf.
+        accepted: the accepted draft tokens (``token_ids`` along ``path``).
+        next_token: the recovered token (after a rejection) or bonus token (all accepted).
+    """
+
+    path: tuple[int, ...]
+    accepted: tuple[int, ...]
+    next_token: int
+
+    @property
+    def new_tokens(self) -> tuple[int, ...]:
+        return (*self.accepted, self.next_token)
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Counters of one generation (or a sum of several).
+
+    ``steps`` counts target forward passes after the prefill; ``drafted``/``accepted`` count
+    draft tokens by source.
+    """
+
+    steps: int = 0
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    seconds: float = 0.0
+    drafted: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def accepted_by_source(self) -> dict[str, int]:
+        return dict(self.accepted)
+
+    @property
+    def drafted_by_source(self) -> dict[str, int]:
+        return dict(self.drafted)
+
+    def __add__(self, other: GenerationStats) -> GenerationStats:
+        def merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+            return {k: a.get(k, 0) + b.get(k, 0) for k in sorted({*a, *b})}
+
+        return GenerationStats(
+            steps=self.steps + other.steps,
+            new_tokens=self.new_tokens + other.new_tokens,
+            prompt_tokens=self.prompt_tokens + other.prompt_tokens,
+            seconds=self.seconds + other.seconds,
+            drafted=merge(self.drafted, other.drafted),
+            accepted=merge(self.accepted, other.accepted),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "new_tokens": self.new_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "seconds": self.seconds,
+            "tokens_per_step": self.tokens_per_step,
+            "tokens_per_second": self.tokens_per_second,
+            "drafted_by_source": dict(self.drafted),
+            "accepted_by_source": dict(self.accepted),
+        }
+
+
+@dataclass(frozen=True)
+class Generation:
+    """The result of ``Speculator.generate``.
+
+    Attributes:
+        text: the decoded completion, cut before any stop string.
+        token_ids: the completion's token ids (the stop token itself excluded).
+        stats: counters of this generation.
+        finish_reason: "stop" (a stop token or string), or "length" (max_new_tokens reached).
+    """
+
+    text: str
+    token_ids: tuple[int, ...]
+    stats: GenerationStats
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class Record:
+    """One remembered completion: a row of the completion memory's SQL store.
+
+    ``id`` is ``None`` until the store assigns it. ``embedding`` is float32 ``[dim]``,
+    L2-normalised, or ``None`` when not embedded yet. Times are Unix seconds.
+    """
+
+    scope: str
+    model: str
+    request_text: str
+    key_text: str
+    completion_text: str
+    completion_ids: tuple[int, ...]
+    embedding: np.ndarray | None = field(default=None, compare=False)
+    embedder: str = ""
+    id: int | None = None
+    created_at: float = 0.0
+    last_used_at: float = 0.0
+    hits: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.completion_ids)
