@@ -1,0 +1,53 @@
+"""agentspec: exact speculative decoding for LLM agents, drafting from what they have seen.
+
+Heavy modules (torch, transformers) load on first use of the names that need them, so that
+``agentspec.stores`` and the ``agentspec cache`` commands stay light.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from agentspec.config import SamplingParams, SpecConfig
+from agentspec.errors import AgentSpecError, ModelNotAvailableError, StoreError, UnsupportedModelError
+from agentspec.types import Draft, Generation, GenerationStats, Record, Verdict
+
+if TYPE_CHECKING:
+    from agentspec.memory import CompletionMemory
+    from agentspec.session import record
+    from agentspec.speculator import Speculator
+    from agentspec.target import HFTarget, load_target
+
+_LAZY = {
+    "Speculator": "agentspec.speculator",
+    "load_target": "agentspec.target",
+    "HFTarget": "agentspec.target",
+    "CompletionMemory": "agentspec.memory",
+    "record": "agentspec.session",
+}
+
+__all__ = [
+    "AgentSpecError",
+    "CompletionMemory",
+    "Draft",
+    "Generation",
+    "GenerationStats",
+    "HFTarget",
+    "ModelNotAvailableError",
+    "Record",
+    "SamplingParams",
+    "SpecConfig",
+    "Speculator",
+    "StoreError",
+    "UnsupportedModelError",
+    "Verdict",
+    "load_target",
+    "record",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'agentspec' has no attribute {name!r}")
