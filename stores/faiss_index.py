@@ -1,0 +1,100 @@
+"""FaissIndex: exact inner-product search (``IndexIDMap2(IndexFlatIP)``) keyed by SQL ids.
+
+The index is derived data: the SQL store is the source of truth, and an index file that cannot
+be read is rebuilt from it. faiss is imported on first use, with the command that installs it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from agentspec.stores.memory_store import check_query, check_vectors
+
+from agentspec.errors import ModelNotAvailableError, StoreError
+
+
+def _faiss() -> Any:
+    try:
+        import faiss
+    except ImportError as e:  # pragma: no cover - faiss-cpu is a core dependency
+        raise ModelNotAvailableError(
+            f"faiss is not installed ({e}); run: pip install 'faiss-cpu>=1.9'") from e
+    return faiss
+
+
+class FaissIndex:
+    """A VectorIndex on faiss: ``IndexIDMap2(IndexFlatIP(dim))``, ids = SQL record ids.
+
+    Vectors must be L2-normalised so that inner product is cosine similarity. Adding an id that
+    is already present replaces its vector.
+
+    Args:
+        dim: vector dimension.
+    """
+
+    def __init__(self, dim: int, *, _index: Any = None) -> None:
+        if dim <= 0:
+            raise ValueError(f"dim must be > 0, got {dim}")
+        self.dim = int(dim)
+        faiss = _faiss()
+        self._index = _index if _index is not None else faiss.IndexIDMap2(faiss.IndexFlatIP(self.dim))
+
+    def add(self, ids: Sequence[int], vectors: np.ndarray) -> None:
+        """Add ``vectors`` ``[n, dim]`` under ``ids``."""
+        ids_arr, vecs = check_vectors(ids, vectors, self.dim)
+        if not len(ids_arr):
+            return
+        self.remove(ids_arr.tolist())
+        self._index.add_with_ids(vecs, ids_arr)
+
+    def search(self, vector: np.ndarray, k: int) -> list[tuple[int, float]]:
+        """Up to ``k`` ``(id, inner product)`` pairs, best first."""
+        q = check_query(vector, k, self.dim)
+        if k == 0 or self._index.ntotal == 0:
+            return []
+        scores, ids = self._index.search(q[None, :], min(k, self._index.ntotal))
+        return [(int(i), float(s)) for i, s in zip(ids[0], scores[0], strict=True) if i >= 0]
+
+    def remove(self, ids: Iterable[int]) -> int:
+        """Remove ``ids`` (absent ones are ignored); returns how many were removed."""
+        arr = np.fromiter((int(i) for i in ids), np.int64)
+        if not len(arr) or self._index.ntotal == 0:
+            return 0
+        return int(self._index.remove_ids(_faiss().IDSelectorBatch(arr)))
+
+    def ids(self) -> np.ndarray:
+        """Every id in the index, sorted (int64)."""
+        return np.sort(_faiss().vector_to_array(self._index.id_map).astype(np.int64))
+
+    def __len__(self) -> int:
+        return int(self._index.ntotal)
+
+    def save(self, path: str | Path) -> None:
+        """Write the index to ``path`` atomically (a temporary file, then a rename)."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        _faiss().write_index(self._index, str(tmp))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> FaissIndex:
+        """Read an index written by ``save``.
+
+        Raises:
+            StoreError: the file is missing, truncated, corrupt, or not an ID-mapped flat
+                inner-product index.
+        """
+        faiss = _faiss()
+        try:
+            index = faiss.read_index(str(path))
+        except (RuntimeError, OSError) as e:
+            raise StoreError(f"cannot read the faiss index {path}: {e}") from e
+        if not isinstance(index, faiss.IndexIDMap2) or index.metric_type != faiss.METRIC_INNER_PRODUCT:
+            raise StoreError(f"{path} is not an IndexIDMap2 over an inner-product index")
+        if index.ntotal != index.id_map.size():
+            raise StoreError(f"{path} is inconsistent: {index.ntotal} vectors, {index.id_map.size()} ids")
+        return cls(index.d, _index=index)

@@ -1,0 +1,397 @@
+"""SQLStore: the completion memory's source of truth, on SQLAlchemy 2 (SQLite or PostgreSQL).
+
+SQLite (the default, a file under ``AGENTSPEC_HOME``) runs in WAL mode with a busy timeout;
+every write transaction starts with ``BEGIN IMMEDIATE`` so that writers from several processes
+queue for the lock instead of failing on a stale read snapshot. PostgreSQL is reached through
+psycopg 3 (``postgresql+psycopg://user:pass@host/db``). Exact duplicates are caught by the
+unique ``content_hash`` column, which makes ``add`` race-safe across processes on both.
+This module never imports torch or transformers: the CLI's memory commands stay fast.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from agentspec.stores.memory_store import (
+    add_stats_row,
+    check_nonneg,
+    check_record,
+    check_sort,
+    content_hash,
+    empty_stats,
+    lru_victims,
+)
+from agentspec.stores.sql_schema import (
+    SCHEMA_VERSION,
+    prepare,
+    read_version,
+    records,
+    row_values,
+    to_record,
+)
+from sqlalchemy import Connection, create_engine, delete, event, func, insert, select, update
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.pool import StaticPool
+
+from agentspec.errors import StoreError
+from agentspec.home import default_db_url
+from agentspec.types import Record
+
+_CHUNK = 500  # ids per IN (...) clause and rows per page of ``iter``
+_PG_LOCK = 0x4167_5370  # advisory lock serialising schema setup on PostgreSQL
+_SORT_COLUMNS = {"recent": records.c.last_used_at, "hits": records.c.hits,
+                 "size": records.c.num_tokens, "accepted": records.c.accepted_tokens}
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except SQLAlchemyError:
+        return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
+
+
+def _sqlite_engine(url: str) -> Engine:
+    database = make_url(url).database
+    if database and database != ":memory:" and not database.startswith("file:"):
+        Path(database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url)
+    else:
+        engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi_conn: Any, _record: Any) -> None:
+        dbapi_conn.isolation_level = None  # the "begin" hook below issues BEGIN itself
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA busy_timeout = 30000")
+        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL survives a killed process
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn: Connection) -> None:
+        write = conn.get_execution_options().get("agentspec_write", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+    return engine
+
+
+class SQLStore:
+    """A RecordStore on SQLite or PostgreSQL, plus the queries the memory and the CLI need.
+
+    Args:
+        url: a SQLAlchemy URL; ``None`` means ``agentspec.home.default_db_url()`` (a SQLite
+            file whose folder is created).
+
+    Raises:
+        StoreError: the database cannot be opened or reached (names the URL, password masked),
+            or its schema is newer than this agentspec.
+    """
+
+    def __init__(self, url: str | None = None) -> None:
+        self._url = default_db_url() if url is None else url
+        self.url = mask_url(self._url)
+        try:
+            backend = make_url(self._url).get_backend_name()
+            if backend == "sqlite":
+                self._engine = _sqlite_engine(self._url)
+            else:
+                args = {"connect_timeout": 10} if backend == "postgresql" else {}
+                self._engine = create_engine(self._url, pool_pre_ping=True, connect_args=args)
+            with self._write() as conn:
+                if backend == "postgresql":
+                    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_LOCK})")
+                prepare(conn, self.url)
+        except StoreError:
+            raise
+        except (SQLAlchemyError, OSError, ImportError, ValueError) as e:
+            raise StoreError(f"cannot open the memory database {self.url}: {e}") from e
+
+    def __repr__(self) -> str:
+        return f"SQLStore({self.url!r})"
+
+    def close(self) -> None:
+        """Release pooled connections."""
+        self._engine.dispose()
+
+    def __enter__(self) -> SQLStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @contextmanager
+    def _read(self) -> Iterator[Connection]:
+        try:
+            with self._engine.connect() as conn, conn.begin():
+                yield conn
+        except OperationalError as e:
+            raise StoreError(f"cannot read the memory database {self.url}: {e.orig}") from e
+
+    @contextmanager
+    def _write(self) -> Iterator[Connection]:
+        try:
+            with self._engine.connect() as conn:
+                conn.execution_options(agentspec_write=True)
+                with conn.begin():
+                    yield conn
+        except OperationalError as e:
+            raise StoreError(f"cannot write the memory database {self.url}: {e.orig}") from e
+
+    def schema_version(self) -> int:
+        with self._read() as conn:
+            version = read_version(conn)
+        return SCHEMA_VERSION if version is None else version
+
+    # --- RecordStore -------------------------------------------------------------------------
+    def add(self, record: Record) -> tuple[int, bool]:
+        """Insert ``record`` (its ``id`` is ignored); an exact duplicate (same scope, model, key
+        and completion) bumps ``hits`` and ``last_used_at`` instead. Returns ``(id, created)``."""
+        check_record(record)
+        now = time.time()
+        values = row_values(record, now)
+        for _ in range(5):  # a duplicate may be deleted between our insert and our update
+            try:
+                with self._write() as conn:
+                    stmt = insert(records).values(**values).returning(records.c.id)
+                    return int(conn.execute(stmt).scalar_one()), True
+            except IntegrityError:
+                pass
+            with self._write() as conn:
+                stmt = (update(records).where(records.c.content_hash == values["content_hash"])
+                        .values(hits=records.c.hits + 1, last_used_at=now)
+                        .returning(records.c.id))
+                rid = conn.execute(stmt).scalar_one_or_none()
+            if rid is not None:
+                return int(rid), False
+        raise StoreError(f"cannot add record {values['content_hash'][:12]} to {self.url}")
+
+    def add_many(self, records_: Iterable[Record]) -> int:
+        """Insert many records in one transaction; duplicates are skipped (hits unchanged).
+
+        Returns:
+            How many rows were inserted.
+        """
+        now = time.time()
+        rows, seen = [], set()
+        for r in records_:
+            check_record(r)
+            if content_hash(r) not in seen:
+                seen.add(content_hash(r))
+                rows.append(row_values(r, now))
+        if not rows:
+            return 0
+        dialect = self._engine.dialect.name
+        if dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert as dialect_insert
+        else:
+            from sqlalchemy.dialects.postgresql import insert as dialect_insert
+        stmt = dialect_insert(records).on_conflict_do_nothing(index_elements=["content_hash"])
+        with self._write() as conn:
+            before = conn.execute(select(func.count()).select_from(records)).scalar_one()
+            conn.execute(stmt, rows)
+            return int(conn.execute(select(func.count()).select_from(records)).scalar_one() - before)
+
+    def get(self, record_id: int) -> Record | None:
+        with self._read() as conn:
+            row = conn.execute(select(records).where(records.c.id == int(record_id))).first()
+        return None if row is None else to_record(row)
+
+    def get_many(self, ids: Sequence[int]) -> list[Record]:
+        """Records for ``ids`` in the order given; unknown ids are skipped."""
+        wanted = [int(i) for i in ids]
+        found: dict[int, Record] = {}
+        with self._read() as conn:
+            for i in range(0, len(wanted), _CHUNK):
+                stmt = select(records).where(records.c.id.in_(wanted[i : i + _CHUNK]))
+                found.update((r.id, to_record(r)) for r in conn.execute(stmt))
+        return [found[i] for i in wanted if i in found]
+
+    def _filters(self, scope: str | None = None, model: str | None = None,
+                 embedder: str | None = None) -> list[Any]:
+        out = []
+        if scope is not None:
+            out.append(records.c.scope == scope)
+        if model is not None:
+            out.append(records.c.model == model)
+        if embedder is not None:
+            out += [records.c.embedder == embedder, records.c.dim > 0]
+        return out
+
+    def iter(self, *, scope: str | None = None, model: str | None = None,
+             after_id: int = 0) -> Iterator[Record]:
+        """Records with ``id > after_id`` in id order, read page by page (no long transaction)."""
+        last = int(after_id)
+        while True:
+            stmt = (select(records).where(records.c.id > last, *self._filters(scope, model))
+                    .order_by(records.c.id).limit(_CHUNK))
+            with self._read() as conn:
+                page = [to_record(r) for r in conn.execute(stmt)]
+            yield from page
+            if len(page) < _CHUNK:
+                return
+            last = page[-1].id  # type: ignore[assignment]
+
+    def delete(self, ids: Iterable[int]) -> int:
+        with self._write() as conn:
+            return self._delete(conn, [int(i) for i in ids])
+
+    @staticmethod
+    def _delete(conn: Connection, ids: list[int]) -> int:
+        n = 0
+        for i in range(0, len(ids), _CHUNK):
+            n += conn.execute(delete(records).where(records.c.id.in_(ids[i : i + _CHUNK]))).rowcount
+        return n
+
+    def touch(self, record_id: int, *, accepted_tokens: int = 0) -> None:
+        """Bump hits, add ``accepted_tokens``, set last use to now; unknown ids are ignored."""
+        check_nonneg("accepted_tokens", accepted_tokens)
+        with self._write() as conn:
+            conn.execute(update(records).where(records.c.id == int(record_id)).values(
+                hits=records.c.hits + 1, last_used_at=time.time(),
+                accepted_tokens=records.c.accepted_tokens + int(accepted_tokens)))
+
+    def max_id(self) -> int:
+        with self._read() as conn:
+            return int(conn.execute(select(func.coalesce(func.max(records.c.id), 0))).scalar_one())
+
+    def __len__(self) -> int:
+        return self.count()
+
+    # --- what the memory and the CLI need ---------------------------------------------------
+    def count(self, *, scope: str | None = None, model: str | None = None,
+              embedder: str | None = None) -> int:
+        """Rows matching; with ``embedder``, only rows embedded by it."""
+        stmt = select(func.count()).select_from(records).where(*self._filters(scope, model, embedder))
+        with self._read() as conn:
+            return int(conn.execute(stmt).scalar_one())
+
+    def ids(self, *, scope: str | None = None, embedder: str | None = None) -> np.ndarray:
+        """Sorted int64 ids matching (with ``embedder``: only rows embedded by it)."""
+        stmt = select(records.c.id).where(*self._filters(scope, None, embedder)).order_by(records.c.id)
+        with self._read() as conn:
+            return np.fromiter(conn.execute(stmt).scalars(), np.int64)
+
+    def ids_after(self, after_id: int, *, scope: str | None = None, model: str | None = None,
+                  embedder: str | None = None) -> list[tuple[int, np.ndarray]]:
+        """``(id, float32 embedding)`` of embedded rows with ``id > after_id``, in id order."""
+        stmt = (select(records.c.id, records.c.embedding)
+                .where(records.c.id > int(after_id), records.c.embedding.is_not(None),
+                       *self._filters(scope, model, embedder))
+                .order_by(records.c.id))
+        with self._read() as conn:
+            return [(int(i), np.frombuffer(e, "<f4").astype(np.float32)) for i, e in conn.execute(stmt)]
+
+    def token_total(self, scope: str | None = None) -> int:
+        stmt = select(func.coalesce(func.sum(records.c.num_tokens), 0)).where(*self._filters(scope))
+        with self._read() as conn:
+            return int(conn.execute(stmt).scalar_one())
+
+    def stats(self) -> dict[str, Any]:
+        """Totals of rows, tokens, bytes, hits and accepted tokens, overall and per scope and
+        per model: ``{"rows", "tokens", "bytes", "hits", "accepted_tokens", "scopes": {scope:
+        {...}}, "models": {model: {...}}}``."""
+        c = records.c
+        stmt = (select(c.scope, c.model, func.count(), func.sum(c.num_tokens), func.sum(c.num_bytes),
+                       func.sum(c.hits), func.sum(c.accepted_tokens))
+                .group_by(c.scope, c.model).order_by(c.scope, c.model))
+        out = empty_stats()
+        with self._read() as conn:
+            for scope, model, *values in conn.execute(stmt):
+                add_stats_row(out, scope, model, *values)
+        return out
+
+    def list_records(self, scope: str | None = None, model: str | None = None,
+                     sort: str = "recent", limit: int = 20) -> list[Record]:
+        """Up to ``limit`` records, best first by ``sort`` (ties: newest id first).
+
+        Raises:
+            ValueError: unknown ``sort`` or negative ``limit``.
+        """
+        check_sort(sort)
+        check_nonneg("limit", limit)
+        stmt = (select(records).where(*self._filters(scope, model))
+                .order_by(_SORT_COLUMNS[sort].desc(), records.c.id.desc()).limit(int(limit)))
+        with self._read() as conn:
+            return [to_record(r) for r in conn.execute(stmt)]
+
+    def drop_scope(self, scope: str) -> int:
+        """Delete every record of ``scope``; returns how many."""
+        with self._write() as conn:
+            return int(conn.execute(delete(records).where(records.c.scope == scope)).rowcount)
+
+    def _lru(self, conn: Connection, scope: str | None, excess: int,
+             skip: set[int]) -> tuple[list[int], int]:
+        """Least recently used ids of ``scope`` (all when None) freeing ``excess`` tokens."""
+        if excess <= 0:
+            return [], 0
+        stmt = (select(records.c.id, records.c.num_tokens).where(*self._filters(scope))
+                .order_by(records.c.last_used_at, records.c.id))
+        result = conn.execute(stmt)
+        try:
+            return lru_victims(((i, n) for i, n in result if i not in skip), excess)
+        finally:
+            result.close()
+
+    def prune(self, older_than_s: float | None, scope: str | None = None,
+              max_tokens: int | None = None, dry_run: bool = False) -> list[int]:
+        """Delete rows unused for ``older_than_s`` seconds, then least recently used rows until
+        ``scope`` (all scopes when None) holds at most ``max_tokens`` tokens.
+
+        Returns:
+            The deleted ids (those that would be deleted, when ``dry_run``).
+        """
+        check_nonneg("older_than_s", older_than_s)
+        check_nonneg("max_tokens", max_tokens)
+        with (self._read() if dry_run else self._write()) as conn:
+            old: list[tuple[int, int]] = []
+            if older_than_s is not None:
+                stmt = select(records.c.id, records.c.num_tokens).where(
+                    records.c.last_used_at < time.time() - older_than_s, *self._filters(scope))
+                old = [(int(i), int(n)) for i, n in conn.execute(stmt)]
+            victims = [i for i, _ in old]
+            if max_tokens is not None:
+                total = self._total(conn, scope) - sum(n for _, n in old)
+                victims += self._lru(conn, scope, total - max_tokens, set(victims))[0]
+            if not dry_run:
+                self._delete(conn, victims)
+        return victims
+
+    def _total(self, conn: Connection, scope: str | None) -> int:
+        stmt = select(func.coalesce(func.sum(records.c.num_tokens), 0)).where(*self._filters(scope))
+        return int(conn.execute(stmt).scalar_one())
+
+    def evict_to_caps(self, max_tokens_per_scope: int | None, max_tokens_total: int | None,
+                      *, scope: str | None = None) -> list[int]:
+        """Delete least recently used rows until every scope (or only ``scope``) holds at most
+        ``max_tokens_per_scope`` tokens and the store at most ``max_tokens_total``.
+
+        Returns:
+            The deleted ids.
+        """
+        check_nonneg("max_tokens_per_scope", max_tokens_per_scope)
+        check_nonneg("max_tokens_total", max_tokens_total)
+        victims: list[int] = []
+        freed = 0
+        with self._write() as conn:
+            if max_tokens_per_scope is not None:
+                total = func.sum(records.c.num_tokens)
+                stmt = (select(records.c.scope, total).where(*self._filters(scope))
+                        .group_by(records.c.scope).having(total > max_tokens_per_scope)
+                        .order_by(records.c.scope))
+                for s, tokens in conn.execute(stmt).all():
+                    ids, n = self._lru(conn, s, int(tokens) - max_tokens_per_scope, set())
+                    victims += ids
+                    freed += n
+            if max_tokens_total is not None:
+                excess = self._total(conn, None) - freed - max_tokens_total
+                victims += self._lru(conn, None, excess, set(victims))[0]
+            self._delete(conn, victims)
+        return victims
