@@ -10,7 +10,12 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from agentspec.config import SamplingParams, SpecConfig
-from agentspec.errors import AgentSpecError, ModelNotAvailableError, StoreError, UnsupportedModelError
+from agentspec.errors import (
+    AgentSpecError,
+    ModelNotAvailableError,
+    StoreError,
+    UnsupportedModelError,
+)
 from agentspec.types import Draft, Generation, GenerationStats, Record, Verdict
 
 if TYPE_CHECKING:

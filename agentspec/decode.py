@@ -1,0 +1,108 @@
+"""The decode loop: propose -> score -> verify -> commit -> observe, one target pass per step.
+
+A generator of :class:`Step`, so streaming and ``generate`` are the same code. Invariant between
+steps: the target's KV holds every committed token but the last one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from agentspec.config import SamplingParams
+from agentspec.protocols import DraftContext, Drafter
+from agentspec.target import HFTarget
+from agentspec.tree import depths
+from agentspec.types import EMPTY_DRAFT, Draft, Verdict
+from agentspec.verify import verify
+
+
+@dataclass(frozen=True)
+class Step:
+    """One target pass: the draft, the verdict, and the tokens it committed.
+
+    ``new_tokens`` is the verdict's output cut before the first stop token; ``stopped`` says a
+    stop token ended the generation there.
+    """
+
+    draft: Draft
+    verdict: Verdict
+    new_tokens: tuple[int, ...]
+    stopped: bool
+
+
+class NoDrafter:
+    """Plain decoding through the same loop: every draft is empty."""
+
+    name = "none"
+
+    def begin(self, context: DraftContext) -> None:
+        pass
+
+    def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
+        return EMPTY_DRAFT
+
+    def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
+        pass
+
+
+def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
+           sampling: SamplingParams, max_new_tokens: int, stop_token_ids: frozenset[int],
+           generator: torch.Generator | None = None) -> Iterator[Step]:
+    """Generate up to ``max_new_tokens`` tokens after ``context.tokens``, appending to it.
+
+    Args:
+        target: the model; its KV is reset here.
+        drafter: any source of drafts; its drafts are untrusted.
+        context: the prompt tokens (extended in place with every committed token).
+        sampling: greedy or the sampling parameters every emitted token follows exactly.
+        stop_token_ids: a committed stop token ends the generation and is not emitted.
+        generator: the explicit random source for sampling.
+    """
+    # 1. Prefill: the KV takes every prompt token but the last.
+    target.start(context.tokens)
+    drafter.begin(context)
+    produced = 0
+    while produced < max_new_tokens:
+        # 2. Propose, leaving room for the recovered/bonus token.
+        room = max_new_tokens - produced - 1
+        draft = drafter.propose(context, max_tokens=room) if room > 0 else EMPTY_DRAFT
+        draft = _sanitize(draft, target.vocab_size, room)
+        # 3. Score the last committed token and the whole draft in one forward.
+        logits = target.score(context.tokens[-1], draft)  # [num_nodes + 1, vocab_size]
+        # 4. Verify exactly (one host sync).
+        verdict = verify(draft, logits, sampling, generator)
+        # 5. Commit: the KV keeps the accepted path only.
+        target.commit(draft, verdict)
+        new_tokens, stopped = _cut_at_stop(verdict.new_tokens, stop_token_ids)
+        context.tokens.extend(new_tokens)
+        produced += len(new_tokens)
+        # 6. Observe: drafters learn from what was accepted.
+        drafter.observe(context, draft, verdict)
+        yield Step(draft, verdict, new_tokens, stopped)
+        if stopped:
+            return
+
+
+def _sanitize(draft: Draft, vocab_size: int, room: int) -> Draft:
+    """Drafts are untrusted: drop one with out-of-vocabulary ids or more nodes than fit."""
+    if draft.num_nodes == 0:
+        return draft
+    if draft.num_nodes > room and draft.is_chain:
+        draft = Draft.chain(draft.token_ids[:room], draft.source if isinstance(draft.source, str)
+                            else draft.source[0],
+                            None if draft.draft_probs is None else draft.draft_probs[:room])
+    if min(draft.token_ids) < 0 or max(draft.token_ids) >= vocab_size:
+        return EMPTY_DRAFT
+    if not draft.is_chain and max(depths(draft.parents)) > room:
+        return EMPTY_DRAFT
+    return draft
+
+
+def _cut_at_stop(tokens: tuple[int, ...], stop_ids: frozenset[int]) -> tuple[tuple[int, ...], bool]:
+    for i, tok in enumerate(tokens):
+        if tok in stop_ids:
+            return tokens[:i], True
+    return tokens, False

@@ -1,0 +1,56 @@
+"""Logits to probabilities: temperature, top-k, top-p. The ONE place this happens.
+
+The verifier and the plain baseline both call :func:`logits_to_probs`, so the distribution the
+verifier preserves is, by construction, the distribution plain decoding samples from.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentspec.config import SamplingParams
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Processed target distribution, row by row.
+
+    Order as in transformers' warpers: temperature, then top-k, then top-p (the smallest set
+    of most likely tokens whose mass reaches ``top_p``; the most likely token always stays).
+
+    Args:
+        logits: ``[num_rows, vocab_size]`` raw logits.
+        sampling: must have ``temperature > 0`` (greedy decoding takes the argmax instead).
+
+    Returns:
+        float32 probabilities ``[num_rows, vocab_size]``, each row summing to 1.
+    """
+    if sampling.greedy:
+        raise ValueError("logits_to_probs needs temperature > 0; greedy decoding uses argmax")
+    scores = logits.float() / sampling.temperature  # [num_rows, vocab_size]
+    if sampling.top_k is not None and sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]  # [num_rows, 1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=True)
+        sorted_probs = sorted_scores.softmax(dim=-1)
+        # Mass strictly before each token: a token is kept while that is still < top_p.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= sorted_probs.new_tensor(sampling.top_p)
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        scores = scores.masked_fill(drop, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row of ``probs`` ``[num_rows, vocab_size]`` -> ``[num_rows]`` (on device)."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """An explicit generator: the library never seeds torch's global state."""
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen

@@ -1,0 +1,161 @@
+"""The facade users hold: ``Speculator.generate``, ``stream`` and ``session``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentspec.config import SamplingParams, SpecConfig
+from agentspec.decode import NoDrafter, Step, decode
+from agentspec.protocols import DraftContext, Drafter
+from agentspec.sampling import make_generator
+from agentspec.target import HFTarget, load_target
+from agentspec.text import Prompt, StopStrings, TextDeltas, encode_prompt, validate_prompt
+from agentspec.types import Generation, GenerationStats
+
+
+@dataclass
+class _Run:
+    """Mutable bookkeeping of one generation, turned into a Generation at the end."""
+
+    prompt_len: int
+    started: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    drafted: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"
+
+    def count(self, step: Step) -> None:
+        self.steps += 1
+        draft = step.draft
+        for node in range(draft.num_nodes):
+            src = draft.source_of(node)
+            self.drafted[src] = self.drafted.get(src, 0) + 1
+        for node in step.verdict.path:
+            src = draft.source_of(node)
+            self.accepted[src] = self.accepted.get(src, 0) + 1
+
+    def stats(self) -> GenerationStats:
+        return GenerationStats(steps=self.steps, new_tokens=len(self.token_ids),
+                               prompt_tokens=self.prompt_len,
+                               seconds=time.perf_counter() - self.started,
+                               drafted=dict(self.drafted), accepted=dict(self.accepted))
+
+
+class Speculator:
+    """Exact speculative decoding on one target model with draftless drafters.
+
+    Args:
+        target: the loaded model (see :func:`agentspec.load_target`).
+        drafters: draft sources; default prompt lookup. Ignored when ``speculate=False``.
+        config: draft-size limits.
+        speculate: False runs plain decoding through the same loop (the baseline).
+    """
+
+    def __init__(self, target: HFTarget, *, drafters: Sequence[Drafter] | None = None,
+                 config: SpecConfig | None = None, speculate: bool = True) -> None:
+        from agentspec.drafters.prompt_lookup import PromptLookupDrafter
+
+        self.target = target
+        self.config = config or SpecConfig()
+        self.speculate = speculate
+        if drafters is None:
+            drafters = [PromptLookupDrafter(self.config)]
+        self.drafters = list(drafters) if speculate else []
+        self.stop_token_ids = _stop_ids(target)
+
+    @classmethod
+    def from_pretrained(cls, name: str = "smollm2-135m-instruct", *, speculate: bool = True,
+                        device: str | None = None, config: SpecConfig | None = None) -> Speculator:
+        """Load a packaged or local model (offline) and wrap it."""
+        return cls(load_target(name, device=device), config=config, speculate=speculate)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.target.tokenizer
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids of a raw prompt, or of messages through the chat template."""
+        return encode_prompt(self.tokenizer, prompt)
+
+    def generate(self, prompt: Prompt, max_new_tokens: int = 128, *,
+                 sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+                 scope: str = "default") -> Generation:
+        """Generate a completion; greedy output is token-identical to plain decoding.
+
+        Args:
+            prompt: a raw string, or ``[{"role", "content"}]`` messages (chat template applied,
+                generation prompt added).
+            max_new_tokens: upper bound on generated tokens.
+            sampling: default greedy.
+            stop: stop strings; the text is cut before the first one.
+            scope: the memory scope (tenant / agent role) of this call.
+        """
+        run = self._new_run(prompt, max_new_tokens)
+        for _ in self._run(run, prompt, max_new_tokens, sampling, stop, scope):
+            pass
+        return Generation(run.text, tuple(run.token_ids), run.stats(), run.finish_reason)
+
+    def stream(self, prompt: Prompt, max_new_tokens: int = 128, *,
+               sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+               scope: str = "default") -> Iterator[str]:
+        """Like :meth:`generate`, yielding text deltas as steps commit them."""
+        run = self._new_run(prompt, max_new_tokens)
+        yield from self._run(run, prompt, max_new_tokens, sampling, stop, scope)
+
+    def _new_run(self, prompt: Prompt, max_new_tokens: int) -> _Run:
+        validate_prompt(prompt)
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        return _Run(prompt_len=0)
+
+    def _run(self, run: _Run, prompt: Prompt, max_new_tokens: int,
+             sampling: SamplingParams | None, stop: Sequence[str], scope: str) -> Iterator[str]:
+        sampling = sampling or SamplingParams()
+        stops = StopStrings(stop)
+        prompt_ids = self.encode(prompt)
+        run.prompt_len = len(prompt_ids)
+        self.target.check_length(len(prompt_ids) + max_new_tokens)
+        context = DraftContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), scope=scope)
+        deltas = TextDeltas(self.tokenizer, stops)
+        steps = decode(self.target, self._drafter(), context, sampling=sampling,
+                       max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids,
+                       generator=make_generator(sampling.seed, self.target.device))
+        for step in steps:
+            run.count(step)
+            run.token_ids.extend(step.new_tokens)
+            delta, hit_stop = deltas.push(step.new_tokens)
+            if delta:
+                yield delta
+            if step.stopped or hit_stop:
+                run.finish_reason = "stop"
+                if hit_stop:
+                    run.token_ids[:] = run.token_ids[: deltas.kept_tokens]
+                break
+        tail = deltas.flush()
+        if tail:
+            yield tail
+        run.text = deltas.text
+
+    def _drafter(self) -> Drafter:
+        if not self.drafters:
+            return NoDrafter()
+        if len(self.drafters) == 1:
+            return self.drafters[0]
+        from agentspec.drafters.chain import DrafterChain
+
+        return DrafterChain(self.drafters, self.config)
+
+
+def _stop_ids(target: HFTarget) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (target.model.generation_config.eos_token_id, target.tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    return frozenset(ids)

