@@ -198,7 +198,7 @@ class InMemoryStore:
         """``(id, embedding)`` of embedded rows with ``id > after_id``, in id order."""
         rows = [r for r in self._select(scope, model, embedder)
                 if r.embedding is not None and r.id > after_id]  # type: ignore[operator]
-        return [(r.id, r.embedding) for r in sorted(rows, key=lambda r: r.id)]  # type: ignore[misc]
+        return [(r.id, r.embedding) for r in sorted(rows, key=lambda r: r.id or 0)]  # type: ignore[misc]
 
     def token_total(self, scope: str | None = None) -> int:
         return sum(r.num_tokens for r in self._select(scope))

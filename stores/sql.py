@@ -83,6 +83,17 @@ def _sqlite_engine(url: str) -> Engine:
     return engine
 
 
+def _dialect_insert(dialect: str) -> Any:
+    """``insert`` with ``on_conflict_do_nothing`` for SQLite or PostgreSQL."""
+    if dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert
+    from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+    return pg_insert
+
+
 class SQLStore:
     """A RecordStore on SQLite or PostgreSQL, plus the queries the memory and the CLI need.
 
@@ -109,8 +120,6 @@ class SQLStore:
                 if backend == "postgresql":
                     conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_LOCK})")
                 prepare(conn, self.url)
-        except StoreError:
-            raise
         except (SQLAlchemyError, OSError, ImportError, ValueError) as e:
             raise StoreError(f"cannot open the memory database {self.url}: {e}") from e
 
@@ -165,10 +174,10 @@ class SQLStore:
             except IntegrityError:
                 pass
             with self._write() as conn:
-                stmt = (update(records).where(records.c.content_hash == values["content_hash"])
+                bump = (update(records).where(records.c.content_hash == values["content_hash"])
                         .values(hits=records.c.hits + 1, last_used_at=now)
                         .returning(records.c.id))
-                rid = conn.execute(stmt).scalar_one_or_none()
+                rid = conn.execute(bump).scalar_one_or_none()
             if rid is not None:
                 return int(rid), False
         raise StoreError(f"cannot add record {values['content_hash'][:12]} to {self.url}")
@@ -188,12 +197,7 @@ class SQLStore:
                 rows.append(row_values(r, now))
         if not rows:
             return 0
-        dialect = self._engine.dialect.name
-        if dialect == "sqlite":
-            from sqlalchemy.dialects.sqlite import insert as dialect_insert
-        else:
-            from sqlalchemy.dialects.postgresql import insert as dialect_insert
-        stmt = dialect_insert(records).on_conflict_do_nothing(index_elements=["content_hash"])
+        stmt = _dialect_insert(self._engine.dialect.name)(records).on_conflict_do_nothing(index_elements=["content_hash"])
         with self._write() as conn:
             before = conn.execute(select(func.count()).select_from(records)).scalar_one()
             conn.execute(stmt, rows)
@@ -290,9 +294,9 @@ class SQLStore:
             return [(int(i), np.frombuffer(e, "<f4").astype(np.float32)) for i, e in conn.execute(stmt)]
 
     def token_total(self, scope: str | None = None) -> int:
-        stmt = select(func.coalesce(func.sum(records.c.num_tokens), 0)).where(*self._filters(scope))
+        """Completion tokens stored in ``scope`` (all scopes when None)."""
         with self._read() as conn:
-            return int(conn.execute(stmt).scalar_one())
+            return self._total(conn, scope)
 
     def stats(self) -> dict[str, Any]:
         """Totals of rows, tokens, bytes, hits and accepted tokens, overall and per scope and
@@ -326,6 +330,10 @@ class SQLStore:
         """Delete every record of ``scope``; returns how many."""
         with self._write() as conn:
             return int(conn.execute(delete(records).where(records.c.scope == scope)).rowcount)
+
+    def _total(self, conn: Connection, scope: str | None) -> int:
+        stmt = select(func.coalesce(func.sum(records.c.num_tokens), 0)).where(*self._filters(scope))
+        return int(conn.execute(stmt).scalar_one())
 
     def _lru(self, conn: Connection, scope: str | None, excess: int,
              skip: set[int]) -> tuple[list[int], int]:
@@ -363,10 +371,6 @@ class SQLStore:
             if not dry_run:
                 self._delete(conn, victims)
         return victims
-
-    def _total(self, conn: Connection, scope: str | None) -> int:
-        stmt = select(func.coalesce(func.sum(records.c.num_tokens), 0)).where(*self._filters(scope))
-        return int(conn.execute(stmt).scalar_one())
 
     def evict_to_caps(self, max_tokens_per_scope: int | None, max_tokens_total: int | None,
                       *, scope: str | None = None) -> list[int]:

