@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from agentspec.config import SamplingParams, SpecConfig
 from agentspec.decode import NoDrafter, Step, decode
 from agentspec.protocols import DraftContext, Drafter
 from agentspec.sampling import make_generator
+from agentspec.session import Session, current_session
 from agentspec.target import HFTarget, load_target
 from agentspec.text import Prompt, StopStrings, TextDeltas, encode_prompt, validate_prompt
 from agentspec.types import Generation, GenerationStats
@@ -28,6 +30,7 @@ class _Run:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = "length"
+    generation: Generation | None = None
 
     def count(self, step: Step) -> None:
         self.steps += 1
@@ -67,6 +70,8 @@ class Speculator:
             drafters = [PromptLookupDrafter(self.config)]
         self.drafters = list(drafters) if speculate else []
         self.stop_token_ids = _stop_ids(target)
+        # One model, one KV: calls from several threads take turns (batch size 1 per call).
+        self._lock = threading.RLock()
 
     @classmethod
     def from_pretrained(cls, name: str = "smollm2-135m-instruct", *, speculate: bool = True,
@@ -84,7 +89,7 @@ class Speculator:
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, *,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = (),
-                 scope: str = "default") -> Generation:
+                 scope: str | None = None) -> Generation:
         """Generate a completion; greedy output is token-identical to plain decoding.
 
         Args:
@@ -93,16 +98,18 @@ class Speculator:
             max_new_tokens: upper bound on generated tokens.
             sampling: default greedy.
             stop: stop strings; the text is cut before the first one.
-            scope: the memory scope (tenant / agent role) of this call.
+            scope: the memory scope (tenant / agent role) of this call; default the current
+                session's scope, else ``"default"``.
         """
         run = self._new_run(prompt, max_new_tokens)
         for _ in self._run(run, prompt, max_new_tokens, sampling, stop, scope):
             pass
-        return Generation(run.text, tuple(run.token_ids), run.stats(), run.finish_reason)
+        assert run.generation is not None
+        return run.generation
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, *,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (),
-               scope: str = "default") -> Iterator[str]:
+               scope: str | None = None) -> Iterator[str]:
         """Like :meth:`generate`, yielding text deltas as steps commit them."""
         run = self._new_run(prompt, max_new_tokens)
         yield from self._run(run, prompt, max_new_tokens, sampling, stop, scope)
@@ -114,13 +121,23 @@ class Speculator:
         return _Run(prompt_len=0)
 
     def _run(self, run: _Run, prompt: Prompt, max_new_tokens: int,
-             sampling: SamplingParams | None, stop: Sequence[str], scope: str) -> Iterator[str]:
+             sampling: SamplingParams | None, stop: Sequence[str],
+             scope: str | None) -> Iterator[str]:
+        with self._lock:
+            yield from self._run_locked(run, prompt, max_new_tokens, sampling, stop, scope)
+
+    def _run_locked(self, run: _Run, prompt: Prompt, max_new_tokens: int,
+                    sampling: SamplingParams | None, stop: Sequence[str],
+                    scope: str | None) -> Iterator[str]:
+        session = current_session(self)
+        scope = scope or (session.scope if session else "default")
         sampling = sampling or SamplingParams()
         stops = StopStrings(stop)
         prompt_ids = self.encode(prompt)
         run.prompt_len = len(prompt_ids)
         self.target.check_length(len(prompt_ids) + max_new_tokens)
-        context = DraftContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), scope=scope)
+        context = DraftContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), scope=scope,
+                               extra_sources=tuple(session.sources) if session else ())
         deltas = TextDeltas(self.tokenizer, stops)
         steps = decode(self.target, self._drafter(), context, sampling=sampling,
                        max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids,
@@ -140,6 +157,13 @@ class Speculator:
         if tail:
             yield tail
         run.text = deltas.text
+        run.generation = Generation(run.text, tuple(run.token_ids), run.stats(), run.finish_reason)
+        if session is not None:
+            session.observe(run.generation)
+
+    def session(self, name: str, *, scope: str = "default") -> Session:
+        """A context manager grouping the calls of one agent task; see :mod:`agentspec.session`."""
+        return Session(self, name, scope=scope)
 
     def _drafter(self) -> Drafter:
         if not self.drafters:

@@ -76,7 +76,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                  dtype=torch.float32)
     # The dequantised weights are plain tensors now; drop the GGUF quantizer so they can be saved.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(str(tmp))
@@ -129,7 +129,8 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: str | No
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model = model.to(device).eval()  # type: ignore[arg-type]
     return HFTarget(model, tokenizer, name=name)
 
 
