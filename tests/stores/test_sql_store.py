@@ -1,0 +1,154 @@
+"""SQLStore beyond the contract: opening, failures, migration, several processes, kill -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import make_record
+from sqlalchemy import create_engine, select, text
+
+from agentspec.embedder import HashEmbedder
+from agentspec.errors import StoreError
+from agentspec.memory import CompletionMemory
+from agentspec.stores import SCHEMA_VERSION, SQLStore, mask_url
+from agentspec.stores.sql_schema import records
+
+WRITER = str(Path(__file__).with_name("mp_writer.py"))
+
+
+def test_default_url_creates_the_home_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTSPEC_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("AGENTSPEC_DB", raising=False)
+    with SQLStore() as store:
+        assert store.url.endswith("home/memory.db") and len(store) == 0
+    assert (tmp_path / "home" / "memory.db").is_file()
+
+
+def test_sqlite_runs_in_wal_mode(tmp_path):
+    store = SQLStore(f"sqlite:///{tmp_path / 'm.db'}")
+    with store._engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+    store.close()
+
+
+def test_in_memory_sqlite_url():
+    store = SQLStore("sqlite://")
+    assert store.add(make_record(1)) == (1, True) and len(store) == 1
+
+
+@pytest.mark.parametrize("url, shown", [
+    ("postgresql+psycopg://u:secret@127.0.0.1:1/x", "postgresql+psycopg://u:***@127.0.0.1:1/x"),
+    ("postgresql+psycopg://u@127.0.0.1:1/x", "postgresql+psycopg://u@127.0.0.1:1/x"),
+    ("nosuchdialect://a/b", "nosuchdialect://a/b"),
+])
+def test_unreachable_url_fails_at_construction(url, shown):
+    with pytest.raises(StoreError) as info:
+        SQLStore(url)
+    assert shown in str(info.value) and "secret" not in str(info.value)
+
+
+def test_uncreatable_sqlite_path_fails_at_construction(tmp_path):
+    (tmp_path / "file").write_text("a file, not a folder")
+    url = f"sqlite:///{tmp_path / 'file' / 'sub' / 'memory.db'}"
+    with pytest.raises(StoreError, match="file/sub/memory.db"):
+        SQLStore(url)
+
+
+def test_mask_url():
+    assert mask_url("postgresql+psycopg://bob:pw@h/db") == "postgresql+psycopg://bob:***@h/db"
+
+
+V0_DDL = """CREATE TABLE agentspec_records (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, scope VARCHAR(255) NOT NULL, model VARCHAR(255) NOT NULL,
+    embedder VARCHAR(255) NOT NULL, dim INTEGER NOT NULL, content_hash VARCHAR(64) NOT NULL UNIQUE,
+    created_at FLOAT NOT NULL, last_used_at FLOAT NOT NULL, hits INTEGER NOT NULL,
+    completion_ids BLOB NOT NULL, embedding BLOB, request_text TEXT NOT NULL,
+    key_text TEXT NOT NULL, completion_text TEXT NOT NULL)"""
+
+
+def test_version_0_layout_is_migrated(tmp_path):
+    """A pre-meta database (no counters, no indexes, no meta table) opens and is upgraded."""
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = create_engine(url)
+    emb = np.ones(4, "<f4") / 2
+    with engine.begin() as conn:
+        conn.exec_driver_sql(V0_DDL)
+        conn.execute(text(
+            "INSERT INTO agentspec_records (scope, model, embedder, dim, content_hash, created_at,"
+            " last_used_at, hits, completion_ids, embedding, request_text, key_text,"
+            " completion_text) VALUES ('s', 'm', 'e', 4, 'h0', 1.0, 2.0, 3, :ids, :emb, 'req',"
+            " 'key', 'out é')"), {"ids": np.asarray([5, 6, 7], "<i4").tobytes(), "emb": emb.tobytes()})
+    engine.dispose()
+    store = SQLStore(url)
+    assert store.schema_version() == SCHEMA_VERSION == 1
+    old = store.get(1)
+    assert old.completion_ids == (5, 6, 7) and old.hits == 3 and old.accepted_tokens == 0
+    assert store.token_total() == 3 and store.stats()["bytes"] == 12 + 16 + len("reqkeyout é".encode())
+    assert store.add(make_record(2))[1] and len(store) == 2
+    store.close()
+    with create_engine(url).connect() as conn:
+        index_names = {r[0] for r in conn.exec_driver_sql(
+            "SELECT name FROM sqlite_master WHERE type = 'index'")}
+    assert "ix_agentspec_records_last_used" in index_names
+    assert SQLStore(url).schema_version() == 1  # reopening is a no-op
+
+
+def test_newer_schema_is_refused(tmp_path):
+    url = f"sqlite:///{tmp_path / 'new.db'}"
+    SQLStore(url).close()
+    with create_engine(url).begin() as conn:
+        conn.exec_driver_sql("UPDATE agentspec_meta SET value = '99' WHERE key = 'schema_version'")
+    with pytest.raises(StoreError, match="99"):
+        SQLStore(url)
+
+
+def _spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, WRITER, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_two_processes_write_one_store(db_url):
+    """500 records from each of two processes: 1000 rows, and both indexes see all of them."""
+    SQLStore(db_url).close()  # create the schema before the race starts
+    procs = [_spawn("write", db_url, tag, "500", "1000") for tag in ("a", "b")]
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+        assert out.strip() == "1000"
+    store = SQLStore(db_url)
+    assert len(store) == 1000 and store.count(scope="shared") == 1000
+    memory = CompletionMemory(store, embedder=HashEmbedder())
+    assert memory.lookup("a key 17", scope="shared", model="m", k=1)[0][0].key_text == "a key 17"
+    store.close()
+
+
+def test_kill_9_during_a_write_burst_leaves_no_partial_rows(tmp_path):
+    url = f"sqlite:///{tmp_path / 'burst.db'}"
+    proc = _spawn("burst", url)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    store = SQLStore(url)
+    n = len(store)
+    assert n > 20
+    with store._engine.connect() as conn:
+        rows = conn.execute(select(records.c.id, records.c.num_tokens, records.c.completion_ids,
+                                   records.c.embedding, records.c.dim)).all()
+    for row in rows:
+        assert len(np.frombuffer(row.completion_ids, "<i4")) == row.num_tokens
+        assert len(np.frombuffer(row.embedding, "<f4")) == row.dim == 64
+    assert all(r.num_tokens == len(r.completion_ids) for r in store.iter())
+    memory = CompletionMemory(store, embedder=HashEmbedder())
+    hits = memory.lookup("burst key 0 ", scope="burst", model="m", k=5)
+    assert hits[0][1] == pytest.approx(1.0, abs=1e-5)
+    assert "burst key 0 " in [r.key_text for r, _ in hits]
+    assert memory.stats()["indexes"] == {"burst": n}
+    assert store.add(make_record(1))[1]  # and the store still takes writes
+    store.close()
