@@ -63,7 +63,7 @@ def test_bad_messages_are_refused(bad, error):
 def test_truncate_middle_bounds():
     assert truncate_middle("abcdef", 6) == "abcdef"
     assert truncate_middle("abcdefghij", 3) == "hij"
-    assert truncate_middle("abcdefghij", 9) == "ab … hij"
+    assert truncate_middle("abcdefghij", 9) == "a … fghij"
     assert len(truncate_middle("a" * 50, 10)) == 10
     with pytest.raises(ValueError, match="0"):
         truncate_middle("abc", 0)
