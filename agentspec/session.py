@@ -8,13 +8,21 @@ session lives in a ``ContextVar``, so threads and asyncio tasks each see their o
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, TypeVar
 
 from agentspec.types import Generation, GenerationStats
 
 _CURRENT: ContextVar[Session | None] = ContextVar("agentspec_session", default=None)
+# Lists that collect every Generation observed in this context (see ``observed_calls``).
+_SINKS: ContextVar[tuple[list[Generation], ...]] = ContextVar("agentspec_sinks", default=())
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class Session:
@@ -54,6 +62,8 @@ class Session:
         with self._lock:
             self.stats = self.stats + generation.stats
             self.calls += 1
+        for sink in _SINKS.get():
+            sink.append(generation)
 
     def __enter__(self) -> Session:
         self._token = _CURRENT.set(self)
@@ -67,3 +77,103 @@ def current_session(speculator: Any) -> Session | None:
     """The session active in this context for ``speculator``, if any."""
     sess = _CURRENT.get()
     return sess if sess is not None and sess.speculator is speculator else None
+
+
+@contextmanager
+def observed_calls(speculator: Any) -> Iterator[list[Generation]]:
+    """Collect the Generations of the calls on ``speculator`` made in this context.
+
+    For callers that consume ``Speculator.stream`` (text deltas only) but need the finished
+    Generation's statistics, such as the LangChain adapter. Outside any session the calls run
+    in a throwaway one-call session with scope ``"default"``, which drafts and scopes exactly
+    as no session does; inside a session, that session is used and sees the calls as usual.
+
+    Yields:
+        A list that receives each Generation as its call finishes.
+    """
+    out: list[Generation] = []
+    token = _SINKS.set((*_SINKS.get(), out))
+    active = current_session(speculator)
+    scope_cm = Session(speculator, "call") if active is None else nullcontext(active)
+    try:
+        with scope_cm:
+            yield out
+    finally:
+        try:
+            _SINKS.reset(token)
+        except ValueError:  # closed from another context (an abandoned generator): harmless
+            pass
+
+
+def record(memory: Any, *, scope: str = "default", speculator: Any = None,
+           tokenizer: Any = None, model: str | None = None) -> Callable[[F], F]:
+    """Decorate a ``(prompt or messages) -> str`` function to record its calls into ``memory``.
+
+    Logs of a past agent (an API model, say) warm a completion memory this way: each call's
+    conversation and completion become a record that a Speculator on the same model drafts
+    from. Works on sync and async functions; the function's result is returned unchanged.
+
+    Args:
+        memory: a completion memory exposing ``record(*, scope, model, request_text, key_text,
+            completion_text, completion_ids) -> int``.
+        scope: the memory scope the records go to.
+        speculator: the Speculator that will draft from the records: its tokenizer makes the
+            completion ids and ``speculator.target.fingerprint`` names the model.
+        tokenizer: instead of ``speculator``: a tokenizer for the completion ids; then
+            ``model`` (the fingerprint of the drafting Speculator's target) is required.
+        model: overrides the model name taken from ``speculator``.
+
+    Raises:
+        ValueError: neither or both of ``speculator``/``tokenizer``, no model name, or an
+            empty scope.
+    """
+    if (speculator is None) == (tokenizer is None):
+        raise ValueError(f"pass exactly one of speculator= or tokenizer=, got speculator="
+                         f"{speculator!r} and tokenizer={type(tokenizer).__name__}")
+    if not scope:
+        raise ValueError(f"record scope must be non-empty, got {scope!r}")
+    tok = tokenizer if tokenizer is not None else speculator.tokenizer
+    name = model or (speculator.target.fingerprint if speculator is not None else None)
+    if not name:
+        raise ValueError(f"record needs model= (the target fingerprint) with tokenizer=, got {model!r}")
+
+    def save(prompt: Any, completion: Any) -> None:
+        if not isinstance(completion, str):
+            raise TypeError(f"recorded function must return a str, got {type(completion).__name__}")
+        _record_call(memory, tok, prompt, completion, scope=scope, model=name)
+
+    def decorate(fn: F) -> F:
+        if inspect.iscoroutinefunction(fn):
+            @functools.wraps(fn)
+            async def awrapper(prompt: Any, *args: Any, **kwargs: Any) -> Any:
+                out = await fn(prompt, *args, **kwargs)
+                save(prompt, out)
+                return out
+            return awrapper  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def wrapper(prompt: Any, *args: Any, **kwargs: Any) -> Any:
+            out = fn(prompt, *args, **kwargs)
+            save(prompt, out)
+            return out
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
+
+
+def _record_call(memory: Any, tokenizer: Any, prompt: Any, completion: str, *, scope: str,
+                 model: str) -> int:
+    """One memory row for one call: keyed by the whole conversation, ids by ``tokenizer``."""
+    from agentspec.memory import conversation_key
+    from agentspec.text import validate_prompt
+
+    validate_prompt(prompt)
+    if isinstance(prompt, str):
+        request_text = prompt
+    else:
+        request_text = tokenizer.apply_chat_template([dict(m) for m in prompt], tokenize=False,
+                                                     add_generation_prompt=True)
+    ids = tokenizer(completion, add_special_tokens=False)["input_ids"] if completion else []
+    return int(memory.record(scope=scope, model=model, request_text=request_text,
+                             key_text=conversation_key(prompt), completion_text=completion,
+                             completion_ids=[int(i) for i in ids]))

@@ -1,0 +1,401 @@
+"""LangChain models on a Speculator: ``ChatAgentSpec`` (chat, tools, structured output) and
+``AgentSpecLLM`` (text completion). Needs ``pip install 'agentspec[langchain]'``.
+
+Streaming yields one chunk per committed step (one text delta of ``Speculator.stream``);
+``invoke`` concatenates the same chunks, so the two agree by construction. Async runs the sync stream in one worker thread (the Speculator's lock is held
+by the thread that runs a generation, so the stream must not hop between threads).
+
+Tools are rendered through the chat template's own tool support when it has one, else as a
+JSON-schema system block; the model answers a call as ``{"name": ..., "arguments": {...}}``.
+A forced ``tool_choice`` (or JSON mode) starts the assistant turn with the JSON's opening text,
+which the model then continues; drafts stay exact either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+try:
+    from langchain_core.language_models import BaseChatModel, BaseLLM, LanguageModelInput
+    from langchain_core.language_models.chat_models import generate_from_stream
+    from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ToolMessage
+    from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
+    from langchain_core.outputs import (
+        ChatGenerationChunk,
+        ChatResult,
+        Generation,
+        GenerationChunk,
+        LLMResult,
+    )
+    from langchain_core.runnables import Runnable
+    from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
+    from pydantic import BaseModel, ConfigDict, Field
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("agentspec.adapters.langchain needs langchain-core: "
+                      "pip install 'agentspec[langchain]'") from exc
+
+from agentspec.config import SamplingParams
+from agentspec.session import observed_calls
+from agentspec.types import Generation as SpecGeneration
+
+T = TypeVar("T")
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
+_TOOL_BLOCK = ("You can call these tools (JSON schemas):\n{tools}\n\nTo call a tool, reply with "
+               'only a JSON object: {{"name": "<tool name>", "arguments": {{<argument>: <value>}}}}. '
+               "Otherwise answer normally.")
+_JSON_BLOCK = "Reply with only a JSON object{schema}."
+
+
+# -- the one place the Speculator is called ------------------------------------------------
+
+def _speculate(spec: Any, prompt: Any, max_new_tokens: int, *, sampling: SamplingParams,
+               stop: Sequence[str], scope: str | None) -> Iterator[str | SpecGeneration]:
+    """Text deltas of one call, then its finished Generation as the last item."""
+    with observed_calls(spec) as finished:
+        yield from spec.stream(prompt, max_new_tokens, sampling=sampling, stop=list(stop),
+                               scope=scope)
+    assert finished, "the Speculator reported no finished generation"
+    yield finished[-1]
+
+
+async def _in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+    """Iterate a sync iterator in one worker thread (this context copied), items as they come."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+    cancelled = threading.Event()
+
+    def pump() -> None:
+        try:
+            for item in make():
+                loop.call_soon_threadsafe(queue.put_nowait, (False, item))
+                if cancelled.is_set():
+                    break
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+            loop.call_soon_threadsafe(queue.put_nowait, (True, exc))
+        else:
+            loop.call_soon_threadsafe(queue.put_nowait, (True, None))
+
+    worker = loop.run_in_executor(None, contextvars.copy_context().run, pump)
+    try:
+        while True:
+            done, item = await queue.get()
+            if done:
+                if item is not None:
+                    raise item
+                return
+            yield item
+    finally:
+        cancelled.set()
+        await worker
+
+
+# -- messages and tools ----------------------------------------------------------------------
+
+def _tool_call_json(call: Any) -> str:
+    return json.dumps({"name": call["name"], "arguments": call.get("args", {})}, ensure_ascii=False)
+
+
+def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
+    """LangChain messages as ``{"role", "content"}`` dicts; tool calls rendered as their JSON."""
+    out = []
+    for i, msg in enumerate(messages):
+        role = _ROLES.get(msg.type)
+        if role is None:
+            raise ValueError(f"message {i} has unsupported type {msg.type!r}; expected one of {sorted(_ROLES)}")
+        text = str(msg.text)
+        if isinstance(msg, AIMessage) and msg.tool_calls:
+            text = "\n".join(filter(None, [text, *(_tool_call_json(c) for c in msg.tool_calls)]))
+        if isinstance(msg, ToolMessage) and msg.status == "error":
+            text = f"Error: {text}" if not text.startswith("Error") else text
+        out.append({"role": role, "content": text})
+    return out
+
+
+def build_prompt(tokenizer: Any, messages: list[dict[str, str]], *,
+                 tools: Sequence[dict[str, Any]] = (), system: str = "",
+                 prefix: str = "") -> list[dict[str, str]] | str:
+    """The prompt for one call: the messages, or the rendered text when the template renders the
+    tools or the assistant turn must start with ``prefix``."""
+    native = "tools" in (getattr(tokenizer, "chat_template", None) or "")
+    if tools and not native:
+        block = _TOOL_BLOCK.format(tools=json.dumps(list(tools), indent=1, ensure_ascii=False))
+        system = "\n\n".join(filter(None, [system, block]))
+    if system:
+        if messages and messages[0]["role"] == "system":
+            messages = [{"role": "system", "content": f"{messages[0]['content']}\n\n{system}"},
+                        *messages[1:]]
+        else:
+            messages = [{"role": "system", "content": system}, *messages]
+    if not prefix and not (tools and native):
+        return messages
+    text = tokenizer.apply_chat_template(messages, tools=list(tools) or None, tokenize=False,
+                                         add_generation_prompt=True)
+    bos = getattr(tokenizer, "bos_token", None)
+    # A str prompt is tokenized with special tokens added: do not let the BOS appear twice.
+    if bos and text.startswith(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]:
+        text = text[len(bos):]
+    return text + prefix
+
+
+def _looks_like_call(text: str) -> bool:
+    head = text.lstrip()
+    return head.startswith(("{", "```", "<tool_call>", "[")) or not head
+
+
+def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+    """Split model output into ``(content, tool_calls, invalid_tool_calls)``; never raises.
+
+    Every JSON object with a ``"name"`` (and ``"arguments"``, ``"parameters"`` or ``"args"``)
+    is a call; when the output starts like a call but no object parses (malformed, or cut off
+    by ``max_tokens``), the text becomes one invalid call carrying the raw text and the error.
+    """
+    decoder, calls, spans, pos = json.JSONDecoder(), [], [], 0
+    while (start := text.find("{", pos)) >= 0:
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            pos = start + 1
+            continue
+        found = [o for o in (obj if isinstance(obj, list) else [obj])
+                 if isinstance(o, dict) and isinstance(o.get("name"), str)]
+        if found:
+            calls.extend(found)
+            spans.append((start, end))
+        pos = end
+    valid, invalid = [], []
+    for call in calls:
+        args: Any = next((call[k] for k in ("arguments", "parameters", "args") if k in call), {})
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except json.JSONDecodeError as exc:
+                invalid.append(_invalid(call["name"], args, f"arguments are not JSON: {exc}"))
+                continue
+        if not isinstance(args, dict):
+            invalid.append(_invalid(call["name"], json.dumps(args), f"arguments must be an object, got {args!r}"))
+            continue
+        valid.append({"name": call["name"], "args": args, "id": _call_id(), "type": "tool_call"})
+    if not calls and _looks_like_call(text) and text.strip():
+        return "", [], [_invalid(None, text, "no parseable tool call JSON in the output")]
+    content = text
+    for start, end in reversed(spans):
+        content = content[:start] + content[end:]
+    content = content.replace("```json", "").replace("```", "").replace("<tool_call>", "")
+    content = content.replace("</tool_call>", "").strip() if calls else text
+    return content, valid, invalid
+
+
+def _invalid(name: str | None, args: str, error: str) -> dict[str, Any]:
+    return {"name": name, "args": args, "id": _call_id(), "error": error, "type": "invalid_tool_call"}
+
+
+def _call_id() -> str: return f"call_{uuid.uuid4().hex[:24]}"  # noqa: E704
+
+
+def _forced_prefix(tools: Sequence[dict[str, Any]], tool_choice: Any) -> str:
+    if not tools or tool_choice in (None, "auto", "none", False):
+        return ""
+    names = [t["function"]["name"] for t in tools]
+    if isinstance(tool_choice, dict):
+        tool_choice = tool_choice.get("function", tool_choice).get("name", "any")
+    if tool_choice in ("any", "required", True) and len(names) > 1:
+        return '{"name": "'
+    name = names[0] if tool_choice in ("any", "required", True) else tool_choice
+    if name not in names:
+        raise ValueError(f"tool_choice {tool_choice!r} names no bound tool; bound: {names}")
+    return json.dumps({"name": name}, ensure_ascii=False)[:-1] + ', "arguments": {'
+
+
+# -- the models --------------------------------------------------------------------------------
+
+class _SpecParams(BaseModel):
+    """Fields and call plumbing shared by the chat and the text-completion model."""
+    model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
+
+    speculator: Any = Field(default=None, exclude=True)
+    """The :class:`agentspec.Speculator` that generates (required; construction does no I/O)."""
+    model_name: str | None = Field(default=None, alias="model")
+    """Reported model name; default the Speculator's target name."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] | None = None
+    scope: str | None = None
+    """Memory scope of the calls; default the active session's, else ``"default"``."""
+    streaming: bool = False
+
+    @classmethod
+    def from_pretrained(cls, name: str = "smollm2-135m-instruct", **fields: Any) -> Any:
+        """Load ``name`` into a new Speculator (offline) and wrap it; ``fields`` as the constructor's."""
+        from agentspec.speculator import Speculator
+
+        return cls(speculator=Speculator.from_pretrained(name), **fields)
+
+    def _label(self) -> str:
+        target = getattr(self.speculator, "target", None)
+        return self.model_name or str(getattr(target, "name", None) or "agentspec")
+
+    def _spec(self) -> Any:
+        if self.speculator is None:
+            raise ValueError(f"{type(self).__name__} needs speculator=Speculator(...), got None")
+        return self.speculator
+
+    def _sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
+                              top_k=self.top_k, seed=self.seed)
+
+    def _stops(self, stop: list[str] | None) -> list[str]:
+        return [*(self.stop or []), *(stop or [])]
+
+    def _steps(self, prompt: Any, stop: list[str] | None, max_tokens: int | None,
+               ) -> Iterator[str | SpecGeneration]:
+        return _speculate(self._spec(), prompt, max_tokens or self.max_tokens,
+                          sampling=self._sampling(), stop=self._stops(stop), scope=self.scope)
+
+    def _metadata(self, gen: SpecGeneration) -> dict[str, Any]:
+        s = gen.stats
+        return {"model_name": self._label(), "model_provider": "agentspec",
+                "finish_reason": gen.finish_reason, "steps": s.steps,
+                "tokens_per_step": s.tokens_per_step, "accepted_by_source": dict(s.accepted),
+                "drafted_by_source": dict(s.drafted), "seconds": s.seconds}
+
+
+class ChatAgentSpec(_SpecParams, BaseChatModel):
+    """A LangChain chat model on a Speculator: exact speculative decoding, local and offline.
+
+    Example:
+        >>> chat = ChatAgentSpec.from_pretrained("smollm2-135m-instruct", max_tokens=64)
+        >>> chat.invoke("Name a colour.").content
+    """
+
+    @property
+    def _llm_type(self) -> str:
+        return "agentspec-chat"
+
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
+        params: Any = super()._get_ls_params(stop=stop, **kwargs)
+        params.update(ls_provider="agentspec", ls_temperature=self.temperature,
+                      ls_max_tokens=self.max_tokens, ls_model_name=kwargs.get("model") or self._label())
+        if stop or self.stop:
+            params["ls_stop"] = self._stops(stop)
+        return params
+
+    def bind_tools(self, tools: Sequence[Any], *, tool_choice: Any = None,
+                   **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (functions, ``BaseTool``s, pydantic models, JSON schemas).
+
+        ``tool_choice``: None/"auto" lets the model decide; "any"/"required" or a tool name
+        forces a call by starting the answer with the call's JSON.
+        """
+        formatted = [convert_to_openai_tool(t) for t in tools]
+        _forced_prefix(formatted, tool_choice)  # validate the choice now, not at call time
+        return self.bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(self, schema: dict[str, Any] | type, *, include_raw: bool = False,
+                               **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
+        """Structured output: ``method="function_calling"`` (default, a forced tool call),
+        ``"json_schema"`` (the same) or ``"json_mode"`` (a JSON answer, parsed)."""
+        method = kwargs.pop("method", None) or "function_calling"
+        kwargs.pop("strict", None)
+        if method in ("function_calling", "json_schema"):
+            return super().with_structured_output(schema, include_raw=include_raw, **kwargs)
+        if method != "json_mode":
+            raise ValueError(f"method must be 'function_calling', 'json_schema' or 'json_mode', got {method!r}")
+        if include_raw or kwargs:
+            raise ValueError(f"json_mode takes no include_raw/extra options, got {include_raw=}, {kwargs}")
+        is_model = isinstance(schema, type) and issubclass(schema, BaseModel)
+        llm = self.bind(response_format={"type": "json_object", "schema": convert_to_json_schema(schema)},
+                        ls_structured_output_format={"kwargs": {"method": method}, "schema": schema})
+        parser: Any = PydanticOutputParser(pydantic_object=schema) if is_model and isinstance(schema, type) else JsonOutputParser()
+        return llm | parser
+
+    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                run_manager: Any = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        tools = kwargs.get("tools") or []
+        json_mode = kwargs.get("response_format")
+        prefix = "{" if json_mode else _forced_prefix(tools, kwargs.get("tool_choice"))
+        system = _JSON_BLOCK.format(schema=f" matching this schema: {json.dumps(json_mode['schema'])}"
+                                    if json_mode and json_mode.get("schema") else "") if json_mode else ""
+        prompt = build_prompt(self._spec().tokenizer, to_chat_messages(messages), tools=tools,
+                              system=system, prefix=prefix)
+        held = prefix  # output that may still turn out to be a tool call is held back
+        for item in self._steps(prompt, stop, kwargs.get("max_tokens")):
+            if isinstance(item, str):
+                if tools and (held or _looks_like_call(item)) and _looks_like_call(held + item):
+                    held += item
+                    continue
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=held + item))
+                held = ""
+                if run_manager:
+                    run_manager.on_llm_new_token(chunk.text, chunk=chunk)
+                yield chunk
+            else:
+                yield self._last_chunk(held, item, parse=bool(tools))
+
+    def _last_chunk(self, held: str, gen: SpecGeneration, *, parse: bool) -> ChatGenerationChunk:
+        content, calls, invalid = parse_tool_calls(held) if parse and held else (held, [], [])
+        chunks: list[Any] = [{"name": c["name"], "args": json.dumps(c["args"], ensure_ascii=False),
+                   "id": c["id"], "index": i, "type": "tool_call_chunk"} for i, c in enumerate(calls)]
+        chunks += [{"name": c["name"], "args": c["args"], "id": c["id"], "index": len(chunks) + i,
+                    "type": "tool_call_chunk"} for i, c in enumerate(invalid)]
+        usage: Any = {"input_tokens": gen.stats.prompt_tokens, "output_tokens": len(gen.token_ids),
+                 "total_tokens": gen.stats.prompt_tokens + len(gen.token_ids)}
+        message = AIMessageChunk(content=content, tool_call_chunks=chunks, usage_metadata=usage,
+                                 response_metadata=self._metadata(gen), chunk_position="last")
+        return ChatGenerationChunk(message=message, generation_info={"finish_reason": gen.finish_reason})
+
+    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                  run_manager: Any = None, **kwargs: Any) -> ChatResult:
+        return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+
+    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
+                       run_manager: Any = None, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        sync_manager = run_manager.get_sync() if run_manager else None
+        async for chunk in _in_thread(lambda: self._stream(messages, stop, sync_manager, **kwargs)):
+            yield chunk
+
+
+class AgentSpecLLM(_SpecParams, BaseLLM):
+    """A LangChain text-completion model (``BaseLLM``) on a Speculator; prompts used as is."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "agentspec"
+
+    def _stream(self, prompt: str, stop: list[str] | None = None, run_manager: Any = None,
+                **kwargs: Any) -> Iterator[GenerationChunk]:
+        for item in self._steps(prompt, stop, kwargs.get("max_tokens")):
+            if isinstance(item, str):
+                chunk = GenerationChunk(text=item)
+                if run_manager:
+                    run_manager.on_llm_new_token(item, chunk=chunk)
+            else:
+                chunk = GenerationChunk(text="", generation_info={
+                    **self._metadata(item), "prompt_tokens": item.stats.prompt_tokens,
+                    "completion_tokens": len(item.token_ids)})
+            yield chunk
+
+    def _generate(self, prompts: list[str], stop: list[str] | None = None,
+                  run_manager: Any = None, **kwargs: Any) -> LLMResult:
+        generations: list[list[Generation]] = []
+        for prompt in prompts:
+            full: GenerationChunk | None = None
+            for chunk in self._stream(prompt, stop, run_manager, **kwargs):
+                full = chunk if full is None else full + chunk
+            assert full is not None
+            generations.append([Generation(text=full.text, generation_info=full.generation_info)])
+        return LLMResult(generations=generations)
+
+    async def _astream(self, prompt: str, stop: list[str] | None = None, run_manager: Any = None,
+                       **kwargs: Any) -> AsyncIterator[GenerationChunk]:
+        sync_manager = run_manager.get_sync() if run_manager else None
+        async for chunk in _in_thread(lambda: self._stream(prompt, stop, sync_manager, **kwargs)):
+            yield chunk
