@@ -2,8 +2,8 @@
 ``AgentSpecLLM`` (text completion). Needs ``pip install 'agentspec[langchain]'``.
 
 Streaming yields one chunk per committed step (one text delta of ``Speculator.stream``);
-``invoke`` concatenates the same chunks, so the two agree by construction. Async runs the sync stream in one worker thread (the Speculator's lock is held
-by the thread that runs a generation, so the stream must not hop between threads).
+``invoke`` concatenates the same chunks. Async runs the sync stream in ONE worker thread: the
+Speculator's lock is held by the thread running a generation, so a stream must not hop threads.
 
 Tools are rendered through the chat template's own tool support when it has one, else as a
 JSON-schema system block; the model answers a call as ``{"name": ..., "arguments": {...}}``.
@@ -37,8 +37,7 @@ try:
     from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
     from pydantic import BaseModel, ConfigDict, Field
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("agentspec.adapters.langchain needs langchain-core: "
-                      "pip install 'agentspec[langchain]'") from exc
+    raise ImportError("agentspec.adapters.langchain needs: pip install 'agentspec[langchain]'") from exc
 
 from agentspec.config import SamplingParams
 from agentspec.session import observed_calls
@@ -49,7 +48,6 @@ _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"
 _TOOL_BLOCK = ("You can call these tools (JSON schemas):\n{tools}\n\nTo call a tool, reply with "
                'only a JSON object: {{"name": "<tool name>", "arguments": {{<argument>: <value>}}}}. '
                "Otherwise answer normally.")
-_JSON_BLOCK = "Reply with only a JSON object{schema}."
 
 
 # -- the one place the Speculator is called ------------------------------------------------
@@ -97,10 +95,6 @@ async def _in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
 
 # -- messages and tools ----------------------------------------------------------------------
 
-def _tool_call_json(call: Any) -> str:
-    return json.dumps({"name": call["name"], "arguments": call.get("args", {})}, ensure_ascii=False)
-
-
 def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     """LangChain messages as ``{"role", "content"}`` dicts; tool calls rendered as their JSON."""
     out = []
@@ -110,7 +104,8 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
             raise ValueError(f"message {i} has unsupported type {msg.type!r}; expected one of {sorted(_ROLES)}")
         text = str(msg.text)
         if isinstance(msg, AIMessage) and msg.tool_calls:
-            text = "\n".join(filter(None, [text, *(_tool_call_json(c) for c in msg.tool_calls)]))
+            text = "\n".join(filter(None, [text, *(json.dumps(
+                {"name": c["name"], "arguments": c["args"]}, ensure_ascii=False) for c in msg.tool_calls)]))
         if isinstance(msg, ToolMessage) and msg.status == "error":
             text = f"Error: {text}" if not text.startswith("Error") else text
         out.append({"role": role, "content": text})
@@ -148,7 +143,7 @@ def _looks_like_call(text: str) -> bool:
     return head.startswith(("{", "```", "<tool_call>", "[")) or not head
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]], list[dict[str, Any]]]:
+def parse_tool_calls(text: str) -> tuple[str, list[Any], list[Any]]:
     """Split model output into ``(content, tool_calls, invalid_tool_calls)``; never raises.
 
     Every JSON object with a ``"name"`` (and ``"arguments"``, ``"parameters"`` or ``"args"``)
@@ -186,8 +181,9 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict[str, Any]], list[dict[st
     content = text
     for start, end in reversed(spans):
         content = content[:start] + content[end:]
-    content = content.replace("```json", "").replace("```", "").replace("<tool_call>", "")
-    content = content.replace("</tool_call>", "").strip() if calls else text
+    for junk in ("```json", "```", "<tool_call>", "</tool_call>"):
+        content = content.replace(junk, "")
+    content = content.strip() if calls else text
     return content, valid, invalid
 
 
@@ -195,7 +191,8 @@ def _invalid(name: str | None, args: str, error: str) -> dict[str, Any]:
     return {"name": name, "args": args, "id": _call_id(), "error": error, "type": "invalid_tool_call"}
 
 
-def _call_id() -> str: return f"call_{uuid.uuid4().hex[:24]}"  # noqa: E704
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def _forced_prefix(tools: Sequence[dict[str, Any]], tool_choice: Any) -> str:
@@ -215,13 +212,12 @@ def _forced_prefix(tools: Sequence[dict[str, Any]], tool_choice: Any) -> str:
 # -- the models --------------------------------------------------------------------------------
 
 class _SpecParams(BaseModel):
-    """Fields and call plumbing shared by the chat and the text-completion model."""
+    """Fields and call plumbing of both models; ``model`` defaults to the target's name."""
     model_config = ConfigDict(arbitrary_types_allowed=True, populate_by_name=True)
 
     speculator: Any = Field(default=None, exclude=True)
     """The :class:`agentspec.Speculator` that generates (required; construction does no I/O)."""
     model_name: str | None = Field(default=None, alias="model")
-    """Reported model name; default the Speculator's target name."""
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int | None = None
@@ -322,8 +318,8 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
         tools = kwargs.get("tools") or []
         json_mode = kwargs.get("response_format")
         prefix = "{" if json_mode else _forced_prefix(tools, kwargs.get("tool_choice"))
-        system = _JSON_BLOCK.format(schema=f" matching this schema: {json.dumps(json_mode['schema'])}"
-                                    if json_mode and json_mode.get("schema") else "") if json_mode else ""
+        system = (f"Reply with only a JSON object matching this schema: {json.dumps(json_mode['schema'])}"
+                  if json_mode else "")
         prompt = build_prompt(self._spec().tokenizer, to_chat_messages(messages), tools=tools,
                               system=system, prefix=prefix)
         held = prefix  # output that may still turn out to be a tool call is held back
@@ -342,19 +338,22 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
 
     def _last_chunk(self, held: str, gen: SpecGeneration, *, parse: bool) -> ChatGenerationChunk:
         content, calls, invalid = parse_tool_calls(held) if parse and held else (held, [], [])
-        chunks: list[Any] = [{"name": c["name"], "args": json.dumps(c["args"], ensure_ascii=False),
-                   "id": c["id"], "index": i, "type": "tool_call_chunk"} for i, c in enumerate(calls)]
-        chunks += [{"name": c["name"], "args": c["args"], "id": c["id"], "index": len(chunks) + i,
-                    "type": "tool_call_chunk"} for i, c in enumerate(invalid)]
         usage: Any = {"input_tokens": gen.stats.prompt_tokens, "output_tokens": len(gen.token_ids),
-                 "total_tokens": gen.stats.prompt_tokens + len(gen.token_ids)}
-        message = AIMessageChunk(content=content, tool_call_chunks=chunks, usage_metadata=usage,
-                                 response_metadata=self._metadata(gen), chunk_position="last")
+                      "total_tokens": gen.stats.prompt_tokens + len(gen.token_ids)}
+        message = AIMessageChunk(content=content, tool_calls=calls, invalid_tool_calls=invalid,
+                                 usage_metadata=usage, response_metadata=self._metadata(gen),
+                                 chunk_position="last")
         return ChatGenerationChunk(message=message, generation_info={"finish_reason": gen.finish_reason})
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: Any = None, **kwargs: Any) -> ChatResult:
-        return generate_from_stream(self._stream(messages, stop, run_manager, **kwargs))
+        chunks = list(self._stream(messages, stop, run_manager, **kwargs))
+        result = generate_from_stream(iter(chunks))
+        # Summed chunks re-parse call args leniently (partial JSON); keep this parse's verdict.
+        message, last = result.generations[0].message, chunks[-1].message
+        assert isinstance(message, AIMessage) and isinstance(last, AIMessageChunk)
+        message.tool_calls, message.invalid_tool_calls = last.tool_calls, last.invalid_tool_calls
+        return result
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: Any = None, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
