@@ -1,0 +1,30 @@
+"""Smoke-run the examples with small settings (each loads the packaged model once)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+
+def _run(script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_quickstart() -> None:
+    out = _run("quickstart.py", "--max-new-tokens", "8")
+    assert "tokens/step" in out and "[session task-1: 2 calls" in out
+
+
+@pytest.mark.slow
+def test_langchain_agent() -> None:
+    out = _run("langchain_agent.py", "--max-tokens", "16", "--max-iterations", "2")
+    assert "model calls" in out and "human: 'What is 12 times 7?" in out
