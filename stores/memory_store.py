@@ -39,9 +39,14 @@ def check_record(record: Record) -> None:
         raise TypeError(f"expected a Record, got {type(record).__name__}")
     if not record.scope:
         raise ValueError(f"scope must be a non-empty string, got {record.scope!r}")
-    for t in record.completion_ids:
-        if not -(2**31) <= int(t) < 2**31:
-            raise ValueError(f"completion_ids must fit in int32, got {t}")
+    if record.completion_ids:
+        try:
+            ids = np.asarray(record.completion_ids, np.int64)
+        except OverflowError as e:
+            raise ValueError(f"completion_ids must fit in int32, got {record.completion_ids!r:.80}") from e
+        bad = ids[(ids < -(2**31)) | (ids >= 2**31)]
+        if bad.size:
+            raise ValueError(f"completion_ids must fit in int32, got {int(bad[0])}")
     if record.embedding is not None and np.asarray(record.embedding).ndim != 1:
         raise ValueError(f"embedding must be 1-D [dim], got shape {np.shape(record.embedding)}")
     for name in ("hits", "accepted_tokens"):
