@@ -3,9 +3,8 @@
 SQLite (the default, a file under ``AGENTSPEC_HOME``) runs in WAL mode with a busy timeout;
 every write transaction starts with ``BEGIN IMMEDIATE`` so that writers from several processes
 queue for the lock instead of failing on a stale read snapshot. PostgreSQL is reached through
-psycopg 3 (``postgresql+psycopg://user:pass@host/db``). Exact duplicates are caught by the
-unique ``content_hash`` column, which makes ``add`` race-safe across processes on both.
-This module never imports torch or transformers: the CLI's memory commands stay fast.
+psycopg 3 (``postgresql+psycopg://user:pass@host/db``). The unique ``content_hash`` column makes
+``add`` race-safe across processes. No torch or transformers here: the CLI stays fast.
 """
 
 from __future__ import annotations
@@ -321,10 +320,12 @@ class SQLStore:
         """
         check_sort(sort)
         check_nonneg("limit", limit)
-        stmt = (select(records).where(*self._filters(scope, model))
+        # ids first: the (scope, model, counters) index answers this without reading the rows
+        stmt = (select(records.c.id).where(*self._filters(scope, model))
                 .order_by(_SORT_COLUMNS[sort].desc(), records.c.id.desc()).limit(int(limit)))
         with self._read() as conn:
-            return [to_record(r) for r in conn.execute(stmt)]
+            ids = list(conn.execute(stmt).scalars())
+        return self.get_many(ids)
 
     def drop_scope(self, scope: str) -> int:
         """Delete every record of ``scope``; returns how many."""
