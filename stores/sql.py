@@ -313,11 +313,8 @@ class SQLStore:
 
     def list_records(self, scope: str | None = None, model: str | None = None,
                      sort: str = "recent", limit: int = 20) -> list[Record]:
-        """Up to ``limit`` records, best first by ``sort`` (ties: newest id first).
-
-        Raises:
-            ValueError: unknown ``sort`` or negative ``limit``.
-        """
+        """Up to ``limit`` records, best first by ``sort`` (ties: newest id first); an unknown
+        ``sort`` or a negative ``limit`` raises ValueError."""
         check_sort(sort)
         check_nonneg("limit", limit)
         # ids first: the (scope, model, counters) index answers this without reading the rows
