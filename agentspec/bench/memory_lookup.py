@@ -72,6 +72,19 @@ def rss_mib() -> tuple[float, float]:
         return float("nan"), peak
 
 
+def time_lookups(memory: CompletionMemory, targets: np.ndarray,
+                 args: argparse.Namespace) -> tuple[np.ndarray, int]:
+    """Milliseconds per lookup, and how often the top hit was the row the query came from."""
+    times, found = [], 0
+    for j, i in enumerate(targets):
+        scope, model = f"scope-{i % args.scopes}", f"model-{i % args.models}"
+        t = time.perf_counter()
+        hits = memory.lookup(f"query {j}", scope=scope, model=model, k=args.k)
+        times.append(time.perf_counter() - t)
+        found += bool(hits) and hits[0][0].key_text == f"key {i}"
+    return np.asarray(times) * 1e3, found
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=100_000)
@@ -110,14 +123,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for s in range(args.scopes):
             memory.lookup("query 0", scope=f"scope-{s}", model="model-0", k=args.k)
         build_s = time.perf_counter() - t0
-        times, found = [], 0
-        for j, i in enumerate(targets):
-            scope, model = f"scope-{i % args.scopes}", f"model-{i % args.models}"
-            t = time.perf_counter()
-            hits = memory.lookup(f"query {j}", scope=scope, model=model, k=args.k)
-            times.append(time.perf_counter() - t)
-            found += bool(hits) and hits[0][0].key_text == f"key {i}"
-        ms = np.asarray(times) * 1e3
+        ms, found = time_lookups(memory, targets, args)
         rss, peak = rss_mib()
         print(f"rows={args.rows} scopes={args.scopes} models={args.models} dim={args.dim} "
               f"k={args.k} lookups={args.lookups}")
