@@ -165,6 +165,12 @@ class Speculator:
         """A context manager grouping the calls of one agent task; see :mod:`agentspec.session`."""
         return Session(self, name, scope=scope)
 
+    def tool_loop(self, *, scope: str = "default", name: str | None = None) -> Any:
+        """Decorator: run each call of an agent-loop function in one session; see :mod:`agentspec.adapters.decorators`."""
+        from agentspec.adapters.decorators import tool_loop
+
+        return tool_loop(self, scope=scope, name=name)
+
     def _drafter(self) -> Drafter:
         if not self.drafters:
             return NoDrafter()
