@@ -20,6 +20,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 SMALL = "a 135M model rarely"
 WEAK_TOOLS = pytest.mark.xfail(reason=f"{SMALL} emits the exact tool call JSON (name and args) "
                                "the test asserts within the suite's small max_tokens")
+SCHEMA_TYPES = ["pydantic", "typeddict", "json_schema"]  # the parent's parametrization
 WEAK_JSON = pytest.mark.xfail(reason=f"{SMALL} completes a JSON object matching the joke schema "
                               "within the suite's small max_tokens")
 
@@ -97,10 +98,12 @@ class TestChatAgentSpecIntegration(_Features, ChatModelIntegrationTests):
                                                    force_tool_call=force_tool_call)
 
     @WEAK_JSON
+    @pytest.mark.parametrize("schema_type", SCHEMA_TYPES)
     def test_structured_output(self, model: BaseChatModel, schema_type: Any) -> None:
         super().test_structured_output(model, schema_type)
 
     @WEAK_JSON
+    @pytest.mark.parametrize("schema_type", SCHEMA_TYPES)
     async def test_structured_output_async(self, model: BaseChatModel, schema_type: Any) -> None:
         await super().test_structured_output_async(model, schema_type)
 
