@@ -1,0 +1,145 @@
+"""The ``agentspec`` command line: ``cache`` (the completion memory), ``generate``, ``demo``, ``bench``.
+
+Exit codes: 0 success, 1 failure, 2 usage or bad input (one line on stderr, no traceback).
+Global options go before the command: ``agentspec --db URL --json cache stats``. ``--db``
+defaults to ``$AGENTSPEC_DB``, else the SQLite file under ``$AGENTSPEC_HOME``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from agentspec.cli_cache import cache_app
+from agentspec.cli_common import Options, db_url, fail, handles_errors
+
+app = typer.Typer(
+    name="agentspec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    help="Exact speculative decoding for LLM agents, with a completion memory.\n\n"
+         "Example: agentspec cache stats",
+)
+app.add_typer(cache_app, name="cache")
+
+
+@app.callback()
+def _root(ctx: typer.Context,
+          db: Annotated[str | None, typer.Option(
+              "--db", metavar="URL", envvar="AGENTSPEC_DB", show_envvar=True,
+              help="Memory database (SQLAlchemy URL); default the SQLite file under "
+                   "AGENTSPEC_HOME.")] = None,
+          json_out: Annotated[bool, typer.Option(
+              "--json", help="Machine-readable JSON from read commands.")] = False) -> None:
+    ctx.obj = Options(db=db, json=json_out)
+
+
+def _summary(stats: Any) -> str:
+    drafted, accepted = sum(stats.drafted.values()), sum(stats.accepted.values())
+    rate = f"{accepted / drafted:.0%}" if drafted else "n/a"
+    by_source = ", ".join(f"{k} {stats.accepted.get(k, 0)}/{v}" for k, v in stats.drafted.items())
+    return (f"{stats.new_tokens} tokens in {stats.seconds:.2f} s "
+            f"({stats.tokens_per_second:.1f} tok/s), {stats.steps} steps "
+            f"({stats.tokens_per_step:.2f} tokens/step), accepted {accepted}/{drafted} draft "
+            f"tokens ({rate})" + (f" [{by_source}]" if by_source else ""))
+
+
+def _load(model: str, url: str) -> Any:
+    from agentspec.speculator import Speculator
+
+    if "memory" in inspect.signature(Speculator.from_pretrained).parameters:
+        return Speculator.from_pretrained(model, memory=url)  # type: ignore[call-arg]
+    return Speculator.from_pretrained(model)
+
+
+@app.command("generate")
+@handles_errors
+def generate(ctx: typer.Context, prompt: str,
+             model: Annotated[str, typer.Option(
+                 "--model", help="Packaged name, model folder or .gguf file.")] = "smollm2-135m-instruct",
+             max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 128,
+             temperature: Annotated[float, typer.Option("--temperature", min=0.0,
+                                                        help="0 is greedy.")] = 0.0,
+             scope: Annotated[str, typer.Option("--scope", help="Memory scope.")] = "default",
+             no_stream: Annotated[bool, typer.Option("--no-stream", help="Print at the end.")] = False,
+             raw: Annotated[bool, typer.Option(
+                 "--raw", help="Send PROMPT as raw text, not as a user message through the "
+                               "chat template.")] = False) -> None:
+    """Generate a completion: text on stdout, a speed/acceptance summary on stderr.
+
+    Example: agentspec generate "Write a haiku about caches" --max-new-tokens 64
+    """
+    from agentspec.config import SamplingParams
+    from agentspec.session import observed_calls
+
+    sampling = SamplingParams(temperature=temperature)
+    request: Any = prompt if raw else [{"role": "user", "content": prompt}]
+    spec = _load(model, db_url(ctx))
+    if no_stream:
+        gen = spec.generate(request, max_new_tokens, sampling=sampling, scope=scope)
+        sys.stdout.write(gen.text + "\n")
+        stats = gen.stats
+    else:
+        with observed_calls(spec) as calls:
+            for delta in spec.stream(request, max_new_tokens, sampling=sampling, scope=scope):
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+        stats = calls[-1].stats
+    sys.stdout.flush()
+    print(_summary(stats), file=sys.stderr)
+
+
+_PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+@app.command("demo", context_settings=_PASS_THROUGH)
+@handles_errors
+def demo(ctx: typer.Context) -> None:
+    """Run the offline demo (agentspec.bench.demo); extra arguments are passed to it.
+
+    Example: agentspec demo
+    """
+    try:
+        from agentspec.bench.demo import main as demo_main
+    except ModuleNotFoundError as e:
+        if e.name not in ("agentspec.bench.demo",):
+            raise
+        fail("the demo is not available: agentspec.bench.demo is not installed in this build")
+    takes_args = bool(inspect.signature(demo_main).parameters)
+    code = demo_main(list(ctx.args)) if takes_args else demo_main()
+    if isinstance(code, int) and code:
+        raise typer.Exit(code)
+
+
+@app.command("bench", context_settings=_PASS_THROUGH, add_help_option=False)
+@handles_errors
+def bench(ctx: typer.Context) -> None:
+    """Benchmarks (agentspec.bench.cli); see: agentspec bench --help.
+
+    Example: agentspec bench --help
+    """
+    try:
+        from agentspec.bench.cli import bench_app
+    except ModuleNotFoundError as e:
+        if e.name not in ("agentspec.bench.cli",):
+            raise
+        fail("benchmarks are not available: agentspec.bench.cli is not installed in this build")
+    command = typer.main.get_command(bench_app)
+    code = command.main(args=list(ctx.args), prog_name="agentspec bench", standalone_mode=False)
+    if isinstance(code, int) and code:
+        raise typer.Exit(code)
+
+
+def main() -> None:
+    """The console script ``agentspec``."""
+    try:
+        app()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""``agentspec cache``: inspect and maintain the completion memory (SQL store + faiss indexes).
+
+Every command here except ``search`` (and ``reindex``/``verify`` in :mod:`agentspec.cli_cache_io`)
+imports neither torch nor transformers, so they answer quickly even on large stores.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from agentspec.cli_common import (
+    EXIT_USAGE,
+    age,
+    confirm,
+    console,
+    embedder_by_name,
+    embedding_groups,
+    err_console,
+    fail,
+    handles_errors,
+    index_files,
+    open_store,
+    options,
+    parse_duration,
+    print_json,
+    short,
+    want_json,
+)
+
+cache_app = typer.Typer(help="Inspect and maintain the completion memory.", no_args_is_help=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
+ScopeOpt = Annotated[str | None, typer.Option("--scope", help="Only this scope.")]
+
+
+@cache_app.callback()
+def _cache(ctx: typer.Context, db: Annotated[str | None, typer.Option(
+        "--db", metavar="URL", help="Database URL (overrides the global --db).")] = None) -> None:
+    if db is not None:
+        options(ctx).db = db
+
+
+def _totals_table(title: str, rows: dict[str, dict[str, int]], key: str) -> Table:
+    table = Table(title=title)
+    for col in (key, "rows", "tokens", "bytes", "hits", "accepted"):
+        table.add_column(col, justify="left" if col == key else "right")
+    for name, t in rows.items():
+        table.add_row(name, *(f"{t[k]:,}" for k in ("rows", "tokens", "bytes", "hits",
+                                                      "accepted_tokens")))
+    return table
+
+
+def _index_health(store: Any) -> dict[str, Any]:
+    """Vectors per persisted index file against the rows the SQL store holds for it."""
+    files = index_files(store.url)
+    if not files:
+        return {"status": "not built", "files": []}
+    out = []
+    for f in files:
+        rows = store.count(scope=f.scope, embedder=f.embedder)
+        out.append({"scope": f.scope, "embedder": f.embedder, "dim": f.dim, "path": str(f.path),
+                     "index_vectors": f.vectors, "sql_rows": rows, "in_sync": f.vectors == rows})
+    ok = all(f["in_sync"] for f in out)
+    return {"status": "ok" if ok else "out of sync (agentspec cache reindex)", "files": out}
+
+
+@cache_app.command("stats")
+@handles_errors
+def stats(ctx: typer.Context, json_out: JsonOpt = False) -> None:
+    """Rows, tokens, bytes, hits and accepted tokens per scope and model; index health.
+
+    Example: agentspec cache stats --json
+    """
+    with open_store(ctx) as store:
+        out = store.stats()
+        out["database"] = store.url
+        out["index"] = _index_health(store)
+    if want_json(ctx, json_out):
+        print_json(out)
+        return
+    console.print(f"[bold]{out['database']}[/]: {out['rows']:,} rows, {out['tokens']:,} tokens, "
+                  f"{out['bytes']:,} bytes, {out['hits']:,} hits, "
+                  f"{out['accepted_tokens']:,} accepted tokens")
+    if out["rows"]:
+        console.print(_totals_table("per scope", out["scopes"], "scope"))
+        console.print(_totals_table("per model fingerprint", out["models"], "model"))
+    index = out["index"]
+    console.print(f"index: {index['status']}")
+    if index["files"]:
+        table = Table(title="index files")
+        for col in ("scope", "embedder", "index vectors", "sql rows", "in sync"):
+            table.add_column(col)
+        for f in index["files"]:
+            table.add_row(f["scope"], f["embedder"], str(f["index_vectors"]), str(f["sql_rows"]),
+                          "yes" if f["in_sync"] else "[red]no[/]")
+        console.print(table)
+
+
+def record_json(r: Any, *, ids: bool = True) -> dict[str, Any]:
+    """A record as JSON, without its embedding vector."""
+    out = {"id": r.id, "scope": r.scope, "model": r.model, "num_tokens": r.num_tokens,
+           "hits": r.hits, "accepted_tokens": r.accepted_tokens, "created_at": r.created_at,
+           "last_used_at": r.last_used_at, "embedder": r.embedder,
+           "dim": 0 if r.embedding is None else int(r.embedding.size),
+           "request_text": r.request_text, "key_text": r.key_text,
+           "completion_text": r.completion_text}
+    if ids:
+        out["completion_ids"] = list(r.completion_ids)
+    return out
+
+
+@cache_app.command("ls")
+@handles_errors
+def ls(ctx: typer.Context, scope: ScopeOpt = None,
+       model: Annotated[str | None, typer.Option("--model", help="Only this model fingerprint.")] = None,
+       sort: Annotated[str, typer.Option("--sort", help="hits, recent, size or accepted.")] = "recent",
+       limit: Annotated[int, typer.Option("--limit", "-n", min=0, help="At most this many.")] = 20,
+       json_out: JsonOpt = False) -> None:
+    """List records, best first by --sort.
+
+    Example: agentspec cache ls --scope support --sort hits --limit 10
+    """
+    if sort not in ("hits", "recent", "size", "accepted"):
+        fail(f"--sort must be hits, recent, size or accepted, got {sort!r}", EXIT_USAGE)
+    with open_store(ctx) as store:
+        rows = store.list_records(scope=scope, model=model, sort=sort, limit=limit)
+    if want_json(ctx, json_out):
+        print_json([record_json(r, ids=False) for r in rows])
+        return
+    table = Table()
+    for col in ("id", "scope", "model", "tokens", "hits", "accepted", "last used", "request"):
+        table.add_column(col, justify="right" if col in ("id", "tokens", "hits", "accepted") else "left")
+    for r in rows:
+        table.add_row(str(r.id), r.scope, short(r.model, 28), str(r.num_tokens), str(r.hits),
+                      str(r.accepted_tokens), age(r.last_used_at), short(r.request_text, 50))
+    console.print(table)
+
+
+@cache_app.command("show")
+@handles_errors
+def show(ctx: typer.Context, record_id: Annotated[int, typer.Argument(metavar="ID")],
+         json_out: JsonOpt = False) -> None:
+    """Show one record: request, completion, token ids, hits, accepted tokens, times.
+
+    Example: agentspec cache show 42
+    """
+    with open_store(ctx) as store:
+        r = store.get(record_id)
+    if r is None:
+        fail(f"no record with id {record_id}", EXIT_USAGE)
+    if want_json(ctx, json_out):
+        print_json(record_json(r))
+        return
+    import datetime as dt
+
+    def when(t: float) -> str:
+        return f"{dt.datetime.fromtimestamp(t):%Y-%m-%d %H:%M:%S} ({age(t)})"
+
+    table = Table(show_header=False)
+    for k, v in (("id", r.id), ("scope", r.scope), ("model", r.model),
+                 ("tokens", r.num_tokens), ("hits", r.hits), ("accepted tokens", r.accepted_tokens),
+                 ("created", when(r.created_at)), ("last used", when(r.last_used_at)),
+                 ("embedder", f"{r.embedder or '-'} (dim {record_json(r)['dim']})")):
+        table.add_row(k, str(v))
+    console.print(table)
+    for title, text in (("request", r.request_text), ("key", r.key_text),
+                        ("completion", r.completion_text)):
+        console.rule(title)
+        console.print(text, markup=False)
+    console.rule("completion token ids")
+    console.print(str(list(r.completion_ids)), markup=False)
+
+
+def _pick_embedder(store: Any, scope: str | None, name: str | None) -> tuple[Any, int]:
+    """The embedder named by most embedded rows (or ``name``), and rows it cannot search."""
+    groups = embedding_groups(store, scope)
+    per_name: dict[str, int] = {}
+    for (_, e, _), n in groups.items():
+        per_name[e] = per_name.get(e, 0) + n
+    if name is None:
+        if not per_name:
+            fail("no embedded records to search" + (f" in scope {scope!r}" if scope else ""))
+        name = max(per_name, key=lambda e: per_name[e])
+    embedder = embedder_by_name(name)
+    return embedder, sum(per_name.values()) - per_name.get(embedder.name, 0)
+
+
+@cache_app.command("search")
+@handles_errors
+def search(ctx: typer.Context, text: str,
+           k: Annotated[int, typer.Option("-k", min=1, help="How many results.")] = 5,
+           scope: ScopeOpt = None, json_out: JsonOpt = False,
+           embedder: Annotated[str | None, typer.Option(hidden=True)] = None) -> None:
+    """Semantic search: the records whose conversation key is most similar to TEXT.
+
+    Uses the embedder named in the rows (MiniLM by default, which loads torch).
+
+    Example: agentspec cache search "weather in Paris" -k 3 --scope support
+    """
+    from agentspec.memory import CompletionMemory
+
+    with open_store(ctx) as store:
+        emb, skipped = _pick_embedder(store, scope, embedder)
+        if skipped:
+            err_console.print(f"note: {skipped} rows embedded by other embedders are not "
+                              f"searched (searching with {emb.name})")
+        memory = CompletionMemory(store, embedder=emb, max_tokens_per_scope=None,
+                                  max_tokens_total=None)
+        hits = memory.search(text, k=k, scope=scope)
+    if want_json(ctx, json_out):
+        print_json([{"similarity": s, **record_json(r, ids=False)} for r, s in hits])
+        return
+    table = Table()
+    for col in ("similarity", "id", "scope", "model", "request", "completion"):
+        table.add_column(col)
+    for r, s in hits:
+        table.add_row(f"{s:.3f}", str(r.id), r.scope, short(r.model, 24),
+                      short(r.request_text, 40), short(r.completion_text, 40))
+    console.print(table)
+
+
+@cache_app.command("rm")
+@handles_errors
+def rm(ctx: typer.Context, ids: Annotated[list[int], typer.Argument(metavar="ID...")],
+       yes: YesOpt = False) -> None:
+    """Delete records by id (indexes drop them on their next sync).
+
+    Example: agentspec cache rm 12 13 --yes
+    """
+    with open_store(ctx) as store:
+        found = {r.id for r in store.get_many(ids)}
+        missing = [i for i in ids if i not in found]
+        if missing:
+            fail(f"no record with id {missing[0]}" + (f" (and {len(missing) - 1} more)"
+                                                      if len(missing) > 1 else ""), EXIT_USAGE)
+        confirm(f"Delete {len(found)} record(s) from {store.url}?", yes)
+        n = store.delete(sorted(found))
+    console.print(f"deleted {n} record(s)")
+
+
+@cache_app.command("prune")
+@handles_errors
+def prune(ctx: typer.Context,
+          older_than: Annotated[str | None, typer.Option(
+              "--older-than", metavar="DURATION", help="Unused for this long: 30s, 15m, 12h, 7d, 2w.")] = None,
+          scope: ScopeOpt = None,
+          max_tokens: Annotated[int | None, typer.Option(
+              "--max-tokens", min=0, help="Then evict least recently used rows down to this many tokens.")] = None,
+          dry_run: Annotated[bool, typer.Option("--dry-run", help="Only say what would go.")] = False,
+          yes: YesOpt = False) -> None:
+    """Delete records unused for a while and/or least recently used ones above a token cap.
+
+    Example: agentspec cache prune --older-than 7d --scope support --dry-run
+    """
+    if older_than is None and max_tokens is None:
+        fail("prune needs --older-than DURATION and/or --max-tokens N", EXIT_USAGE)
+    seconds = None if older_than is None else parse_duration(older_than)
+    with open_store(ctx) as store:
+        victims = store.prune(seconds, scope=scope, max_tokens=max_tokens, dry_run=True)
+        if dry_run or not victims:
+            console.print(f"would delete {len(victims)} record(s)" if dry_run
+                          else "nothing to prune")
+            return
+        confirm(f"Delete {len(victims)} record(s) from {store.url}?", yes)
+        deleted = store.prune(seconds, scope=scope, max_tokens=max_tokens)
+    console.print(f"deleted {len(deleted)} record(s)")
+
+
+@cache_app.command("drop-scope")
+@handles_errors
+def drop_scope(ctx: typer.Context, scope: str, yes: YesOpt = False) -> None:
+    """Delete every record of SCOPE.
+
+    Example: agentspec cache drop-scope tenant-42 --yes
+    """
+    with open_store(ctx) as store:
+        n = store.count(scope=scope)
+        if n == 0:
+            known = ", ".join(sorted(store.stats()["scopes"])[:10]) or "none"
+            fail(f"no records in scope {scope!r} (scopes: {known})", EXIT_USAGE)
+        confirm(f"Delete all {n} record(s) of scope {scope!r} from {store.url}?", yes)
+        deleted = store.drop_scope(scope)
+    console.print(f"deleted {deleted} record(s) of scope {scope!r}")
+
+
+def _register_io() -> None:
+    from agentspec import cli_cache_io
+
+    cli_cache_io.register(cache_app)
+
+
+_register_io()

@@ -1,0 +1,284 @@
+"""Pieces shared by the ``agentspec`` CLI modules: errors and exit codes, the store, output.
+
+Exit codes: 0 success, 1 failure (the store cannot be opened, a check failed), 2 usage or bad
+input. Errors print one line on stderr, never a traceback. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import struct
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from agentspec.errors import AgentSpecError
+
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+F = TypeVar("F", bound=Callable[..., Any])
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class CliError(Exception):
+    """A failure reported as one line on stderr and exit code ``code``."""
+
+    def __init__(self, message: str, code: int = EXIT_FAIL) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def fail(message: str, code: int = EXIT_FAIL) -> NoReturn:
+    raise CliError(message, code)
+
+
+def handles_errors(fn: F) -> F:
+    """Turn CliError, AgentSpecError (exit 1) and ValueError (exit 2) into one-line errors."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CliError as e:
+            code, message = e.code, str(e)
+        except AgentSpecError as e:
+            code, message = EXIT_FAIL, str(e)
+        except ValueError as e:
+            code, message = EXIT_USAGE, str(e)
+        except BrokenPipeError:  # `agentspec cache ls | head`
+            raise typer.Exit(0) from None
+        # one line: SQLAlchemy appends "(Background on this error at: ...)" on a second line
+        first = message.strip().splitlines()[0] if message.strip() else type(fn).__name__
+        err_console.print(f"error: {first}", markup=False, soft_wrap=True)
+        raise typer.Exit(code)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@dataclass
+class Options:
+    """The global options, kept in ``ctx.obj``."""
+
+    db: str | None = None
+    json: bool = False
+
+
+def options(ctx: typer.Context) -> Options:
+    root = ctx.find_root()
+    if not isinstance(root.obj, Options):
+        root.obj = Options()
+    return root.obj
+
+
+def db_url(ctx: typer.Context) -> str:
+    from agentspec.home import default_db_url
+
+    return options(ctx).db or default_db_url()
+
+
+def want_json(ctx: typer.Context, flag: bool) -> bool:
+    return flag or options(ctx).json
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a SQLite URL (None for other databases and in-memory SQLite)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        parsed = make_url(url)
+    except ArgumentError as e:
+        fail(f"bad database URL {url!r}: {e}", EXIT_USAGE)
+    database = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not database or database == ":memory:":
+        return None
+    return None if database.startswith("file:") else Path(database)
+
+
+@contextmanager
+def open_store(ctx: typer.Context, *, create: bool = False) -> Iterator[Any]:
+    """The SQLStore of ``--db``; a missing SQLite file is an error unless ``create``."""
+    from agentspec.stores.sql import SQLStore
+
+    url = db_url(ctx)
+    path = sqlite_path(url)
+    if path is not None and not create and not path.is_file():
+        fail(f"no memory database at {path} (nothing recorded yet, or a wrong --db / "
+             f"AGENTSPEC_DB)")
+    store = SQLStore(url)
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
+
+
+def stdin_is_tty() -> bool:
+    return sys.stdin.isatty()
+
+
+def confirm(question: str, yes: bool) -> None:
+    """Ask on a terminal; without one, refuse (exit 2) unless ``--yes`` was given."""
+    if yes:
+        return
+    if not stdin_is_tty():
+        fail(f"not confirmed ({question}): stdin is not a terminal; pass --yes", EXIT_USAGE)
+    if not typer.confirm(question, default=False):
+        fail("aborted, nothing changed")
+
+
+def progress() -> Progress:
+    """A progress bar on stderr, shown only on a terminal."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeRemainingColumn(), console=err_console, transient=True,
+                    disable=not err_console.is_terminal)
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``30s``, ``15m``, ``12h``, ``7d`` or ``2w``; CliError (exit 2) otherwise."""
+    m = _DURATION.match(text)
+    if m is None:
+        fail(f"bad duration {text!r}: expected a number and a unit s, m, h, d or w "
+             f"(30s, 15m, 12h, 7d, 2w)", EXIT_USAGE)
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def age(t: float) -> str:
+    """``3m ago``-style age of Unix time ``t``."""
+    s = max(0.0, time.time() - t)
+    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{int(s // size)}{unit} ago"
+    return f"{int(s)}s ago"
+
+
+def short(text: str, n: int = 60) -> str:
+    """``text`` on one line, cut to ``n`` characters."""
+    one = " ".join(text.split())
+    return one if len(one) <= n else one[: n - 1] + "…"
+
+
+# --- index files ---------------------------------------------------------------------------
+def index_dir() -> Path:
+    """Where CompletionMemory keeps its index files: ``$AGENTSPEC_HOME/index``."""
+    from agentspec.home import agentspec_home
+
+    return agentspec_home() / "index"
+
+
+@dataclass(frozen=True)
+class IndexFile:
+    """One persisted faiss index of a (scope, embedder), read from its header and its .json."""
+
+    path: Path
+    scope: str
+    embedder: str
+    dim: int
+    vectors: int  # -1 when the header cannot be read
+
+
+def _header(path: Path) -> tuple[int, int]:
+    """(dim, ntotal) from an ``IndexIDMap2`` file header, without importing faiss."""
+    with open(path, "rb") as f:
+        head = f.read(40)
+    if len(head) < 40 or head[:4] != b"IxM2":
+        return -1, -1
+    dim, ntotal = struct.unpack_from("<iq", head, 4)
+    return int(dim), int(ntotal)
+
+
+def index_files(store_url: str, folder: Path | None = None) -> list[IndexFile]:
+    """The index files under ``folder`` (default ``index_dir()``) built from ``store_url``."""
+    folder = index_dir() if folder is None else folder
+    out = []
+    for meta_path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            meta = json.loads(meta_path.read_text())
+            if meta.get("store") != store_url:
+                continue
+            path = meta_path.with_suffix(".faiss")
+            dim, vectors = _header(path) if path.is_file() else (-1, -1)
+            out.append(IndexFile(path, str(meta["scope"]), str(meta["embedder"]), dim, vectors))
+        except (OSError, ValueError, KeyError, AttributeError):
+            continue  # not one of ours
+    return out
+
+
+def embedder_by_name(name: str) -> Any:
+    """The embedder that wrote rows named ``name`` (``hash`` means ``hash-trigram-64``)."""
+    from agentspec.embedder import HashEmbedder, MiniLMEmbedder
+
+    if name == MiniLMEmbedder.name:
+        return MiniLMEmbedder()
+    m = re.fullmatch(r"hash(?:-trigram-(\d+))?", name)
+    if m:
+        return HashEmbedder(int(m.group(1) or 64))
+    fail(f"cannot embed with embedder {name!r}: known are {MiniLMEmbedder.name!r} and "
+         f"'hash-trigram-N'", EXIT_USAGE)
+
+
+# --- queries SQLStore lacks (kept here until stores/sql.py has room for them) ----------------
+def embedding_groups(store: Any, scope: str | None = None) -> dict[tuple[str, str, int], int]:
+    """Embedded rows per ``(scope, embedder, dim)``, from the (scope, embedder, dim) index."""
+    from sqlalchemy import func, select
+
+    from agentspec.stores.sql_schema import records
+
+    c = records.c
+    stmt = select(c.scope, c.embedder, c.dim, func.count()).where(c.dim > 0)
+    if scope is not None:
+        stmt = stmt.where(c.scope == scope)
+    stmt = stmt.group_by(c.scope, c.embedder, c.dim)
+    with store._read() as conn:
+        return {(s, e, int(d)): int(n) for s, e, d, n in conn.execute(stmt)}
+
+
+def unembedded_ids(store: Any) -> list[int]:
+    """Ids of rows stored without an embedding, in id order."""
+    from sqlalchemy import select
+
+    from agentspec.stores.sql_schema import records
+
+    stmt = select(records.c.id).where(records.c.dim == 0).order_by(records.c.id)
+    with store._read() as conn:
+        return [int(i) for i in conn.execute(stmt).scalars()]
+
+
+def set_embeddings(store: Any, rows: list[tuple[int, Any]], embedder: str) -> None:
+    """Store each ``(id, float32 [dim] vector)`` as the embedding of a row that had none, in one
+    transaction; ids stay the same."""
+    import numpy as np
+    from sqlalchemy import bindparam, update
+
+    from agentspec.stores.sql_schema import records
+
+    c = records.c
+    stmt = (update(records).where(c.id == bindparam("rid"), c.dim == 0)
+            .values(embedding=bindparam("emb"), embedder=embedder, dim=bindparam("d"),
+                    num_bytes=c.num_bytes + 4 * bindparam("d")))
+    params = []
+    for rid, vector in rows:
+        vec = np.asarray(vector, "<f4").reshape(-1)
+        params.append({"rid": int(rid), "emb": vec.tobytes(), "d": int(vec.size)})
+    if params:
+        with store._write() as conn:
+            conn.execute(stmt, params)
