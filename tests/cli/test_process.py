@@ -1,0 +1,97 @@
+"""The CLI as a process: torch stays unimported for cache commands; generate, demo, bench."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from agentspec.cli import app
+
+# Runs the CLI in this interpreter, then reports which heavy modules got imported.
+_WRAPPER = """
+import json, sys
+from agentspec.cli import app
+try:
+    app(sys.argv[1:])
+except SystemExit as e:
+    code = e.code
+heavy = sorted(m for m in ("torch", "transformers", "sentence_transformers") if m in sys.modules)
+print(json.dumps({"code": code, "heavy": heavy}), file=sys.stderr)
+"""
+
+
+def _run(args: list[str], home: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "AGENTSPEC_HOME": str(home)}
+    env.pop("AGENTSPEC_DB", None)
+    return subprocess.run([sys.executable, "-c", _WRAPPER, *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("args", [["cache", "stats"], ["cache", "ls"], ["cache", "show", "1"],
+                                  ["cache", "export", "-"], ["cache", "prune", "--older-than",
+                                                             "1w", "--dry-run"]])
+def test_cache_commands_leave_torch_unimported(url: str, home: Path, args: list[str]) -> None:
+    proc = _run(["--db", url, *args], home)
+    report = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert report == {"code": 0, "heavy": []}, proc.stderr
+
+
+def test_console_script(tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("agentspec")
+    if not exe.exists():
+        pytest.skip("no agentspec console script: .venv/bin/pip install -q --no-deps -e .")
+    env = {**os.environ, "AGENTSPEC_HOME": str(tmp_path)}
+    env.pop("AGENTSPEC_DB", None)
+    ok = subprocess.run([str(exe), "--help"], capture_output=True, text=True, env=env, timeout=60)
+    assert ok.returncode == 0 and "cache" in ok.stdout
+    missing = subprocess.run([str(exe), "cache", "stats"], capture_output=True, text=True,
+                             env=env, timeout=60)
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert missing.stderr.startswith("error: no memory database at")
+    bad = subprocess.run([str(exe), "cache", "ls", "--limit", "many"], capture_output=True,
+                         text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_demo_wiring() -> None:
+    if importlib.util.find_spec("agentspec.bench.demo") is not None:
+        pytest.skip("agentspec.bench.demo exists: its own tests cover it")
+    res = CliRunner().invoke(app, ["demo"])
+    assert res.exit_code == 1 and "agentspec.bench.demo is not installed" in res.stderr
+
+
+def test_bench_wiring() -> None:
+    if importlib.util.find_spec("agentspec.bench.cli") is not None:
+        res = CliRunner().invoke(app, ["bench", "--help"])
+        assert res.exit_code == 0, res.output
+        return
+    res = CliRunner().invoke(app, ["bench"])
+    assert res.exit_code == 1 and "agentspec.bench.cli is not installed" in res.stderr
+
+
+def test_generate_bad_input() -> None:
+    assert CliRunner().invoke(app, ["generate", "hi", "--max-new-tokens", "0"]).exit_code == 2
+    assert CliRunner().invoke(app, ["generate", "hi", "--temperature", "-1"]).exit_code == 2
+
+
+@pytest.mark.slow
+def test_generate_real_model(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentspec.home import model_dir
+
+    monkeypatch.delenv("AGENTSPEC_HOME")  # reuse the converted model under the real home
+    if not (model_dir() / "smollm2-135m-instruct").is_dir():
+        monkeypatch.setenv("AGENTSPEC_HOME", str(home))
+    for extra in ([], ["--no-stream"]):
+        res = CliRunner().invoke(app, ["generate", "What is 2 + 2?", "--max-new-tokens", "8",
+                                       *extra])
+        assert res.exit_code == 0, res.output
+        assert res.stdout.strip()
+        summary = res.stderr.strip().splitlines()[-1]
+        assert " tokens in " in summary and "tok/s" in summary and "accepted" in summary
