@@ -1,0 +1,400 @@
+"""A real tool-calling agent over BFCL's multi-turn suite, recorded as an ``agentspec bench`` workload.
+
+The Berkeley Function Calling Leaderboard (Patil et al., "The Berkeley Function Calling
+Leaderboard", 2025; package ``bfcl-eval``, installed with ``--no-deps``) ships multi-turn tasks
+(user turns + the initial state of stateful tool classes such as a file system or a trading
+account), JSON docs of every tool and the tools' Python implementations. This module reads the
+JSON files directly and imports only the tool modules themselves, so none of the package's
+pinned dependencies is needed.
+
+The agent: a system prompt lists the tools as JSON schemas and asks for calls as a JSON list
+``[{"name": "cd", "arguments": {"folder": "document"}}]``; each call runs against BFCL's own
+implementation of the tool, and its result goes back to the model as a ``{"role": "tool"}``
+message (``tool_role="user"`` renders it as a user message ``"Tool result: ..."`` instead, for
+chat templates that refuse the tool role; SmolLM2's ChatML template renders any role). A turn
+ends when the model answers without a tool call, or after ``max_calls_per_turn`` calls.
+
+The model is injected as ``generate(messages) -> completion``, so this module never imports
+the engine; every call it makes becomes one :class:`~agentspec.bench.workload.WorkloadItem`.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import importlib.util
+import json
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from agentspec.bench.toolcalls import ToolCall, parse_tool_calls
+from agentspec.bench.workload import WorkloadItem
+
+Generate = Callable[[list[dict[str, str]]], str]
+
+SUITE_FILE = "BFCL_v4_multi_turn_base.json"
+_TOOLS_PACKAGE = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
+# Class -> tool module (its docs are "<module>.json"), as BFCL's CLASS_FILE_PATH_MAPPING.
+TOOL_MODULES: dict[str, str] = {
+    "GorillaFileSystem": "gorilla_file_system", "MathAPI": "math_api",
+    "MessageAPI": "message_api", "TwitterAPI": "posting_api", "TicketAPI": "ticket_api",
+    "TradingBot": "trading_bot", "TravelAPI": "travel_booking",
+    "VehicleControlAPI": "vehicle_control",
+}
+
+# The prompt budget (about 1500 tokens on 2 CPU cores) cannot hold a whole class: the file
+# system's 18 docs alone are ~1800 SmolLM2 tokens. These subsets keep the real docs of the
+# functions the default tasks need, and are the same for every task of a class, so one
+# scope has one system prompt. Classes not listed here get all their functions.
+DEFAULT_TOOL_SUBSETS: dict[str, tuple[str, ...]] = {
+    "GorillaFileSystem": (
+        "pwd", "ls", "cd", "mkdir", "touch", "cat", "echo", "grep", "sort", "mv",
+    ),
+    "TradingBot": (
+        "get_symbol_by_name", "get_stock_info", "get_available_stocks", "get_watchlist",
+        "add_to_watchlist", "get_account_info", "fund_account", "place_order",
+        "get_order_details", "cancel_order",
+    ),
+}
+
+# Interleaved by class, so that a by-task warmup/measure split puts each scope in both phases.
+DEFAULT_TASK_IDS: list[str] = [
+    "multi_turn_base_9", "multi_turn_base_100", "multi_turn_base_26", "multi_turn_base_105",
+    "multi_turn_base_39", "multi_turn_base_104",
+    "multi_turn_base_12", "multi_turn_base_132", "multi_turn_base_29", "multi_turn_base_146",
+    "multi_turn_base_38", "multi_turn_base_127",
+]
+
+INSTRUCTIONS = """\
+You are an agent that completes the user's requests by calling tools. {descriptions}
+
+Available tools, as JSON schemas:
+{tools}
+
+To call tools, answer with ONLY a JSON list of calls and nothing else, for example:
+[{example}]
+Each result comes back in a "tool" message. Call tools one step at a time. When the \
+request is done, answer in plain text without any JSON."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One BFCL multi-turn task.
+
+    Attributes:
+        id: BFCL id, e.g. ``"multi_turn_base_9"``.
+        turns: the user turns; each is a tuple of ``{"role", "content"}`` messages.
+        involved_classes: tool classes the task may use.
+        initial_config: initial state per class name (BFCL's scenario dicts).
+        path: the reference solution's functions as ``"Class.function"``.
+    """
+
+    id: str
+    turns: tuple[tuple[Mapping[str, str], ...], ...]
+    involved_classes: tuple[str, ...]
+    initial_config: Mapping[str, Any]
+    path: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class CallTrace:
+    """One LLM call of the agent and what came of it.
+
+    Attributes:
+        task_id: the task.
+        turn: 0-based user turn.
+        call: 0-based call within the turn.
+        messages: exactly the messages sent to the model.
+        completion: the model's text.
+        calls: the tool calls parsed from the completion.
+        results: one string per executed call, then one per malformed call.
+        errors: the parse errors (also among ``results``).
+    """
+
+    task_id: str
+    turn: int
+    call: int
+    messages: tuple[Mapping[str, str], ...]
+    completion: str
+    calls: tuple[ToolCall, ...]
+    results: tuple[str, ...]
+    errors: tuple[str, ...]
+
+
+def _package_dir() -> Path:
+    spec = importlib.util.find_spec("bfcl_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "bfcl_eval is not installed; run: pip install --no-deps bfcl-eval==2026.3.23"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@cache
+def _suite() -> dict[str, dict[str, Any]]:
+    return {e["id"]: e for e in _read_jsonl(_package_dir() / "data" / SUITE_FILE)}
+
+
+def load_tasks(ids: Sequence[str] | None = None) -> list[Task]:
+    """Loads tasks of BFCL's ``multi_turn_base`` suite.
+
+    Args:
+        ids: task ids in the wanted order; ``None`` loads all 200 in file order.
+
+    Raises:
+        KeyError: an id is not in the suite (the message names it).
+    """
+    suite = _suite()
+    missing = [i for i in (ids or ()) if i not in suite]
+    if missing:
+        raise KeyError(f"unknown BFCL task ids {missing} (not in {SUITE_FILE})")
+    return [
+        Task(
+            id=e["id"],
+            turns=tuple(tuple(dict(m) for m in turn) for turn in e["question"]),
+            involved_classes=tuple(e["involved_classes"]),
+            initial_config=e.get("initial_config", {}),
+            path=tuple(e.get("path", ())),
+        )
+        for e in (suite[i] for i in (ids if ids is not None else list(suite)))
+    ]
+
+
+def default_tasks() -> list[Task]:
+    """The tasks of the default ``agentspec bench`` workload (:data:`DEFAULT_TASK_IDS`)."""
+    return load_tasks(DEFAULT_TASK_IDS)
+
+
+def main_class(task: Task) -> str:
+    """The class the reference solution calls most (ties: first in ``involved_classes``)."""
+    counts = Counter(p.split(".", 1)[0] for p in task.path)
+    return max(task.involved_classes, key=lambda c: (counts[c], -task.involved_classes.index(c)))
+
+
+def _module(class_name: str) -> str:
+    if class_name not in TOOL_MODULES:
+        raise ValueError(f"unknown BFCL tool class {class_name!r}; known: {sorted(TOOL_MODULES)}")
+    return TOOL_MODULES[class_name]
+
+
+@cache
+def load_tool_docs(class_name: str) -> tuple[str, tuple[dict[str, Any], ...]]:
+    """A class's description and its function docs as JSON schemas.
+
+    BFCL repeats the class description in front of every function's ("This tool belongs
+    to ... Tool description: ..."); it is split off here and stated once. The ``response``
+    schema is dropped: the model needs only how to call a tool.
+
+    Returns:
+        ``(class_description, docs)``, each doc ``{"name", "description", "parameters"}``.
+    """
+    doc_file = f"{_module(class_name)}.json"
+    descriptions, docs = [], []
+    for doc in _read_jsonl(_package_dir() / "data" / "multi_turn_func_doc" / doc_file):
+        head, sep, own = doc["description"].partition("Tool description: ")
+        if sep and head.strip() not in descriptions:
+            descriptions.append(head.strip())
+        docs.append({"name": doc["name"], "description": (own if sep else head).strip(),
+                     "parameters": doc["parameters"]})
+    return " ".join(descriptions), tuple(docs)
+
+
+def _example_call(docs: Sequence[Mapping[str, Any]]) -> str:
+    """A one-call example taken from the prompt's own tools (first with a string argument)."""
+    for doc in docs:
+        props = doc["parameters"].get("properties", {})
+        for name in doc["parameters"].get("required", []):
+            if props.get(name, {}).get("type") == "string":
+                return json.dumps({"name": doc["name"], "arguments": {name: "..."}})
+    return json.dumps({"name": docs[0]["name"], "arguments": {}}) if docs else ""
+
+
+def system_prompt(
+    classes: Sequence[str], *, tool_subsets: Mapping[str, Sequence[str]] = DEFAULT_TOOL_SUBSETS,
+) -> str:
+    """The agent's system prompt for a set of tool classes.
+
+    Args:
+        classes: BFCL class names, e.g. ``["GorillaFileSystem"]``.
+        tool_subsets: per class, the functions to document (in the docs' order); a class
+            not listed gets all of its functions.
+    """
+    descriptions: list[str] = []
+    docs: list[dict[str, Any]] = []
+    for class_name in classes:
+        description, class_docs = load_tool_docs(class_name)
+        keep = tool_subsets.get(class_name)
+        if keep is not None:
+            unknown = set(keep) - {d["name"] for d in class_docs}
+            if unknown:
+                raise ValueError(f"{class_name} has no functions {sorted(unknown)}")
+            class_docs = tuple(d for d in class_docs if d["name"] in keep)
+        descriptions.append(description)
+        docs.extend(class_docs)
+    return INSTRUCTIONS.format(
+        descriptions=" ".join(descriptions),
+        tools="\n".join(json.dumps(d, ensure_ascii=False) for d in docs),
+        example=_example_call(docs),
+    )
+
+
+class ToolEnvironment:
+    """A task's tool instances, loaded with its initial state, that execute parsed calls.
+
+    Raises:
+        ImportError: a class's module cannot be imported (names the class and module).
+    """
+
+    def __init__(self, task: Task, *, max_result_chars: int = 600) -> None:
+        self.max_result_chars = max_result_chars
+        self.instances: dict[str, Any] = {}
+        for class_name in task.involved_classes:
+            module_name = f"{_TOOLS_PACKAGE}.{_module(class_name)}"
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError as e:
+                raise ImportError(f"BFCL class {class_name} ({module_name}): {e}") from e
+            instance = getattr(module, class_name)()
+            if hasattr(instance, "_load_scenario"):  # stateless classes (MathAPI) have none
+                config = copy.deepcopy(dict(task.initial_config).get(class_name, {}))
+                instance._load_scenario(config, long_context=False)
+            self.instances[class_name] = instance
+
+    def _method(self, name: str) -> Callable[..., Any] | None:
+        if name.startswith("_"):
+            return None
+        for instance in self.instances.values():
+            method = getattr(instance, name, None)
+            if callable(method):
+                return method
+        return None
+
+    def execute(self, call: ToolCall) -> str:
+        """Runs one call; any failure comes back as an ``"Error: ..."`` string, never raised."""
+        method = self._method(call.name)
+        if method is None:
+            return f"Error: no tool named {call.name!r}"
+        try:
+            result = method(**call.arguments)
+        except Exception as e:  # the model's bad arguments are data, not our crash
+            return f"Error during execution: {type(e).__name__}: {e}"
+        # As BFCL's own executor does: dicts as JSON, anything else through str().
+        text = json.dumps(result, default=str) if isinstance(result, dict) else str(result)
+        if len(text) > self.max_result_chars:
+            cut = len(text) - self.max_result_chars
+            text = f"{text[: self.max_result_chars]}... [{cut} more characters]"
+        return text or "(empty result)"
+
+
+def _result_message(result: str, tool_role: str) -> dict[str, str]:
+    if tool_role == "tool":
+        return {"role": "tool", "content": result}
+    return {"role": "user", "content": f"Tool result: {result}"}
+
+
+def run_task(
+    task: Task,
+    generate: Generate,
+    *,
+    max_calls_per_turn: int = 3,
+    max_turns: int | None = None,
+    tool_role: str = "tool",
+    tool_subsets: Mapping[str, Sequence[str]] = DEFAULT_TOOL_SUBSETS,
+    env: ToolEnvironment | None = None,
+) -> list[CallTrace]:
+    """Runs the agent on one task against BFCL's tool implementations.
+
+    Per user turn the model is called up to ``max_calls_per_turn`` times; the turn ends
+    early when it answers without a tool call. Malformed calls are not executed: their
+    error goes back to the model like a tool result. An empty completion is not added to
+    the history (a workload message cannot be empty) and ends the turn.
+
+    Args:
+        task: the task.
+        generate: the model, ``messages -> completion text``.
+        max_calls_per_turn: LLM calls at most per user turn (>= 1).
+        max_turns: user turns to play at most; ``None`` plays all.
+        tool_role: ``"tool"``, or ``"user"`` for chat templates that refuse the tool role.
+        tool_subsets: functions documented per class (see :func:`system_prompt`).
+        env: the tools to run the calls on; default a fresh ``ToolEnvironment(task)``.
+            Pass one to inspect the tools' state afterwards.
+
+    Returns:
+        One trace per LLM call, in order.
+    """
+    if max_calls_per_turn < 1:
+        raise ValueError(f"max_calls_per_turn must be >= 1, got {max_calls_per_turn}")
+    if tool_role not in ("tool", "user"):
+        raise ValueError(f"tool_role must be 'tool' or 'user', got {tool_role!r}")
+    env = env if env is not None else ToolEnvironment(task)
+    prompt = system_prompt(task.involved_classes, tool_subsets=tool_subsets)
+    messages: list[dict[str, str]] = [{"role": "system", "content": prompt}]
+    traces: list[CallTrace] = []
+    for turn, user_messages in enumerate(task.turns[:max_turns]):
+        messages.extend(dict(m) for m in user_messages)
+        for call in range(max_calls_per_turn):
+            sent = tuple(dict(m) for m in messages)
+            completion = generate([dict(m) for m in sent])
+            calls, errors = parse_tool_calls(completion)
+            results = [env.execute(c) for c in calls] + errors
+            traces.append(CallTrace(task.id, turn, call, sent, completion, tuple(calls),
+                                    tuple(results), tuple(errors)))
+            if not completion.strip():
+                break
+            messages.append({"role": "assistant", "content": completion})
+            if not results:
+                break
+            messages.extend(_result_message(r, tool_role) for r in results)
+    return traces
+
+
+def build_workload(
+    tasks: Sequence[Task],
+    generate: Generate,
+    *,
+    warmup_fraction: float = 0.5,
+    max_new_tokens: int = 128,
+    scope_of: Callable[[Task], str] = lambda task: f"bfcl-{main_class(task)}",
+    max_calls_per_turn: int = 3,
+    max_turns: int | None = None,
+    tool_role: str = "tool",
+) -> list[WorkloadItem]:
+    """Runs the agent on every task and turns each LLM call into one workload line.
+
+    The split is by task: the first ``floor(len(tasks) * warmup_fraction)`` tasks are
+    ``warmup``, the rest ``measure`` (at least one), so no task is in both phases. Item ids
+    are ``"<task id>-turn<t>-call<c>"``.
+
+    Args:
+        tasks: the tasks, in order.
+        generate: the model; it should itself stop at ``max_new_tokens``.
+        warmup_fraction: share of tasks in the warmup phase, in [0, 1).
+        max_new_tokens: recorded on every item.
+        scope_of: the memory scope of a task's calls; default ``"bfcl-" + main class``.
+        max_calls_per_turn, max_turns, tool_role: as in :func:`run_task`.
+    """
+    if not 0 <= warmup_fraction < 1:
+        raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
+    if not tasks:
+        raise ValueError("build_workload needs at least one task, got none")
+    n_warmup = min(int(len(tasks) * warmup_fraction), len(tasks) - 1)
+    items = []
+    for index, task in enumerate(tasks):
+        phase = "warmup" if index < n_warmup else "measure"
+        traces = run_task(task, generate, max_calls_per_turn=max_calls_per_turn,
+                          max_turns=max_turns, tool_role=tool_role)
+        for trace in traces:
+            items.append(WorkloadItem(
+                id=f"{task.id}-turn{trace.turn}-call{trace.call}", scope=scope_of(task),
+                phase=phase, messages=trace.messages, max_new_tokens=max_new_tokens,
+            ))
+    return items
