@@ -212,6 +212,7 @@ class HFTarget:
         out = self.model(input_ids=ids, past_key_values=self._kv, use_cache=True, **kwargs)
         return out.logits[0]  # [num_nodes + 1, vocab_size]
 
+    @torch.inference_mode()
     def commit(self, draft: Draft, verdict: Verdict) -> None:
         """Keep the root and the accepted path in the KV; drop every other draft row."""
         root_end = self._kv_len + 1  # the root's row is now in the KV

@@ -1,0 +1,71 @@
+"""Test drafters and targets shared by the integration tests."""
+
+from __future__ import annotations
+
+import torch
+
+from agentspec.protocols import DraftContext
+from agentspec.target import HFTarget
+from agentspec.types import Draft, Verdict
+
+
+class OracleTreeDrafter:
+    """Knows a reference continuation and hides it in the second branch of a small tree.
+
+    Tree per step: node0 = a wrong token, node1 = ref[k], node2 = ref[k+1] (child of 1),
+    node3 = a wrong sibling of 2, node4 = ref[k+2] (child of 2). When the reference is right the
+    accepted path is (1, 2, 4): not a prefix of the node order, so the KV gather is exercised.
+    """
+
+    name = "oracle"
+
+    def __init__(self, reference: list[int], vocab_size: int) -> None:
+        self.reference = reference
+        self.vocab = vocab_size
+
+    def begin(self, context: DraftContext) -> None:
+        pass
+
+    def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
+        k = len(context.generated)
+        ref = self.reference[k : k + 3]
+        if len(ref) < 3 or max_tokens < 3:
+            return Draft.chain(ref[:max_tokens], self.name)
+        wrong = lambda t: (t + 7) % self.vocab  # noqa: E731
+        return Draft((wrong(ref[0]), ref[0], ref[1], wrong(ref[1]), ref[2]), (-1, -1, 1, 1, 2), self.name)
+
+    def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
+        pass
+
+
+class CheckingTarget(HFTarget):
+    """An HFTarget that checks every scored row against a fresh forward of its full prefix."""
+
+    def __init__(self, model, tokenizer, atol: float = 1e-4) -> None:
+        super().__init__(model, tokenizer, name="checking")
+        self.atol = atol
+        self.checked_rows = 0
+        self.context: list[int] = []
+
+    def start(self, prompt_ids):
+        self.context = list(prompt_ids)
+        super().start(prompt_ids)
+
+    def _fresh_last_logits(self, ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+    def score(self, last_token, draft):
+        logits = super().score(last_token, draft)
+        prefixes: list[list[int]] = []
+        for i, p in enumerate(draft.parents):
+            prefixes.append((prefixes[p] if p >= 0 else []) + [draft.token_ids[i]])
+        for row, extra in enumerate([[]] + prefixes):
+            fresh = self._fresh_last_logits(self.context + extra)
+            torch.testing.assert_close(logits[row], fresh, atol=self.atol, rtol=0)
+            self.checked_rows += 1
+        return logits
+
+    def commit(self, draft, verdict):
+        super().commit(draft, verdict)
+        self.context.extend(verdict.new_tokens)

@@ -1,0 +1,59 @@
+import pytest
+
+from agentspec.config import SpecConfig
+from agentspec.drafters.ngram import NgramIndex
+from agentspec.drafters.prompt_lookup import PromptLookupDrafter
+from agentspec.protocols import DraftContext
+from agentspec.types import Verdict
+
+
+@pytest.mark.parametrize(
+    ("tokens", "n_min", "n_max", "expected"),
+    [
+        ([1, 2, 3, 9, 1, 2], 2, 4, (2, 2)),  # "1 2" seen before, continuation at index 2
+        ([1, 2, 3, 9, 8, 1, 2, 3], 2, 4, (3, 3)),  # the longest n wins
+        ([5, 1, 2, 7, 1, 2, 8, 1, 2], 2, 3, (2, 6)),  # the most recent occurrence wins
+        ([1, 2, 3, 4], 2, 4, (0, -1)),  # no repeat
+        ([7, 7], 2, 4, (0, -1)),  # the suffix never matches itself
+        ([7, 7, 7], 2, 4, (2, 2)),
+        ([1], 1, 3, (0, -1)),
+        ([4, 1, 4], 1, 3, (1, 1)),
+    ],
+)
+def test_match_table(tokens, n_min, n_max, expected):
+    assert NgramIndex(n_min, n_max).match(tokens) == expected
+
+
+def test_incremental_growth_equals_fresh_index():
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3]
+    grown = NgramIndex(1, 3)
+    for end in range(1, len(tokens) + 1):
+        assert grown.match(tokens[:end]) == NgramIndex(1, 3).match(tokens[:end]), end
+
+
+def test_query_over_another_sequence():
+    src = [10, 11, 12, 13, 14]
+    assert NgramIndex(2, 3).match(src, [0, 11, 12]) == (2, 3)
+
+
+def test_bad_bounds():
+    with pytest.raises(ValueError, match="n_min"):
+        NgramIndex(3, 2)
+
+
+def test_prompt_lookup_drafts_continuation_and_adapts():
+    drafter = PromptLookupDrafter(SpecConfig(max_draft_tokens=12))
+    ctx = DraftContext(tokens=[1, 2, 3, 4, 5, 6, 7, 8, 1, 2], prompt_len=10)
+    drafter.begin(ctx)
+    draft = drafter.propose(ctx, max_tokens=4)
+    assert draft.token_ids == (3, 4, 5, 6) and draft.is_chain and draft.source == "prompt_lookup"
+    before = drafter.length.current
+    drafter.observe(ctx, draft, Verdict((), (), 0))
+    assert drafter.length.current == before - 1
+
+
+def test_prompt_lookup_uses_extra_sources():
+    drafter = PromptLookupDrafter()
+    ctx = DraftContext(tokens=[50, 60, 70], prompt_len=3, extra_sources=([1, 60, 70, 80, 90],))
+    drafter.begin(ctx)
+    assert drafter.propose(ctx, max_tokens=5).token_ids == (80, 90)

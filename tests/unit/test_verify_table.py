@@ -1,0 +1,55 @@
+"""Table-driven tests of the verification walk and greedy verification."""
+
+import pytest
+import torch
+
+from agentspec.config import SamplingParams
+from agentspec.types import Draft, Verdict
+from agentspec.verify import verify, walk
+
+TREE = Draft((5, 6, 7, 8, 9), (-1, -1, 0, 0, 1), "t")  # 5->{7,8}, 6->{9}
+
+
+@pytest.mark.parametrize(
+    ("draft", "samples", "expected"),
+    [
+        (Draft(), [4], Verdict((), (), 4)),
+        (Draft.chain([1, 2, 3], "c"), [1, 2, 3, 9], Verdict((0, 1, 2), (1, 2, 3), 9)),
+        (Draft.chain([1, 2, 3], "c"), [1, 5, 3, 9], Verdict((0,), (1,), 5)),
+        (Draft.chain([1, 2, 3], "c"), [0, 2, 3, 9], Verdict((), (), 0)),
+        (TREE, [5, 8, 0, 0, 0, 0], Verdict((0, 3), (5, 8), 0)),
+        (TREE, [6, 0, 9, 0, 0, 4], Verdict((1, 4), (6, 9), 4)),
+        (TREE, [5, 9, 0, 0, 0, 0], Verdict((0,), (5,), 9)),  # 9 is a child of 6, not of 5
+        (TREE, [3, 0, 0, 0, 0, 0], Verdict((), (), 3)),
+    ],
+)
+def test_walk(draft, samples, expected):
+    assert walk(draft, samples) == expected
+
+
+def one_hot_logits(rows, vocab=10):
+    logits = torch.full((len(rows), vocab), -5.0)
+    for i, t in enumerate(rows):
+        logits[i, t] = 5.0
+    return logits
+
+
+def test_greedy_verify_uses_argmax_per_node():
+    logits = one_hot_logits([5, 8, 0, 0, 0, 0])
+    assert verify(TREE, logits, SamplingParams()) == Verdict((0, 3), (5, 8), 0)
+
+
+def test_greedy_ratio_draft_reduces_to_walk():
+    q = torch.full((2, 10), 0.1)
+    draft = Draft.chain([1, 2], "model", draft_probs=q)
+    logits = one_hot_logits([1, 3, 0])
+    assert verify(draft, logits, SamplingParams()) == Verdict((0,), (1,), 3)
+
+
+def test_draft_rejects_malformed_trees():
+    with pytest.raises(ValueError, match="parents"):
+        Draft((1, 2), (-1, 1), "x")
+    with pytest.raises(ValueError, match="differ in length"):
+        Draft((1, 2), (-1,), "x")
+    with pytest.raises(ValueError, match="sibling"):
+        walk(Draft((1, 1), (-1, -1), "x"), [1, 0, 0])
