@@ -1,26 +1,21 @@
-"""A real tool-calling agent over BFCL's multi-turn suite, recorded as an ``agentspec bench`` workload.
+"""A real tool-calling agent over BFCL's multi-turn suite, recorded as a bench workload.
 
-The Berkeley Function Calling Leaderboard (Patil et al., "The Berkeley Function Calling
-Leaderboard", 2025; package ``bfcl-eval``, installed with ``--no-deps``) ships multi-turn tasks
-(user turns + the initial state of stateful tool classes such as a file system or a trading
-account), JSON docs of every tool and the tools' Python implementations. This module reads the
-JSON files directly and imports only the tool modules themselves, so none of the package's
-pinned dependencies is needed.
+BFCL (the Berkeley Function Calling Leaderboard, package ``bfcl-eval``, installed with
+``--no-deps``) ships multi-turn tasks (user turns + initial state of stateful tool classes),
+JSON docs of the tools and their Python implementations. The JSON files are read directly and
+only the tool modules are imported, so none of the package's pinned dependencies is needed.
 
-The agent: a system prompt lists the tools as JSON schemas and asks for calls as a JSON list
-``[{"name": "cd", "arguments": {"folder": "document"}}]``; each call runs against BFCL's own
-implementation of the tool, and its result goes back to the model as a ``{"role": "tool"}``
-message (``tool_role="user"`` renders it as a user message ``"Tool result: ..."`` instead, for
-chat templates that refuse the tool role; SmolLM2's ChatML template renders any role). A turn
-ends when the model answers without a tool call, or after ``max_calls_per_turn`` calls.
-
-The model is injected as ``generate(messages) -> completion``, so this module never imports
-the engine; every call it makes becomes one :class:`~agentspec.bench.workload.WorkloadItem`.
+The agent lists the tools as JSON schemas in its system prompt, follows with a short example
+dialogue, and asks for calls as ``[{"name": "cd", "arguments": {"folder": "document"}}]``.
+Each call runs on BFCL's own implementation; its result goes back as a ``{"role": "tool"}``
+message (``tool_role="user"`` sends ``"Tool result: ..."`` as a user message instead, for chat
+templates that refuse the tool role; SmolLM2's ChatML template renders any role). A turn ends
+when the model answers without a tool call, or after ``max_calls_per_turn`` calls. The model
+is injected as ``generate(messages) -> completion``: this module never imports the engine.
 """
 
 from __future__ import annotations
 
-import copy
 import importlib
 import importlib.util
 import json
@@ -31,35 +26,51 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from agentspec.bench.toolcalls import ToolCall, parse_tool_calls
+from agentspec.bench.toolcalls import (
+    ToolCall,
+    ToolEnvironment,
+    parse_tool_calls,
+    tool_module,
+)
 from agentspec.bench.workload import WorkloadItem
 
 Generate = Callable[[list[dict[str, str]]], str]
 
 SUITE_FILE = "BFCL_v4_multi_turn_base.json"
-_TOOLS_PACKAGE = "bfcl_eval.eval_checker.multi_turn_eval.func_source_code"
-# Class -> tool module (its docs are "<module>.json"), as BFCL's CLASS_FILE_PATH_MAPPING.
-TOOL_MODULES: dict[str, str] = {
-    "GorillaFileSystem": "gorilla_file_system", "MathAPI": "math_api",
-    "MessageAPI": "message_api", "TwitterAPI": "posting_api", "TicketAPI": "ticket_api",
-    "TradingBot": "trading_bot", "TravelAPI": "travel_booking",
-    "VehicleControlAPI": "vehicle_control",
-}
-
 # The prompt budget (about 1500 tokens on 2 CPU cores) cannot hold a whole class: the file
 # system's 18 docs alone are ~1800 SmolLM2 tokens. These subsets keep the real docs of the
 # functions the default tasks need, and are the same for every task of a class, so one
 # scope has one system prompt. Classes not listed here get all their functions.
 DEFAULT_TOOL_SUBSETS: dict[str, tuple[str, ...]] = {
-    "GorillaFileSystem": (
-        "pwd", "ls", "cd", "mkdir", "touch", "cat", "echo", "grep", "sort", "mv",
-    ),
+    "GorillaFileSystem": ("ls", "cd", "mkdir", "touch", "cat", "echo", "grep", "sort", "mv"),
     "TradingBot": (
-        "get_symbol_by_name", "get_stock_info", "get_available_stocks", "get_watchlist",
-        "add_to_watchlist", "get_account_info", "fund_account", "place_order",
-        "get_order_details", "cancel_order",
+        "get_symbol_by_name", "get_stock_info", "get_watchlist", "add_to_watchlist",
+        "get_account_info", "fund_account", "place_order", "get_order_details", "cancel_order",
     ),
 }
+
+# A 135M model follows a worked example in the chat far better than any instruction, so a
+# short example dialogue (hand-written, with the real tools' result formats) precedes the task.
+_FS_EXAMPLE = ("Go to the 'notes' folder and show me 'todo.txt'.", "cd", '{"folder": "notes"}',
+               '{"current_working_directory": "notes"}', "cat", '{"file_name": "todo.txt"}',
+               '{"file_content": "buy milk"}', "todo.txt says: buy milk.")
+_TRADING_EXAMPLE = ("What is Apple's stock price?", "get_symbol_by_name", '{"name": "Apple"}',
+                    '{"symbol": "AAPL"}', "get_stock_info", '{"symbol": "AAPL"}',
+                    '{"price": 227.16, "percent_change": 0.17}', "Apple (AAPL) is at 227.16.")
+FEW_SHOT = {"GorillaFileSystem": _FS_EXAMPLE, "TradingBot": _TRADING_EXAMPLE}
+
+
+def _few_shot(class_name: str, tool_role: str) -> list[dict[str, str]]:
+    """The example dialogue of a class: request, two calls with results, plain answer."""
+    if class_name not in FEW_SHOT:
+        return []
+    user, name1, args1, result1, name2, args2, result2, answer = FEW_SHOT[class_name]
+    call = '[{{"name": "{}", "arguments": {}}}]'.format
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": call(name1, args1)},
+            _result_message(result1, tool_role),
+            {"role": "assistant", "content": call(name2, args2)},
+            _result_message(result2, tool_role), {"role": "assistant", "content": answer}]
+
 
 # Interleaved by class, so that a by-task warmup/measure split puts each scope in both phases.
 DEFAULT_TASK_IDS: list[str] = [
@@ -70,15 +81,13 @@ DEFAULT_TASK_IDS: list[str] = [
 ]
 
 INSTRUCTIONS = """\
-You are an agent that completes the user's requests by calling tools. {descriptions}
+You are an agent that does the user's requests by calling tools. {descriptions}
 
-Available tools, as JSON schemas:
+Tools, as JSON schemas:
 {tools}
 
-To call tools, answer with ONLY a JSON list of calls and nothing else, for example:
-[{example}]
-Each result comes back in a "tool" message. Call tools one step at a time. When the \
-request is done, answer in plain text without any JSON."""
+To call a tool, reply with only a JSON list of calls, like [{example}]
+Then you get the tool's result. Call the next tool, or reply in plain text when done."""
 
 
 @dataclass(frozen=True)
@@ -180,12 +189,6 @@ def main_class(task: Task) -> str:
     return max(task.involved_classes, key=lambda c: (counts[c], -task.involved_classes.index(c)))
 
 
-def _module(class_name: str) -> str:
-    if class_name not in TOOL_MODULES:
-        raise ValueError(f"unknown BFCL tool class {class_name!r}; known: {sorted(TOOL_MODULES)}")
-    return TOOL_MODULES[class_name]
-
-
 @cache
 def load_tool_docs(class_name: str) -> tuple[str, tuple[dict[str, Any], ...]]:
     """A class's description and its function docs as JSON schemas.
@@ -197,7 +200,7 @@ def load_tool_docs(class_name: str) -> tuple[str, tuple[dict[str, Any], ...]]:
     Returns:
         ``(class_description, docs)``, each doc ``{"name", "description", "parameters"}``.
     """
-    doc_file = f"{_module(class_name)}.json"
+    doc_file = f"{tool_module(class_name)}.json"
     descriptions, docs = [], []
     for doc in _read_jsonl(_package_dir() / "data" / "multi_turn_func_doc" / doc_file):
         head, sep, own = doc["description"].partition("Tool description: ")
@@ -247,54 +250,6 @@ def system_prompt(
     )
 
 
-class ToolEnvironment:
-    """A task's tool instances, loaded with its initial state, that execute parsed calls.
-
-    Raises:
-        ImportError: a class's module cannot be imported (names the class and module).
-    """
-
-    def __init__(self, task: Task, *, max_result_chars: int = 600) -> None:
-        self.max_result_chars = max_result_chars
-        self.instances: dict[str, Any] = {}
-        for class_name in task.involved_classes:
-            module_name = f"{_TOOLS_PACKAGE}.{_module(class_name)}"
-            try:
-                module = importlib.import_module(module_name)
-            except ImportError as e:
-                raise ImportError(f"BFCL class {class_name} ({module_name}): {e}") from e
-            instance = getattr(module, class_name)()
-            if hasattr(instance, "_load_scenario"):  # stateless classes (MathAPI) have none
-                config = copy.deepcopy(dict(task.initial_config).get(class_name, {}))
-                instance._load_scenario(config, long_context=False)
-            self.instances[class_name] = instance
-
-    def _method(self, name: str) -> Callable[..., Any] | None:
-        if name.startswith("_"):
-            return None
-        for instance in self.instances.values():
-            method = getattr(instance, name, None)
-            if callable(method):
-                return method
-        return None
-
-    def execute(self, call: ToolCall) -> str:
-        """Runs one call; any failure comes back as an ``"Error: ..."`` string, never raised."""
-        method = self._method(call.name)
-        if method is None:
-            return f"Error: no tool named {call.name!r}"
-        try:
-            result = method(**call.arguments)
-        except Exception as e:  # the model's bad arguments are data, not our crash
-            return f"Error during execution: {type(e).__name__}: {e}"
-        # As BFCL's own executor does: dicts as JSON, anything else through str().
-        text = json.dumps(result, default=str) if isinstance(result, dict) else str(result)
-        if len(text) > self.max_result_chars:
-            cut = len(text) - self.max_result_chars
-            text = f"{text[: self.max_result_chars]}... [{cut} more characters]"
-        return text or "(empty result)"
-
-
 def _result_message(result: str, tool_role: str) -> dict[str, str]:
     if tool_role == "tool":
         return {"role": "tool", "content": result}
@@ -337,7 +292,9 @@ def run_task(
         raise ValueError(f"tool_role must be 'tool' or 'user', got {tool_role!r}")
     env = env if env is not None else ToolEnvironment(task)
     prompt = system_prompt(task.involved_classes, tool_subsets=tool_subsets)
-    messages: list[dict[str, str]] = [{"role": "system", "content": prompt}]
+    messages = [{"role": "system", "content": prompt}]
+    for class_name in task.involved_classes:
+        messages.extend(_few_shot(class_name, tool_role))
     traces: list[CallTrace] = []
     for turn, user_messages in enumerate(task.turns[:max_turns]):
         messages.extend(dict(m) for m in user_messages)

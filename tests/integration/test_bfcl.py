@@ -99,8 +99,11 @@ def test_agent_runs_real_tool_calls() -> None:
     # Each trace holds exactly what the model was sent, including the tool results.
     assert [list(t.messages) for t in traces] == generate.sent
     second = traces[1].messages
-    assert second[0]["role"] == "system" and second[1]["role"] == "user"
-    assert [m["role"] for m in second[2:]] == ["assistant", "tool", "tool"]
+    roles = [m["role"] for m in second]
+    # system, the class's example dialogue, the task's first turn, then this turn's call.
+    assert roles == ["system", "user", "assistant", "tool", "assistant", "tool", "assistant",
+                     "user", "assistant", "tool", "tool"]
+    assert second[7]["content"] == task.turns[0][0]["content"]
     assert traces[2].results == () and traces[2].calls == ()
 
 
