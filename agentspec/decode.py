@@ -47,6 +47,9 @@ class NoDrafter:
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         pass
 
+    def end(self, context: DraftContext) -> None:
+        pass
+
 
 def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
            sampling: SamplingParams, max_new_tokens: int, stop_token_ids: frozenset[int],
@@ -64,6 +67,16 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
     # 1. Prefill: the KV takes every prompt token but the last.
     target.start(context.tokens)
     drafter.begin(context)
+    try:
+        yield from _steps(target, drafter, context, sampling, max_new_tokens, stop_token_ids,
+                          generator)
+    finally:
+        drafter.end(context)
+
+
+def _steps(target: HFTarget, drafter: Drafter, context: DraftContext, sampling: SamplingParams,
+           max_new_tokens: int, stop_token_ids: frozenset[int],
+           generator: torch.Generator | None) -> Iterator[Step]:
     produced = 0
     while produced < max_new_tokens:
         # 2. Propose, leaving room for the recovered/bonus token.

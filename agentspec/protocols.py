@@ -37,7 +37,11 @@ class DraftContext:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """A source of drafts. ``begin`` is called once per request, before the first step."""
+    """A source of drafts.
+
+    ``begin`` is called once per request before the first step, ``propose``/``observe`` once
+    per step, ``end`` once after the last step (to flush statistics, credit sources).
+    """
 
     name: str
 
@@ -46,6 +50,8 @@ class Drafter(Protocol):
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft: ...
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None: ...
+
+    def end(self, context: DraftContext) -> None: ...
 
 
 @runtime_checkable

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -10,6 +11,10 @@ from typing import Any
 
 from agentspec.config import SamplingParams, SpecConfig
 from agentspec.decode import NoDrafter, Step, decode
+from agentspec.drafters.chain import DrafterChain
+from agentspec.drafters.policy import CostModel, measure_cost
+from agentspec.home import agentspec_home
+from agentspec.memory import conversation_key
 from agentspec.protocols import DraftContext, Drafter
 from agentspec.sampling import make_generator
 from agentspec.session import Session, current_session
@@ -54,30 +59,55 @@ class Speculator:
 
     Args:
         target: the loaded model (see :func:`agentspec.load_target`).
-        drafters: draft sources; default prompt lookup. Ignored when ``speculate=False``.
+        memory: a :class:`agentspec.memory.CompletionMemory` to draft from and record into;
+            None drafts from the prompt only.
+        drafters: draft sources, overriding the default (memory, suffix, prompt lookup).
         config: draft-size limits.
         speculate: False runs plain decoding through the same loop (the baseline).
+        cost: the target's forward cost model; ``"measure"`` times it once per model and
+            device (cached under ``$AGENTSPEC_HOME/costs``).
     """
 
-    def __init__(self, target: HFTarget, *, drafters: Sequence[Drafter] | None = None,
-                 config: SpecConfig | None = None, speculate: bool = True) -> None:
-        from agentspec.drafters.prompt_lookup import PromptLookupDrafter
-
+    def __init__(self, target: HFTarget, *, memory: Any = None,
+                 drafters: Sequence[Drafter] | None = None, config: SpecConfig | None = None,
+                 speculate: bool = True, cost: CostModel | str = "measure") -> None:
         self.target = target
+        self.memory = memory
         self.config = config or SpecConfig()
         self.speculate = speculate
-        if drafters is None:
-            drafters = [PromptLookupDrafter(self.config)]
-        self.drafters = list(drafters) if speculate else []
         self.stop_token_ids = _stop_ids(target)
+        self.drafters = list(drafters) if drafters is not None else self._default_drafters()
+        self._cost = cost
+        self._chain: DrafterChain | None = None
         # One model, one KV: calls from several threads take turns (batch size 1 per call).
         self._lock = threading.RLock()
 
     @classmethod
     def from_pretrained(cls, name: str = "smollm2-135m-instruct", *, speculate: bool = True,
-                        device: str | None = None, config: SpecConfig | None = None) -> Speculator:
-        """Load a packaged or local model (offline) and wrap it."""
-        return cls(load_target(name, device=device), config=config, speculate=speculate)
+                        memory: Any = "default", device: str | None = None,
+                        config: SpecConfig | None = None,
+                        cost: CostModel | str = "measure") -> Speculator:
+        """Load a packaged or local model (offline) and wrap it.
+
+        Args:
+            memory: ``"default"`` (the SQLite file under ``$AGENTSPEC_HOME``), a SQLAlchemy URL,
+                a :class:`~agentspec.memory.CompletionMemory`, or None for no memory.
+        """
+        target = load_target(name, device=device)
+        return cls(target, memory=open_memory(memory), config=config, speculate=speculate,
+                   cost=cost)
+
+    def _default_drafters(self) -> list[Drafter]:
+        from agentspec.drafters.memory import MemoryDrafter
+        from agentspec.drafters.prompt_lookup import PromptLookupDrafter
+        from agentspec.drafters.suffix import SuffixDrafter
+
+        drafters: list[Drafter] = []
+        if self.memory is not None:
+            fp = self.target.fingerprint
+            drafters += [MemoryDrafter(self.memory, fp, max_nodes=self.config.max_tree_nodes),
+                         SuffixDrafter(self.memory, fp)]
+        return drafters + [PromptLookupDrafter(self.config)]
 
     @property
     def tokenizer(self) -> Any:
@@ -89,7 +119,7 @@ class Speculator:
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, *,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = (),
-                 scope: str | None = None) -> Generation:
+                 scope: str | None = None, record: bool = True) -> Generation:
         """Generate a completion; greedy output is token-identical to plain decoding.
 
         Args:
@@ -100,19 +130,20 @@ class Speculator:
             stop: stop strings; the text is cut before the first one.
             scope: the memory scope (tenant / agent role) of this call; default the current
                 session's scope, else ``"default"``.
+            record: add the completion to the memory (when there is one).
         """
         run = self._new_run(prompt, max_new_tokens)
-        for _ in self._run(run, prompt, max_new_tokens, sampling, stop, scope):
+        for _ in self._run(run, prompt, max_new_tokens, sampling, stop, scope, record):
             pass
         assert run.generation is not None
         return run.generation
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, *,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (),
-               scope: str | None = None) -> Iterator[str]:
+               scope: str | None = None, record: bool = True) -> Iterator[str]:
         """Like :meth:`generate`, yielding text deltas as steps commit them."""
         run = self._new_run(prompt, max_new_tokens)
-        yield from self._run(run, prompt, max_new_tokens, sampling, stop, scope)
+        yield from self._run(run, prompt, max_new_tokens, sampling, stop, scope, record)
 
     def _new_run(self, prompt: Prompt, max_new_tokens: int) -> _Run:
         validate_prompt(prompt)
@@ -122,13 +153,13 @@ class Speculator:
 
     def _run(self, run: _Run, prompt: Prompt, max_new_tokens: int,
              sampling: SamplingParams | None, stop: Sequence[str],
-             scope: str | None) -> Iterator[str]:
+             scope: str | None, record: bool) -> Iterator[str]:
         with self._lock:
-            yield from self._run_locked(run, prompt, max_new_tokens, sampling, stop, scope)
+            yield from self._run_locked(run, prompt, max_new_tokens, sampling, stop, scope, record)
 
     def _run_locked(self, run: _Run, prompt: Prompt, max_new_tokens: int,
                     sampling: SamplingParams | None, stop: Sequence[str],
-                    scope: str | None) -> Iterator[str]:
+                    scope: str | None, record: bool) -> Iterator[str]:
         session = current_session(self)
         scope = scope or (session.scope if session else "default")
         sampling = sampling or SamplingParams()
@@ -136,7 +167,9 @@ class Speculator:
         prompt_ids = self.encode(prompt)
         run.prompt_len = len(prompt_ids)
         self.target.check_length(len(prompt_ids) + max_new_tokens)
+        key_text = conversation_key(prompt) if self.memory is not None else ""
         context = DraftContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), scope=scope,
+                               key_text=key_text,
                                extra_sources=tuple(session.sources) if session else ())
         deltas = TextDeltas(self.tokenizer, stops)
         steps = decode(self.target, self._drafter(), context, sampling=sampling,
@@ -160,6 +193,10 @@ class Speculator:
         run.generation = Generation(run.text, tuple(run.token_ids), run.stats(), run.finish_reason)
         if session is not None:
             session.observe(run.generation)
+        if record and self.memory is not None and run.token_ids:
+            self.memory.record(scope=scope, model=self.target.fingerprint,
+                               request_text=_request_text(prompt), key_text=key_text,
+                               completion_text=run.text, completion_ids=list(run.token_ids))
 
     def session(self, name: str, *, scope: str = "default") -> Session:
         """A context manager grouping the calls of one agent task; see :mod:`agentspec.session`."""
@@ -172,13 +209,31 @@ class Speculator:
         return tool_loop(self, scope=scope, name=name)
 
     def _drafter(self) -> Drafter:
-        if not self.drafters:
+        if not self.speculate or not self.drafters:
             return NoDrafter()
-        if len(self.drafters) == 1:
-            return self.drafters[0]
-        from agentspec.drafters.chain import DrafterChain
+        if self._chain is None:  # kept across calls: per-source acceptance is learned over time
+            cost = self._cost if isinstance(self._cost, CostModel) else self._measure_cost()
+            self._chain = DrafterChain(self.drafters, cost=cost, trees=self.target.supports_trees)
+        return self._chain
 
-        return DrafterChain(self.drafters, self.config)
+    def _measure_cost(self) -> CostModel:
+        fp = self.target.fingerprint.replace(":", "-")
+        cache = agentspec_home() / "costs" / f"{fp}-{self.target.device.type}.json"
+        return measure_cost(self.target, cache_file=cache)
+
+
+def open_memory(memory: Any) -> Any:
+    """``"default"`` | URL | CompletionMemory | None -> a CompletionMemory or None."""
+    if memory is None or not isinstance(memory, str):
+        return memory
+    from agentspec.memory import CompletionMemory
+
+    url = None if memory == "default" else memory
+    return CompletionMemory.open(url, index_dir=agentspec_home() / "index")
+
+
+def _request_text(prompt: Prompt) -> str:
+    return prompt if isinstance(prompt, str) else json.dumps([dict(m) for m in prompt])
 
 
 def _stop_ids(target: HFTarget) -> frozenset[int]:

@@ -155,6 +155,8 @@ class HFTarget:
         self._kv: Any = None
         self._kv_len = 0
         self._refuse_unrollbackable()
+        # Tree drafts need a custom 4-D mask, which the sdpa and eager attention paths accept.
+        self.supports_trees = getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager")
 
     @property
     def fingerprint(self) -> str:

@@ -59,3 +59,31 @@ def tree_position_ids(parents: Sequence[int], root_position: int, device: torch.
     """``[1, num_nodes + 1]``: the root at ``root_position``, each node at root + depth."""
     pos = [root_position] + [root_position + d for d in depths(parents)]
     return torch.tensor(pos, dtype=torch.long, device=device)[None]
+
+
+def merge_chains(chains: list[tuple[list[int], str]], max_nodes: int) -> tuple[list[int], list[int], list[str]]:
+    """Merge candidate continuations into one prefix tree, best candidate first.
+
+    Shared prefixes become shared nodes; nodes are added in candidate order until ``max_nodes``.
+
+    Returns:
+        ``(token_ids, parents, sources)`` of the tree's nodes.
+    """
+    token_ids: list[int] = []
+    parents: list[int] = []
+    sources: list[str] = []
+    index: dict[tuple[int, int], int] = {}
+    for tokens, source in chains:
+        node = -1
+        for tok in tokens:
+            child = index.get((node, tok))
+            if child is None:
+                if len(token_ids) >= max_nodes:
+                    break
+                child = len(token_ids)
+                index[(node, tok)] = child
+                token_ids.append(tok)
+                parents.append(node)
+                sources.append(source)
+            node = child
+    return token_ids, parents, sources

@@ -7,7 +7,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def spec():
-    """The default Speculator on the real packaged SmolLM2-135M-Instruct (no memory)."""
+    """The real packaged SmolLM2-135M-Instruct with prompt lookup only (no memory)."""
     from agentspec import Speculator
 
-    return Speculator.from_pretrained("smollm2-135m-instruct")
+    return Speculator.from_pretrained("smollm2-135m-instruct", memory=None)

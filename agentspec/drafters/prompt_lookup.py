@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from agentspec.config import SpecConfig
 from agentspec.drafters.ngram import NgramIndex
-from agentspec.drafters.policy import AdaptiveLength
 from agentspec.protocols import DraftContext
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
@@ -21,12 +20,10 @@ class PromptLookupDrafter:
 
     def __init__(self, config: SpecConfig | None = None) -> None:
         self.config = config or SpecConfig()
-        self.length = AdaptiveLength(self.config)
         self._index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
         self._extra: list[tuple[list[int], NgramIndex]] = []
 
     def begin(self, context: DraftContext) -> None:
-        self.length.reset()
         self._index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
         self._extra = []
         for seq in context.extra_sources:
@@ -45,14 +42,16 @@ class PromptLookupDrafter:
         return best
 
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
-        budget = min(max_tokens, self.length.current)
-        if budget <= 0:
+        if max_tokens <= 0:
             return EMPTY_DRAFT
         n, seq, start = self.best_match(context)
         if n == 0:
             return EMPTY_DRAFT
-        return Draft.chain(seq[start : start + budget], self.name)
+        # The whole continuation: the drafter chain sizes it from measured costs and acceptance.
+        return Draft.chain(seq[start : start + max_tokens], self.name)
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
-        if draft.num_nodes:
-            self.length.update(draft.num_nodes, len(verdict.accepted))
+        pass
+
+    def end(self, context: DraftContext) -> None:
+        pass

@@ -1,0 +1,108 @@
+"""The drafter chain: each step, the draft with the best expected tokens per second.
+
+Every drafter proposes its longest continuation; the chain sizes each one with the cost-aware
+policy (:mod:`agentspec.drafters.policy`) from that source's acceptance so far, and keeps the
+one with the highest expected rate, or none when plain decoding is faster.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+
+from agentspec.drafters.policy import (
+    DEFAULT_COST,
+    Acceptance,
+    CostModel,
+    best_length,
+    expected_tokens,
+)
+from agentspec.protocols import DraftContext, Drafter
+from agentspec.tree import depths
+from agentspec.types import EMPTY_DRAFT, Draft, Verdict
+
+# Per-token acceptance before any evidence: remembered completions are usually right.
+PRIORS = {"memory": 0.85, "suffix": 0.6, "prompt_lookup": 0.5, "model": 0.6}
+
+
+def trim_to_depth(draft: Draft, depth: int) -> Draft:
+    """Keep the nodes at depth <= ``depth`` (parents come first, so indices stay ordered)."""
+    d = depths(draft.parents)
+    if max(d) <= depth:
+        return draft
+    keep = [i for i in range(draft.num_nodes) if d[i] <= depth]
+    remap = {old: new for new, old in enumerate(keep)}
+    parents = tuple(-1 if draft.parents[i] < 0 else remap[draft.parents[i]] for i in keep)
+    source = draft.source if isinstance(draft.source, str) else tuple(draft.source[i] for i in keep)
+    probs = None if draft.draft_probs is None else draft.draft_probs[keep]
+    return Draft(tuple(draft.token_ids[i] for i in keep), parents, source, probs)
+
+
+def first_path(draft: Draft) -> Draft:
+    """The chain of first children from the root: a tree's best candidate, for chain-only models."""
+    path, node = [], -1
+    for i, p in enumerate(draft.parents):
+        if p == node:
+            path.append(i)
+            node = i
+    source = draft.source if isinstance(draft.source, str) else draft.source[path[0]]
+    probs = None if draft.draft_probs is None else draft.draft_probs[path]
+    return Draft.chain([draft.token_ids[i] for i in path], source, probs)
+
+
+class DrafterChain:
+    """Picks, per step, among several drafters' proposals by expected tokens per second.
+
+    Args:
+        drafters: in priority order (ties go to the earlier one).
+        cost: the target's measured forward cost.
+        trees: False flattens tree drafts to their best chain (targets without tree masks).
+    """
+
+    name = "chain"
+
+    def __init__(self, drafters: Sequence[Drafter], *, cost: CostModel = DEFAULT_COST,
+                 trees: bool = True) -> None:
+        self.drafters = list(drafters)
+        self.cost = cost
+        self.trees = trees
+        self.acceptance = {d.name: Acceptance(PRIORS.get(d.name, 0.5)) for d in self.drafters}
+
+    def begin(self, context: DraftContext) -> None:
+        for d in self.drafters:
+            d.begin(context)
+
+    def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
+        best, best_rate = EMPTY_DRAFT, 1.0 / self.cost.seconds(0)
+        for drafter in self.drafters:
+            draft = drafter.propose(context, max_tokens=max_tokens)
+            if draft.num_nodes == 0:
+                continue
+            if not self.trees and not draft.is_chain:
+                draft = first_path(draft)
+            alpha = self.acceptance[drafter.name].alpha
+            length = best_length(alpha, max(depths(draft.parents)), self.cost)
+            if length == 0:
+                continue
+            draft = trim_to_depth(draft, length)
+            rate = expected_tokens(alpha, length) / self.cost.seconds(draft.num_nodes)
+            if rate > best_rate:
+                best, best_rate = draft, rate
+        return best
+
+    def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
+        if draft.num_nodes:
+            name = draft.source_of(0)
+            if name in self.acceptance:
+                self.acceptance[name].update(max(depths(draft.parents)), len(verdict.path))
+        for d in self.drafters:
+            d.observe(context, draft, verdict)
+
+    def end(self, context: DraftContext) -> None:
+        for d in self.drafters:
+            d.end(context)
+
+
+def warn_chains_only(model_name: str) -> None:
+    warnings.warn(f"{model_name}: attention cannot take a tree mask; verifying chains only",
+                  stacklevel=3)

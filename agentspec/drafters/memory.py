@@ -1,0 +1,97 @@
+"""Drafts from the completion memory: replay the past completions of similar requests.
+
+Once per request, ``begin`` fetches the top-k most similar past completions of the same scope
+and model fingerprint. Every step, each candidate proposes what follows the generated text in
+it: the candidate that has matched every generated token so far continues from that position;
+the others re-align on the longest suffix n-gram of the context (the same tool call with other
+arguments realigns after the argument). The candidates' continuations merge into one prefix
+tree, best first. Accepted tokens are credited to the records they came from at the end.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentspec.drafters.ngram import NgramIndex
+from agentspec.protocols import DraftContext
+from agentspec.tree import merge_chains
+from agentspec.types import EMPTY_DRAFT, Draft, Verdict
+
+
+@dataclass
+class _Candidate:
+    record_id: int
+    ids: list[int]
+    similarity: float
+    follow: int = 0  # position in ids that matched every generated token so far; -1 when not
+    index: NgramIndex = field(default_factory=lambda: NgramIndex(2, 8))
+
+
+class MemoryDrafter:
+    """Top-k semantic neighbours' completions, aligned to the generated tail, as a draft tree.
+
+    Args:
+        memory: a :class:`agentspec.memory.CompletionMemory`.
+        model: the target's fingerprint; entries of another model are never used.
+        k: neighbours fetched per request.
+        min_similarity: neighbours below this cosine similarity are ignored.
+        max_nodes: node budget of the merged tree.
+    """
+
+    name = "memory"
+
+    def __init__(self, memory: Any, model: str, *, k: int = 8, min_similarity: float = 0.3,
+                 max_nodes: int = 64) -> None:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.memory, self.model, self.k = memory, model, k
+        self.min_similarity, self.max_nodes = min_similarity, max_nodes
+        self._cands: list[_Candidate] = []
+        self._owners: list[int] = []  # per node of the last draft: index into _cands
+        self._credits: Counter[int] = Counter()
+
+    def begin(self, context: DraftContext) -> None:
+        self._credits = Counter()
+        self._cands = []
+        if not context.key_text:
+            return
+        hits = self.memory.lookup(context.key_text, scope=context.scope, model=self.model, k=self.k)
+        self._cands = [_Candidate(rec.id, list(rec.completion_ids), sim)
+                       for rec, sim in hits if sim >= self.min_similarity and rec.completion_ids]
+
+    def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
+        chains: list[tuple[tuple[int, float], list[int], int]] = []
+        tail = context.tokens[-8:]
+        for i, cand in enumerate(self._cands):
+            if cand.follow >= 0:
+                start, strength = cand.follow, 100
+            else:
+                strength, start = cand.index.match(cand.ids, tail)
+            cont = cand.ids[start : start + max_tokens] if strength else []
+            if cont:
+                chains.append(((strength, cand.similarity), cont, i))
+        if not chains:
+            self._owners = []
+            return EMPTY_DRAFT
+        chains.sort(key=lambda c: c[0], reverse=True)
+        tokens, parents, owners = merge_chains([(c[1], str(c[2])) for c in chains],
+                                               min(self.max_nodes, max(max_tokens, 1) * len(chains)))
+        self._owners = [int(o) for o in owners]
+        return Draft(tuple(tokens), tuple(parents), self.name)
+
+    def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
+        if draft.source == self.name:
+            for node in verdict.path:
+                self._credits[self._cands[self._owners[node]].record_id] += 1
+        new = verdict.new_tokens
+        for cand in self._cands:
+            if cand.follow >= 0:
+                end = cand.follow + len(new)
+                cand.follow = end if cand.ids[cand.follow : end] == list(new) else -1
+
+    def end(self, context: DraftContext) -> None:
+        for record_id, accepted in self._credits.items():
+            self.memory.credit(record_id, accepted)
+        self._credits = Counter()
