@@ -258,6 +258,17 @@ def _result_message(result: str, tool_role: str) -> dict[str, str]:
     return {"role": "user", "content": f"Tool result: {result}"}
 
 
+def _opening(
+    task: Task, tool_role: str, tool_subsets: Mapping[str, Sequence[str]],
+) -> list[dict[str, str]]:
+    """The system prompt and the example dialogues that precede a task's first turn."""
+    prompt = system_prompt(task.involved_classes, tool_subsets=tool_subsets)
+    messages = [{"role": "system", "content": prompt}]
+    for class_name in task.involved_classes:
+        messages.extend(_few_shot(class_name, tool_role))
+    return messages
+
+
 def run_task(
     task: Task,
     generate: Generate,
@@ -293,10 +304,7 @@ def run_task(
     if tool_role not in ("tool", "user"):
         raise ValueError(f"tool_role must be 'tool' or 'user', got {tool_role!r}")
     env = env if env is not None else ToolEnvironment(task)
-    prompt = system_prompt(task.involved_classes, tool_subsets=tool_subsets)
-    messages = [{"role": "system", "content": prompt}]
-    for class_name in task.involved_classes:
-        messages.extend(_few_shot(class_name, tool_role))
+    messages = _opening(task, tool_role, tool_subsets)
     traces: list[CallTrace] = []
     for turn, user_messages in enumerate(task.turns[:max_turns]):
         messages.extend(dict(m) for m in user_messages)
