@@ -1,0 +1,187 @@
+"""``agentspec bench``: the interleaved benchmark, and ``agentspec bench build-bfcl``.
+
+Wired into ``agentspec`` by :mod:`agentspec.cli` (imported lazily there). Importing this
+module imports neither torch nor transformers: the commands import them when they run.
+
+Exit codes: 0 success, 1 failure, 2 bad input (one line on stderr naming the value).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from agentspec.cli_common import EXIT_USAGE, console, err_console, fail, handles_errors, progress
+
+bench_app = typer.Typer(
+    name="bench", add_completion=False, pretty_exceptions_enable=False,
+    help="Measure agentspec against transformers, interleaved request by request.\n\n"
+         "Example: agentspec bench --workload prompts --json out/core.json",
+)
+
+SYSTEMS = ("hf-greedy", "hf-pld", "agentspec-plain", "agentspec-pld", "agentspec")
+DEFAULT_SYSTEMS = "hf-greedy,hf-pld,agentspec-pld,agentspec"
+# The core benchmark: the engine without memory against transformers.
+CORE_SYSTEMS = "hf-greedy,hf-pld,agentspec-plain,agentspec-pld"
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def data_dir() -> Path:
+    """The folder of the shipped workloads (package data of ``agentspec.bench``)."""
+    return Path(__file__).resolve().parent / "data"
+
+
+def resolve_workload(name: str) -> Path:
+    """A workload file: an existing path, else a shipped workload's short name (``prompts``).
+
+    Raises:
+        CliError (exit 2): neither; the message names the value and the shipped names.
+    """
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = data_dir() / f"{name}.jsonl"
+    if "/" not in name and shipped.is_file():
+        return shipped
+    names = sorted(p.stem for p in data_dir().glob("*.jsonl"))
+    fail(f"workload {name!r} is neither a file nor a shipped workload (shipped: "
+         f"{', '.join(names)})", EXIT_USAGE)
+
+
+def parse_systems(text: str) -> list[str]:
+    """``"hf-greedy,agentspec"`` -> names, checked; hf-greedy (the reference) is put first."""
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SYSTEMS]
+    if unknown or not names:
+        fail(f"unknown system {', '.join(map(repr, unknown)) or repr(text)}; known systems: "
+             f"{', '.join(SYSTEMS)}", EXIT_USAGE)
+    if len(set(names)) != len(names):
+        fail(f"a system is listed twice in {text!r}", EXIT_USAGE)
+    return ["hf-greedy"] + [s for s in names if s != "hf-greedy"]
+
+
+def _check_temperature(t: float) -> float:
+    if not math.isfinite(t) or t < 0:
+        fail(f"temperature must be a finite number >= 0, got {t}", EXIT_USAGE)
+    return t
+
+
+@bench_app.callback(invoke_without_command=True)
+@handles_errors
+def bench(
+    ctx: typer.Context,
+    workload: Annotated[str, typer.Option(
+        "--workload", help="A .jsonl workload, or a shipped one by name: bfcl, prompts.")] = "bfcl",
+    model: Annotated[str, typer.Option("--model", help="Target model.")] = "smollm2-135m-instruct",
+    systems: Annotated[str | None, typer.Option(
+        "--systems", help=f"Comma-separated, among {', '.join(SYSTEMS)}. Default "
+                          f"{DEFAULT_SYSTEMS} ({CORE_SYSTEMS} for the prompts workload); "
+                          f"hf-greedy is always run: it is the reference.")] = None,
+    temperature: Annotated[float, typer.Option(
+        "--temperature", help="0 is greedy (outputs must match exactly); > 0 runs a "
+                              "distribution check instead.")] = 0.0,
+    max_new_tokens: Annotated[int | None, typer.Option(
+        "--max-new-tokens", help="Budget for every request; default each line's own, "
+                                 f"else {DEFAULT_MAX_NEW_TOKENS}.")] = None,
+    samples: Annotated[int, typer.Option(
+        "--samples", help="Seeds per request when temperature > 0.")] = 3,
+    db: Annotated[str | None, typer.Option(
+        "--db", metavar="URL", help="Memory database of the agentspec system; default a fresh "
+                                    "SQLite file in a temporary folder.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the results.")] = None,
+    report: Annotated[Path | None, typer.Option("--report", help="Write a markdown report.")] = None,
+) -> None:
+    """Run every request of a workload through each system, interleaved, and compare.
+
+    Example: agentspec bench --workload prompts --systems hf-greedy,agentspec-pld
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    _check_temperature(temperature)
+    if max_new_tokens is not None and max_new_tokens < 1:
+        fail(f"max-new-tokens must be a positive integer, got {max_new_tokens}", EXIT_USAGE)
+    if samples < 1:
+        fail(f"samples must be a positive integer, got {samples}", EXIT_USAGE)
+    if systems is not None:
+        parse_systems(systems)  # bad names fail before anything loads
+    path = resolve_workload(workload)
+    names = parse_systems(systems or (CORE_SYSTEMS if path.stem == "prompts" else DEFAULT_SYSTEMS))
+    from agentspec.bench import harness
+    from agentspec.bench import report as report_mod
+    from agentspec.bench.workload import load_workload
+
+    loaded = load_workload(path, default_max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
+    for line, error in loaded.errors:
+        err_console.print(f"warning: {path}:{line}: skipped: {error}", markup=False)
+    config = harness.BenchConfig(systems=tuple(names), temperature=temperature,
+                                 max_new_tokens=max_new_tokens, samples=samples, db=db)
+    with progress() as bar:
+        task = bar.add_task("bench", total=None)
+
+        def tick(done: int, total: int, label: str) -> None:
+            bar.update(task, completed=done, total=total, description=label)
+
+        result = harness.run_bench(loaded, model, config, on_progress=tick)
+    summary = report_mod.summarize(result)
+    console.print(report_mod.rich_table(summary), width=max(console.width, 150))
+    if json_out is not None:
+        report_mod.write_json(summary, json_out)
+    if plot is not None:
+        report_mod.plot(summary, plot)
+    if report is not None:
+        report_mod.write_markdown(summary, report)
+    _fail_on_mismatch(summary)
+
+
+def _fail_on_mismatch(summary: dict[str, Any]) -> None:
+    bad = {k: v for k, v in summary["exact_match"].items() if v is not None and v < 1.0}
+    bad.update({k: v["p_value"] for k, v in summary.get("distribution_check", {}).items()
+                if not v["ok"]})
+    if bad:
+        fail(f"outputs differ from hf-greedy: {bad} (see the report)")
+
+
+@bench_app.command("build-bfcl")
+@handles_errors
+def build_bfcl(
+    out: Annotated[Path, typer.Option("--out", help="The workload file to write.")],
+    tasks: Annotated[str | None, typer.Option(
+        "--tasks", help="Comma-separated BFCL task ids; default the default tasks.")] = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = DEFAULT_MAX_NEW_TOKENS,
+    model: Annotated[str, typer.Option("--model")] = "smollm2-135m-instruct",
+) -> None:
+    """Run the BFCL agent with agentspec (greedy, exact) and write its calls as a workload.
+
+    Example: agentspec bench build-bfcl --out agentspec/bench/data/bfcl.jsonl
+    """
+    if max_new_tokens < 1:
+        fail(f"max-new-tokens must be a positive integer, got {max_new_tokens}", EXIT_USAGE)
+    from agentspec.bench import bfcl
+    from agentspec.bench.workload import write_workload
+
+    ids = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else bfcl.DEFAULT_TASK_IDS
+    try:
+        task_list = bfcl.load_tasks(ids)
+    except KeyError as e:
+        fail(str(e.args[0]), EXIT_USAGE)
+    from agentspec import Speculator, load_target
+
+    spec = Speculator(load_target(model))  # prompt lookup, greedy: the trace is plain decoding's
+    calls = 0
+
+    def generate(messages: list[dict[str, str]]) -> str:
+        nonlocal calls
+        calls += 1
+        err_console.print(f"call {calls}", end="\r", markup=False) if err_console.is_terminal \
+            else None
+        return str(spec.generate(messages, max_new_tokens).text)
+
+    items = bfcl.build_workload(task_list, generate, max_new_tokens=max_new_tokens)
+    n = write_workload(out, items)
+    warm = sum(i.phase == "warmup" for i in items)
+    console.print(f"wrote {n} calls ({warm} warmup, {n - warm} measure) of {len(task_list)} "
+                  f"tasks to {out}")

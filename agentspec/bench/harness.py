@@ -1,0 +1,290 @@
+"""The benchmark loop: every request through every system, interleaved, rotated, checked.
+
+Systems (names as on the command line):
+
+- ``hf-greedy``: transformers ``model.generate(do_sample=False)``, the reference (with
+  temperature > 0: ``do_sample=True`` with the same temperature, top-k and top-p off).
+- ``hf-pld``: the same with ``prompt_lookup_num_tokens=10`` (transformers' prompt lookup).
+- ``agentspec-plain``: :class:`~agentspec.Speculator` with ``speculate=False``.
+- ``agentspec-pld``: the Speculator without memory (prompt lookup only).
+- ``agentspec``: all drafters and a completion memory, warmed by the workload's warmup lines
+  and by every earlier measured line (``record=True``), as in real use.
+
+Per request the systems run one after another, the order rotated by one each request, so
+that a slow or fast phase of a shared machine falls on every system alike (ARCHITECTURE §10).
+A system's time is wall-clock around tokenisation + generation. Outputs are compared as
+token lists cut before the first stop token id (transformers stops at eos and keeps it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from agentspec.bench.workload import Workload, WorkloadItem
+
+Progress = Callable[[int, int, str], None]
+PLD_TOKENS = 10
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run.
+
+    Attributes:
+        systems: system names, the reference ``hf-greedy`` first.
+        temperature: 0 is greedy.
+        max_new_tokens: overrides every line's budget when set.
+        samples: seeds per request when ``temperature > 0``.
+        db: memory database URL of the ``agentspec`` system; ``None``: a fresh temporary file.
+        seed: first seed of the sampled runs.
+    """
+
+    systems: tuple[str, ...]
+    temperature: float = 0.0
+    max_new_tokens: int | None = None
+    samples: int = 1
+    db: str | None = None
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if not self.systems or self.systems[0] != "hf-greedy":
+            raise ValueError(f"systems must start with the reference 'hf-greedy', got {self.systems}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.samples < 1:
+            raise ValueError(f"samples must be >= 1, got {self.samples}")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One system on one request (one seed).
+
+    Attributes:
+        token_ids: the output cut before the first stop token.
+        seconds: wall-clock time of tokenisation + generation.
+        steps: target forwards after the prefill (``None`` for transformers).
+        drafted, accepted: draft tokens by source (agentspec only).
+    """
+
+    token_ids: tuple[int, ...]
+    seconds: float
+    steps: int | None = None
+    drafted: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
+
+
+class System(Protocol):
+    """One way of generating: ``run`` one request and time it."""
+
+    name: str
+
+    def run(self, item: WorkloadItem, max_new_tokens: int, seed: int | None) -> Outcome: ...
+
+
+@dataclass(frozen=True)
+class RequestResult:
+    """Every system's outcomes on one measured request (one outcome per seed)."""
+
+    item: WorkloadItem
+    prompt_tokens: int
+    max_new_tokens: int
+    outcomes: dict[str, tuple[Outcome, ...]]
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """What :func:`run_bench` measured, ready for :func:`agentspec.bench.report.summarize`."""
+
+    workload: str
+    model: str
+    device: str
+    config: BenchConfig
+    warmup_requests: int
+    requests: tuple[RequestResult, ...]
+    load_average: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+
+def cut_at_stop(token_ids: Sequence[int], stop_ids: frozenset[int]) -> tuple[int, ...]:
+    """The tokens before the first stop token id."""
+    for i, t in enumerate(token_ids):
+        if t in stop_ids:
+            return tuple(int(x) for x in token_ids[:i])
+    return tuple(int(x) for x in token_ids)
+
+
+def _prompt(item: WorkloadItem) -> Any:
+    return [dict(m) for m in item.messages] if item.messages is not None else item.prompt
+
+
+class HFSystem:
+    """transformers ``generate`` on the Speculator's own model: greedy, or with prompt lookup."""
+
+    def __init__(self, name: str, spec: Any, *, temperature: float, prompt_lookup: bool) -> None:
+        self.name, self.spec, self.temperature = name, spec, temperature
+        self.prompt_lookup = prompt_lookup
+
+    def run(self, item: WorkloadItem, max_new_tokens: int, seed: int | None) -> Outcome:
+        import torch
+
+        model = self.spec.target.model
+        kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False,
+                                  "pad_token_id": self.spec.tokenizer.eos_token_id}
+        if self.temperature > 0:
+            # transformers samples from the global RNG only; top-k/top-p off as in agentspec.
+            kwargs.update(do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(seed or 0)
+        if self.prompt_lookup:
+            kwargs["prompt_lookup_num_tokens"] = PLD_TOKENS
+        started = time.perf_counter()
+        ids = self.spec.encode(_prompt(item))
+        input_ids = torch.tensor([ids], device=model.device)  # [1, prompt_len]
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                                 **kwargs)
+        seconds = time.perf_counter() - started
+        return Outcome(cut_at_stop(out[0, len(ids):].tolist(), self.spec.stop_token_ids), seconds)
+
+
+class SpecSystem:
+    """A :class:`~agentspec.Speculator` (plain, prompt lookup, or with memory)."""
+
+    def __init__(self, name: str, spec: Any, *, temperature: float, record: bool = False) -> None:
+        self.name, self.spec, self.temperature, self.record = name, spec, temperature, record
+        self._takes_record = "record" in inspect.signature(spec.generate).parameters
+
+    def run(self, item: WorkloadItem, max_new_tokens: int, seed: int | None) -> Outcome:
+        from agentspec import SamplingParams
+
+        sampling = SamplingParams(temperature=self.temperature, seed=seed)
+        kwargs: dict[str, Any] = {"sampling": sampling, "scope": item.scope}
+        if self._takes_record:
+            kwargs["record"] = self.record
+        started = time.perf_counter()
+        gen = self.spec.generate(_prompt(item), max_new_tokens, **kwargs)
+        seconds = time.perf_counter() - started
+        stats = gen.stats
+        return Outcome(cut_at_stop(gen.token_ids, self.spec.stop_token_ids), seconds,
+                       stats.steps, dict(stats.drafted_by_source), dict(stats.accepted_by_source))
+
+
+def build_systems(target: Any, config: BenchConfig, db_url: str) -> dict[str, System]:
+    """The named systems on one loaded target (they share its weights)."""
+    from agentspec import Speculator
+
+    t = config.temperature
+    plain = Speculator(target, speculate=False)
+    pld = Speculator(target)
+    built: dict[str, System] = {}
+    for name in config.systems:
+        if name == "hf-greedy":
+            built[name] = HFSystem(name, plain, temperature=t, prompt_lookup=False)
+        elif name == "hf-pld":
+            built[name] = HFSystem(name, plain, temperature=t, prompt_lookup=True)
+        elif name == "agentspec-plain":
+            built[name] = SpecSystem(name, plain, temperature=t)
+        elif name == "agentspec-pld":
+            built[name] = SpecSystem(name, pld, temperature=t)
+        elif name == "agentspec":
+            built[name] = SpecSystem(name, _memory_speculator(target, db_url), temperature=t,
+                                     record=True)
+        else:
+            raise ValueError(f"unknown system {name!r}")
+    return built
+
+
+def _memory_speculator(target: Any, db_url: str) -> Any:
+    from agentspec import Speculator
+
+    if "memory" not in inspect.signature(Speculator.__init__).parameters:
+        raise ValueError("the 'agentspec' system needs Speculator(memory=...), which this build "
+                         "lacks; run the other systems (--systems)")
+    from agentspec.memory import CompletionMemory
+    from agentspec.stores import SQLStore
+
+    memory = CompletionMemory(SQLStore(db_url))
+    return Speculator(target, memory=memory)  # type: ignore[call-arg]
+
+
+def rotation(names: Sequence[str], index: int) -> list[str]:
+    """The run order of request ``index``: ``names`` rotated left by ``index``."""
+    k = index % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
+def _seeds(config: BenchConfig, index: int) -> list[int | None]:
+    if config.temperature == 0:
+        return [None]
+    return [config.seed + 1000 * index + s for s in range(config.samples)]
+
+
+def run_requests(workload: Workload, systems: dict[str, System], config: BenchConfig,
+                 *, encode: Callable[[Any], list[int]],
+                 on_progress: Progress | None = None) -> tuple[RequestResult, ...]:
+    """Warmup lines through ``agentspec`` (untimed), then each measured line through every
+    system in rotated order. Pure loop over the :class:`System` seam (tests inject systems)."""
+    warmup = workload.warmup if "agentspec" in systems else ()
+    measure = workload.measure
+    total, done = len(warmup) + len(measure), 0
+    for item in warmup:
+        systems["agentspec"].run(item, _budget(item, config), None)
+        done += 1
+        if on_progress:
+            on_progress(done, total, f"warmup {item.id}")
+    results = []
+    for index, item in enumerate(measure):
+        outcomes: dict[str, list[Outcome]] = {name: [] for name in systems}
+        for seed in _seeds(config, index):
+            for name in rotation(list(systems), index):
+                outcomes[name].append(systems[name].run(item, _budget(item, config), seed))
+        results.append(RequestResult(item, len(encode(_prompt(item))), _budget(item, config),
+                                     {k: tuple(v) for k, v in outcomes.items()}))
+        done += 1
+        if on_progress:
+            on_progress(done, total, f"measure {item.id}")
+    return tuple(results)
+
+
+def _budget(item: WorkloadItem, config: BenchConfig) -> int:
+    budget = config.max_new_tokens or item.max_new_tokens
+    assert budget is not None  # load_workload fills every line's budget
+    return budget
+
+
+def run_bench(workload: Workload, model: str, config: BenchConfig,
+              *, on_progress: Progress | None = None) -> BenchResult:
+    """Load ``model``, build the systems and run the workload.
+
+    Args:
+        workload: from :func:`agentspec.bench.workload.load_workload`.
+        model: target name for :func:`agentspec.load_target`.
+        config: systems and sampling.
+        on_progress: called with ``(done, total, label)`` after every request.
+    """
+    from agentspec import Speculator, load_target
+
+    target = load_target(model)
+    encode = Speculator(target, speculate=False).encode
+    with tempfile.TemporaryDirectory(prefix="agentspec-bench-") as tmp:
+        db_url = config.db or f"sqlite:///{Path(tmp) / 'memory.db'}"
+        systems = build_systems(target, config, db_url)
+        requests = run_requests(workload, systems, config, encode=encode,
+                                on_progress=on_progress)
+        _close_memory(systems.get("agentspec"))
+    # The machine may be shared: the 1/5/15-minute load at the end says how loaded it was.
+    return BenchResult(str(workload.path), model, str(target.device), config,
+                       len(workload.warmup) if "agentspec" in systems else 0, requests,
+                       os.getloadavg())
+
+
+def _close_memory(system: System | None) -> None:
+    memory = getattr(getattr(system, "spec", None), "memory", None)
+    close = getattr(memory, "close", None)
+    if callable(close):
+        close()
