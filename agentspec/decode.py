@@ -100,18 +100,26 @@ def _steps(target: HFTarget, drafter: Drafter, context: DraftContext, sampling: 
 
 
 def _sanitize(draft: Draft, vocab_size: int, room: int) -> Draft:
-    """Drafts are untrusted: drop one with out-of-vocabulary ids or more nodes than fit."""
+    """Drafts are untrusted: keep only nodes with in-vocabulary ids, valid ancestors and a
+    depth that fits ``room``."""
     if draft.num_nodes == 0:
         return draft
-    if draft.num_nodes > room and draft.is_chain:
-        draft = Draft.chain(draft.token_ids[:room], draft.source if isinstance(draft.source, str)
-                            else draft.source[0],
-                            None if draft.draft_probs is None else draft.draft_probs[:room])
-    if min(draft.token_ids) < 0 or max(draft.token_ids) >= vocab_size:
+    if 0 <= min(draft.token_ids) and max(draft.token_ids) < vocab_size and (
+            max(depths(draft.parents)) <= room):
+        return draft
+    keep: list[int] = []
+    kept_depth: dict[int, int] = {-1: 0}
+    for i, (tok, par) in enumerate(zip(draft.token_ids, draft.parents, strict=True)):
+        if par in kept_depth and 0 <= tok < vocab_size and kept_depth[par] < room:
+            kept_depth[i] = kept_depth[par] + 1
+            keep.append(i)
+    if not keep:
         return EMPTY_DRAFT
-    if not draft.is_chain and max(depths(draft.parents)) > room:
-        return EMPTY_DRAFT
-    return draft
+    remap = {old: new for new, old in enumerate(keep)}
+    source = draft.source if isinstance(draft.source, str) else tuple(draft.source[i] for i in keep)
+    return Draft(tuple(draft.token_ids[i] for i in keep),
+                 tuple(-1 if draft.parents[i] < 0 else remap[draft.parents[i]] for i in keep),
+                 source, None if draft.draft_probs is None else draft.draft_probs[keep])
 
 
 def _cut_at_stop(tokens: tuple[int, ...], stop_ids: frozenset[int]) -> tuple[tuple[int, ...], bool]:

@@ -4,7 +4,6 @@ from agentspec.config import SpecConfig
 from agentspec.drafters.ngram import NgramIndex
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
 from agentspec.protocols import DraftContext
-from agentspec.types import Verdict
 
 
 @pytest.mark.parametrize(
@@ -41,15 +40,13 @@ def test_bad_bounds():
         NgramIndex(3, 2)
 
 
-def test_prompt_lookup_drafts_continuation_and_adapts():
+def test_prompt_lookup_drafts_the_continuation_up_to_the_budget():
     drafter = PromptLookupDrafter(SpecConfig(max_draft_tokens=12))
     ctx = DraftContext(tokens=[1, 2, 3, 4, 5, 6, 7, 8, 1, 2], prompt_len=10)
     drafter.begin(ctx)
     draft = drafter.propose(ctx, max_tokens=4)
     assert draft.token_ids == (3, 4, 5, 6) and draft.is_chain and draft.source == "prompt_lookup"
-    before = drafter.length.current
-    drafter.observe(ctx, draft, Verdict((), (), 0))
-    assert drafter.length.current == before - 1
+    assert drafter.propose(ctx, max_tokens=0).num_nodes == 0
 
 
 def test_prompt_lookup_uses_extra_sources():

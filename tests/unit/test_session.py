@@ -95,10 +95,9 @@ def test_record_refuses_bad_configuration_and_results() -> None:
 
 
 def test_record_into_a_real_completion_memory() -> None:
-    from agentspec.stores import InMemoryStore
-
     from agentspec.embedder import HashEmbedder
     from agentspec.memory import CompletionMemory
+    from agentspec.stores import InMemoryStore
 
     memory = CompletionMemory(InMemoryStore(), embedder=HashEmbedder())
 

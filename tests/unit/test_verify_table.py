@@ -53,3 +53,12 @@ def test_draft_rejects_malformed_trees():
         Draft((1, 2), (-1,), "x")
     with pytest.raises(ValueError, match="sibling"):
         walk(Draft((1, 1), (-1, -1), "x"), [1, 0, 0])
+
+
+def test_untrusted_drafts_are_pruned_not_trusted():
+    from agentspec.decode import _sanitize
+
+    tree = Draft((1, 99, 3, 4, 5), (-1, 0, 1, 0, -1), "m")  # 99 is out of a 10-token vocabulary
+    assert _sanitize(tree, 10, 8) == Draft((1, 4, 5), (-1, 0, -1), "m")
+    assert _sanitize(Draft.chain([1, 2, 3, 4], "c"), 10, 2) == Draft.chain([1, 2], "c")
+    assert _sanitize(Draft.chain([-1, 2], "c"), 10, 8).num_nodes == 0

@@ -1,0 +1,64 @@
+"""The memory never changes an output: poisoned entries, real repeats, greedy identity."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from agentspec import Speculator
+from agentspec.bench.prompts import ALL_PROMPTS
+from agentspec.drafters.policy import DEFAULT_COST
+from agentspec.embedder import HashEmbedder
+from agentspec.memory import CompletionMemory, conversation_key
+from agentspec.stores import SQLStore
+
+MAX_NEW = 32
+PROMPTS = [ALL_PROMPTS[i] for i in (2, 4, 8, 10, 13)]
+
+
+@pytest.fixture()
+def memory(tmp_path):
+    return CompletionMemory(SQLStore(f"sqlite:///{tmp_path}/m.db"), embedder=HashEmbedder())
+
+
+@pytest.fixture(scope="module")
+def references(spec):
+    plain = Speculator(spec.target, speculate=False)
+    return [list(plain.generate(p, MAX_NEW).token_ids) for p in PROMPTS]
+
+
+@pytest.mark.slow
+def test_poisoned_memory_leaves_greedy_output_identical(spec, memory, references):
+    rng = random.Random(0)
+    fp = spec.target.fingerprint
+    for prompt, ref in zip(PROMPTS, references, strict=True):
+        key = conversation_key(prompt)
+        # Adversarial entries under the very same key: the right start, then garbage; pure noise;
+        # and the right answer with one token flipped in the middle.
+        flipped = list(ref)
+        flipped[len(ref) // 2] = (flipped[len(ref) // 2] + 1) % spec.target.vocab_size
+        # Out-of-vocabulary ids, too: they are pruned from the draft, the rest still drafts.
+        for n, ids in enumerate((ref[:5] + [rng.randrange(spec.target.vocab_size) for _ in range(40)],
+                                 [rng.randrange(spec.target.vocab_size) for _ in range(40)], flipped,
+                                 ref[:3] + [spec.target.vocab_size + 5] + ref[3:])):
+            memory.record(scope="s", model=fp, request_text=key, key_text=key,
+                          completion_text=f"poison {n}", completion_ids=ids)
+    poisoned = Speculator(spec.target, memory=memory, cost=DEFAULT_COST)
+    for prompt, ref in zip(PROMPTS, references, strict=True):
+        out = poisoned.generate(prompt, MAX_NEW, scope="s", record=False)
+        assert list(out.token_ids) == ref
+        assert out.stats.drafted.get("memory", 0) > 0  # the poison really was drafted
+
+
+@pytest.mark.slow
+def test_memory_on_is_identical_and_repeats_take_few_steps(spec, memory, references):
+    with_memory = Speculator(spec.target, memory=memory, cost=DEFAULT_COST)
+    for prompt, ref in zip(PROMPTS, references, strict=True):
+        assert list(with_memory.generate(prompt, MAX_NEW, scope="s").token_ids) == ref
+    for prompt, ref in zip(PROMPTS, references, strict=True):  # exact repeats, memory warm
+        out = with_memory.generate(prompt, MAX_NEW, scope="s")
+        assert list(out.token_ids) == ref
+        assert out.stats.steps <= 3 and out.stats.accepted.get("memory", 0) >= len(ref) - 3
+    # An exact duplicate bumps hits instead of adding rows.
+    assert len(memory.store) == len(PROMPTS)

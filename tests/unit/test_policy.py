@@ -1,0 +1,105 @@
+"""The cost-aware policy: never a draft whose measured cost makes it a loss."""
+
+import pytest
+
+from agentspec.drafters.chain import DrafterChain, first_path, trim_to_depth
+from agentspec.drafters.policy import Acceptance, CostModel, best_length, expected_tokens
+from agentspec.protocols import DraftContext
+from agentspec.tree import merge_chains
+from agentspec.types import Draft, Verdict
+
+CPU = CostModel.fit([(1, 0.058), (8, 0.084), (16, 0.114), (32, 0.152), (64, 0.220)])
+
+
+def test_fit_recovers_a_line():
+    model = CostModel.fit([(1, 0.011), (11, 0.031), (21, 0.051)])
+    assert model.base == pytest.approx(0.009) and model.per_token == pytest.approx(0.002)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.01, 0.02])
+def test_no_draft_when_acceptance_cannot_pay_for_it(alpha):
+    assert best_length(alpha, 64, CPU) == 0
+
+
+def test_no_draft_when_every_draft_token_is_expensive():
+    # A synthetic device where each extra token costs as much as the whole base pass.
+    steep = CostModel(base=0.001, per_token=0.01)
+    assert best_length(0.9, 64, steep) == 0
+
+
+def test_lengths_grow_with_acceptance():
+    lengths = [best_length(a, 64, CPU) for a in (0.3, 0.6, 0.8, 0.95, 0.999)]
+    assert lengths == sorted(lengths) and lengths[0] >= 1 and lengths[-1] == 64
+
+
+def test_chosen_length_really_maximises_the_rate():
+    for alpha in (0.4, 0.7, 0.9):
+        best = best_length(alpha, 64, CPU)
+        rates = [expected_tokens(alpha, n) / CPU.seconds(n) for n in range(1, 65)]
+        rate_best = expected_tokens(alpha, best) / CPU.seconds(best) if best else 1 / CPU.seconds(0)
+        assert rate_best >= max(rates) - 1e-12
+
+
+def test_acceptance_estimate_moves_with_evidence():
+    acc = Acceptance(prior=0.5)
+    for _ in range(10):
+        acc.update(8, 8)
+    assert acc.alpha > 0.9
+    for _ in range(40):
+        acc.update(8, 0)
+    assert acc.alpha < 0.2
+
+
+def test_merge_chains_shares_prefixes_and_respects_budget():
+    ids, parents, sources = merge_chains([([1, 2, 3], "a"), ([1, 2, 4], "b"), ([5], "c")], max_nodes=4)
+    assert ids == [1, 2, 3, 4] and parents == [-1, 0, 1, 1] and sources == ["a", "a", "a", "b"]
+
+
+def test_trim_and_first_path():
+    tree = Draft((1, 2, 3, 4, 5), (-1, 0, 1, 0, -1), "m")
+    assert trim_to_depth(tree, 2) == Draft((1, 2, 4, 5), (-1, 0, 0, -1), "m")
+    assert first_path(tree) == Draft.chain([1, 2, 3], "m")
+
+
+class FixedDrafter:
+    def __init__(self, name, tokens):
+        self.name, self.tokens = name, tokens
+
+    def begin(self, context):
+        pass
+
+    def propose(self, context, *, max_tokens):
+        return Draft.chain(self.tokens[:max_tokens], self.name)
+
+    def observe(self, context, draft, verdict):
+        pass
+
+    def end(self, context):
+        pass
+
+
+def test_chain_stops_drafting_a_source_that_is_always_wrong():
+    chain = DrafterChain([FixedDrafter("prompt_lookup", list(range(10, 40)))], cost=CPU)
+    ctx = DraftContext(tokens=[1, 2], prompt_len=2)
+    chain.begin(ctx)
+    sizes = []
+    for _ in range(30):
+        draft = chain.propose(ctx, max_tokens=30)
+        sizes.append(draft.num_nodes)
+        chain.observe(ctx, draft, Verdict((), (), 0))
+    assert sizes[0] > 0 and sizes[-1] == 0
+
+
+def test_chain_prefers_the_reliable_source():
+    chain = DrafterChain([FixedDrafter("suffix", [1] * 30), FixedDrafter("memory", [2] * 30)], cost=CPU)
+    ctx = DraftContext(tokens=[1, 2], prompt_len=2)
+    for _ in range(5):
+        chain.acceptance["suffix"].update(8, 0)
+        chain.acceptance["memory"].update(8, 8)
+    assert chain.propose(ctx, max_tokens=30).source == "memory"
