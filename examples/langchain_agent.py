@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-from agentspec.adapters.decorators import current, tool_loop
-from agentspec.adapters.langchain import ChatAgentSpec
 from langchain_core.messages import BaseMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
+
+from agentspec.adapters.decorators import current, tool_loop
+from agentspec.adapters.langchain import ChatAgentSpec
 
 
 @tool

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from agentspec.stores.memory_store import check_query, check_vectors
 
 from agentspec.errors import ModelNotAvailableError, StoreError
+from agentspec.stores.memory_store import check_query, check_vectors
 
 
 def _faiss() -> Any:

@@ -17,6 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from sqlalchemy import Connection, create_engine, delete, event, func, insert, select, update
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.pool import StaticPool
+
+from agentspec.errors import StoreError
+from agentspec.home import default_db_url
 from agentspec.stores.memory_store import (
     add_stats_row,
     check_nonneg,
@@ -34,13 +41,6 @@ from agentspec.stores.sql_schema import (
     row_values,
     to_record,
 )
-from sqlalchemy import Connection, create_engine, delete, event, func, insert, select, update
-from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
-from sqlalchemy.pool import StaticPool
-
-from agentspec.errors import StoreError
-from agentspec.home import default_db_url
 from agentspec.types import Record
 
 _CHUNK = 500  # ids per IN (...) clause and rows per page of ``iter``

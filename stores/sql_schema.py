@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from agentspec.stores.memory_store import content_hash, record_bytes
 from sqlalchemy import (
     BigInteger,
     Column,
@@ -32,6 +31,7 @@ from sqlalchemy import (
 )
 
 from agentspec.errors import StoreError
+from agentspec.stores.memory_store import content_hash, record_bytes
 from agentspec.types import Record
 
 SCHEMA_VERSION = 1

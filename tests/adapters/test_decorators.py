@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from adapter_fakes import FakeSpeculator
+
 from agentspec.adapters.decorators import current, tool_loop
 from agentspec.adapters.langchain import ChatAgentSpec
 

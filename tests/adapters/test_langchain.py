@@ -8,6 +8,10 @@ from typing import Any
 
 import pytest
 from adapter_fakes import FakeSpeculator
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
+from langchain_core.tools import tool
+from pydantic import BaseModel
+
 from agentspec.adapters.langchain import (
     AgentSpecLLM,
     ChatAgentSpec,
@@ -15,9 +19,6 @@ from agentspec.adapters.langchain import (
     parse_tool_calls,
     to_chat_messages,
 )
-from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
-from langchain_core.tools import tool
-from pydantic import BaseModel
 
 
 @tool

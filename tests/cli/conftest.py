@@ -9,12 +9,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from agentspec.stores import SQLStore
 from click.testing import Result
 from typer.testing import CliRunner
 
 from agentspec.cli import app
 from agentspec.embedder import HashEmbedder
+from agentspec.stores import SQLStore
 from agentspec.types import Record
 
 PG_HINT = ("PostgreSQL CLI tests need AGENTSPEC_TEST_PG_URL; to run them: "

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-from agentspec.stores import SQLStore
 from sqlalchemy import create_engine, text
 
+from agentspec.stores import SQLStore
 from agentspec.types import Record
 from tests.cli.conftest import EMBEDDER, Invoke, make_invoke, make_records
 

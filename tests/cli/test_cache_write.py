@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from agentspec.stores import SQLStore
 
 from agentspec.cli_common import CliError, parse_duration
+from agentspec.stores import SQLStore
 from tests.cli.conftest import Invoke
 
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from agentspec.stores import InMemoryStore, SQLStore
 
+from agentspec.stores import InMemoryStore, SQLStore
 from agentspec.types import Record
 
 PG_HINT = ("PostgreSQL tests need AGENTSPEC_TEST_PG_URL; to run them: "

@@ -10,10 +10,9 @@ from __future__ import annotations
 import sys
 import time
 
-from agentspec.stores import SQLStore
-
 from agentspec.embedder import HashEmbedder
 from agentspec.memory import CompletionMemory
+from agentspec.stores import SQLStore
 from agentspec.types import Record
 
 

@@ -7,10 +7,10 @@ import sys
 
 import numpy as np
 import pytest
-from agentspec.stores import InMemoryStore, SQLStore
 
 from agentspec.embedder import HashEmbedder, MiniLMEmbedder
 from agentspec.memory import CompletionMemory
+from agentspec.stores import InMemoryStore, SQLStore
 
 
 @pytest.fixture(params=["memory", "sqlite"])

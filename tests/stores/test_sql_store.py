@@ -10,14 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from agentspec.stores import SCHEMA_VERSION, SQLStore, mask_url
-from agentspec.stores.sql_schema import records
 from conftest import make_record
 from sqlalchemy import create_engine, select, text
 
 from agentspec.embedder import HashEmbedder
 from agentspec.errors import StoreError
 from agentspec.memory import CompletionMemory
+from agentspec.stores import SCHEMA_VERSION, SQLStore, mask_url
+from agentspec.stores.sql_schema import records
 
 WRITER = str(Path(__file__).with_name("mp_writer.py"))
 
