@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
+from agentspec.config import SamplingParams
 from agentspec.types import Draft, Record, Verdict
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -22,6 +26,9 @@ class DraftContext:
         key_text: the text the completion memory is keyed on (the conversation).
         extra_sources: token sequences the caller adds as lookup sources (earlier outputs
             and tool results of a session).
+        sampling: the request's sampling parameters, for drafters that sample like the target
+            (a small model drafting with probabilities); None: unknown, draft point masses.
+        generator: the request's explicit random source, for those drafters.
     """
 
     tokens: list[int]
@@ -29,6 +36,8 @@ class DraftContext:
     scope: str = "default"
     key_text: str = ""
     extra_sources: Sequence[Sequence[int]] = field(default_factory=tuple)
+    sampling: SamplingParams | None = None
+    generator: torch.Generator | None = None
 
     @property
     def generated(self) -> list[int]:

@@ -168,13 +168,15 @@ class Speculator:
         run.prompt_len = len(prompt_ids)
         self.target.check_length(len(prompt_ids) + max_new_tokens)
         key_text = conversation_key(prompt) if self.memory is not None else ""
+        generator = make_generator(sampling.seed, self.target.device)
         context = DraftContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), scope=scope,
                                key_text=key_text,
-                               extra_sources=tuple(session.sources) if session else ())
+                               extra_sources=tuple(session.sources) if session else (),
+                               sampling=sampling, generator=generator)
         deltas = TextDeltas(self.tokenizer, stops)
         steps = decode(self.target, self._drafter(), context, sampling=sampling,
                        max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids,
-                       generator=make_generator(sampling.seed, self.target.device))
+                       generator=generator)
         for step in steps:
             run.count(step)
             run.token_ids.extend(step.new_tokens)
