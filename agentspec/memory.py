@@ -131,7 +131,7 @@ class CompletionMemory:
         with self._lock:
             state = self._sync(scope)
             size = len(state.index)
-            fetch = min(size, max(4 * k, 16))
+            fetch = min(size, 2 * k)  # over-fetch a little: other models may share the scope
             while True:
                 hits = state.index.search(query, fetch)
                 found = {r.id: r for r in self.store.get_many([i for i, _ in hits])}

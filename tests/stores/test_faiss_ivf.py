@@ -1,0 +1,31 @@
+"""Past its threshold the faiss index turns into an IVF: still finds near duplicates, removes,
+lists ids, and survives a save/load round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from agentspec.stores import FaissIndex
+
+
+def unit(x):
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_ivf_finds_near_duplicates_and_removes(tmp_path):
+    rng = np.random.default_rng(0)
+    vecs = unit(rng.standard_normal((3000, 32)))
+    index = FaissIndex(32, ivf_threshold=2000, nprobe=8)
+    index.add(list(range(1, 2001)), vecs[:2000])
+    assert index.is_ivf
+    index.add(list(range(2001, 3001)), vecs[2000:])  # adds after the switch
+    queries = unit(vecs[::100] + 0.05 * rng.standard_normal((30, 32)))
+    found = [index.search(q, 1)[0][0] for q in queries]
+    assert found == list(range(1, 3001, 100))
+    assert index.remove([1, 101, 999_999]) == 2 and len(index) == 2998
+    assert index.search(queries[0], 1)[0][0] != 1
+    assert index.ids().tolist() == [i for i in range(1, 3001) if i not in (1, 101)]
+    index.save(tmp_path / "ivf.faiss")
+    loaded = FaissIndex.load(tmp_path / "ivf.faiss")
+    assert loaded.is_ivf and len(loaded) == 2998
+    assert [loaded.search(q, 1)[0][0] for q in queries[2:]] == found[2:]
