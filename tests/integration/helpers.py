@@ -37,6 +37,9 @@ class OracleTreeDrafter:
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         pass
 
+    def end(self, context: DraftContext) -> None:
+        pass
+
 
 class CheckingTarget(HFTarget):
     """An HFTarget that checks every scored row against a fresh forward of its full prefix."""
