@@ -123,7 +123,9 @@ def bench(
         task = bar.add_task("bench", total=None)
 
         def tick(done: int, total: int, label: str) -> None:
-            bar.update(task, completed=done, total=total, description=label)
+            bar.update(task, completed=done, total=total, description=label.split(":")[0])
+            if not err_console.is_terminal:  # a log: one line per request instead of a bar
+                err_console.print(f"[{done}/{total}] {label}", markup=False)
 
         result = harness.run_bench(loaded, model, config, on_progress=tick)
     summary = report_mod.summarize(result)

@@ -247,7 +247,9 @@ def run_requests(workload: Workload, systems: dict[str, System], config: BenchCo
                                      {k: tuple(v) for k, v in outcomes.items()}))
         done += 1
         if on_progress:
-            on_progress(done, total, f"measure {item.id}")
+            times = ", ".join(f"{k} {sum(o.seconds for o in v):.1f}s/"
+                              f"{sum(len(o.token_ids) for o in v)}t" for k, v in outcomes.items())
+            on_progress(done, total, f"measure {item.id}: {times}")
     return tuple(results)
 
 
