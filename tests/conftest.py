@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import uuid
+from collections.abc import Iterator
+
 import pytest
+
+PG_HINT = ("PostgreSQL tests need AGENTSPEC_TEST_PG_URL; to run them: "
+           "AGENTSPEC_TEST_PG_URL=$(bash .ci/postgres.sh) make test")
 
 
 @pytest.fixture(scope="session")
@@ -11,3 +18,22 @@ def spec():
     from agentspec import Speculator
 
     return Speculator.from_pretrained("smollm2-135m-instruct", memory=None)
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A PostgreSQL URL whose search_path is a fresh schema, dropped afterwards."""
+    url = os.environ.get("AGENTSPEC_TEST_PG_URL")
+    if not url:
+        pytest.skip(PG_HINT)
+    from sqlalchemy import create_engine
+
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
+    sep = "&" if "?" in url else "?"
+    yield f"{url}{sep}options=-csearch_path%3D{schema}"
+    with engine.begin() as conn:
+        conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
+    engine.dispose()

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,8 +15,6 @@ from agentspec.embedder import HashEmbedder
 from agentspec.stores import SQLStore
 from agentspec.types import Record
 
-PG_HINT = ("PostgreSQL CLI tests need AGENTSPEC_TEST_PG_URL; to run them: "
-           "AGENTSPEC_TEST_PG_URL=$(bash .ci/postgres.sh) .venv/bin/pytest tests/cli")
 EMBEDDER = HashEmbedder(64)
 NOW = time.time()
 
@@ -37,25 +33,6 @@ def make_records(n: int = 30) -> list[Record]:
                    embedder=EMBEDDER.name, created_at=NOW - 86400 * i - 10,
                    last_used_at=NOW - 86400 * i, hits=i % 4, accepted_tokens=3 * i)
             for i in range(n)]
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A PostgreSQL URL whose search_path is a fresh schema, dropped afterwards."""
-    url = os.environ.get("AGENTSPEC_TEST_PG_URL")
-    if not url:
-        pytest.skip(PG_HINT)
-    from sqlalchemy import create_engine
-
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    engine = create_engine(url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-    sep = "&" if "?" in url else "?"
-    yield f"{url}{sep}options=-csearch_path%3D{schema}"
-    with engine.begin() as conn:
-        conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
-    engine.dispose()
 
 
 @pytest.fixture(autouse=True)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,9 +10,6 @@ import pytest
 
 from agentspec.stores import InMemoryStore, SQLStore
 from agentspec.types import Record
-
-PG_HINT = ("PostgreSQL tests need AGENTSPEC_TEST_PG_URL; to run them: "
-           "AGENTSPEC_TEST_PG_URL=$(bash .ci/postgres.sh) .venv/bin/pytest tests/stores")
 
 
 def make_record(i: int, *, scope: str = "s", model: str = "m", n: int = 3, dim: int = 8,
@@ -28,25 +23,6 @@ def make_record(i: int, *, scope: str = "s", model: str = "m", n: int = 3, dim: 
                         embedding=vec / np.linalg.norm(vec), embedder=embedder)
     fields.update(kw)
     return Record(**fields)
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    """A PostgreSQL URL whose search_path is a fresh schema, dropped afterwards."""
-    url = os.environ.get("AGENTSPEC_TEST_PG_URL")
-    if not url:
-        pytest.skip(PG_HINT)
-    from sqlalchemy import create_engine
-
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    engine = create_engine(url)
-    with engine.begin() as conn:
-        conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
-    sep = "&" if "?" in url else "?"
-    yield f"{url}{sep}options=-csearch_path%3D{schema}"
-    with engine.begin() as conn:
-        conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
-    engine.dispose()
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_record
 
 from agentspec.errors import StoreError
 from agentspec.protocols import RecordStore, VectorIndex
 from agentspec.stores import BruteForceIndex, FaissIndex, InMemoryStore
+from tests.stores.conftest import make_record
 
 
 def fill(store, records):

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_record
 from sqlalchemy import create_engine, select, text
 
 from agentspec.embedder import HashEmbedder
@@ -18,6 +17,7 @@ from agentspec.errors import StoreError
 from agentspec.memory import CompletionMemory
 from agentspec.stores import SCHEMA_VERSION, SQLStore, mask_url
 from agentspec.stores.sql_schema import records
+from tests.stores.conftest import make_record
 
 WRITER = str(Path(__file__).with_name("mp_writer.py"))
 
