@@ -28,3 +28,10 @@ def test_quickstart() -> None:
 def test_langchain_agent() -> None:
     out = _run("langchain_agent.py", "--max-tokens", "16", "--max-iterations", "2")
     assert "model calls" in out and "human: 'What is 12 times 7?" in out
+
+
+@pytest.mark.slow
+def test_bfcl_agent() -> None:
+    out = _run("bfcl_agent.py", "--tasks", "multi_turn_base_26", "--max-turns", "1",
+               "--max-calls-per-turn", "1", "--max-new-tokens", "8")
+    assert "warm pass" in out and "exact match: 2/2" in out and "memory warm:" in out

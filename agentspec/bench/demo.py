@@ -210,7 +210,7 @@ class Reporter:
         what = "memory empty" if pass_name == "cold" else "memory filled by the cold pass"
         self.console.rule(f"[bold]{pass_name} pass[/] ({what})")
         self.console.print("[dim]task            turn call  tokens   plain tok/s  agentspec "
-                           "tok/s  speedup  tok/step  accepted by source[/]")
+                           "tok/s  speedup  tok/step  accepted by source[/]", soft_wrap=True)
 
     def call(self, r: CallResult, text: str) -> None:
         mark = "" if r.exact else "  [bold red]OUTPUTS DIFFER[/]"
@@ -218,7 +218,7 @@ class Reporter:
             f"{r.task_id:<18}{r.turn + 1:>2} {r.call + 1:>4}  {r.new_tokens:>6}  "
             f"{_rate(r.new_tokens, r.plain_seconds):>12.1f}  "
             f"{_rate(r.new_tokens, r.spec_seconds):>15.1f}  [bold]{r.speedup:>6.2f}x[/]  "
-            f"{r.tokens_per_step:>8.2f}  {_accepted(r.accepted)}{mark}")
+            f"{r.tokens_per_step:>8.2f}  {_accepted(r.accepted)}{mark}", soft_wrap=True)
         calls, errors = parse_tool_calls(text)
         if not calls and not errors:
             self.console.print(f"    [dim]answer:[/] {_short(text)}")
@@ -344,7 +344,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     """The summary table, the exact-match line and the run time."""
     console = console or Console(highlight=False)
-    console.print(summary_table(summary))
+    console.print(summary_table(summary), width=max(console.width, 130))
     exact = summary["exact_match"]
     style = "green" if exact["matched"] == exact["calls"] else "bold red"
     console.print(f"[{style}]exact match: {exact['matched']}/{exact['calls']} calls "

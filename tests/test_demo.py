@@ -1,0 +1,57 @@
+"""``agentspec demo``: bad input fails fast; a tiny real run is exact and the warm pass drafts
+from memory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from agentspec.bench.demo import CallResult, DemoConfig, _cut, _task_ids, summarize
+from agentspec.cli import app
+
+
+def test_bad_input_exits_2_before_loading() -> None:
+    for args in (["--tasks", "multi_turn_base_9999"], ["--max-new-tokens", "0"],
+                 ["--max-calls-per-turn", "0"]):
+        res = CliRunner().invoke(app, ["demo", *args])
+        assert res.exit_code == 2, (args, res.output)
+        assert "error:" in res.stderr
+
+
+def test_task_ids_and_cut() -> None:
+    assert _task_ids("26, multi_turn_base_12,") == ("multi_turn_base_26", "multi_turn_base_12")
+    assert _cut([5, 6, 2, 7], frozenset({2})) == (5, 6)
+    assert _cut([5, 6], frozenset({2})) == (5, 6)
+
+
+def test_summarize_speedups() -> None:
+    def call(pass_name: str, plain_s: float, spec_s: float, exact: bool = True) -> CallResult:
+        return CallResult(pass_name, "t", 0, 0, 10, plain_s, spec_s, 5, {"memory": 4}, exact)
+
+    rows = [call("cold", 1.0, 1.0), call("warm", 2.0, 1.0), call("warm", 4.0, 1.0, False)]
+    s = summarize(rows, DemoConfig(("t",)), seconds=1.0, load_seconds=0.5)
+    warm = s["passes"]["warm"]
+    assert warm["total_speedup"] == pytest.approx(3.0) and warm["median_speedup"] == 3.0
+    assert warm["tokens_per_step"] == 2.0 and warm["accepted_by_source"] == {"memory": 8}
+    assert s["exact_match"] == {"matched": 2, "calls": 3, "rate": pytest.approx(2 / 3)}
+
+
+@pytest.mark.slow
+def test_demo_tiny_run(tmp_path: Path) -> None:
+    out = tmp_path / "demo.json"
+    res = CliRunner().invoke(app, ["demo", "--tasks", "multi_turn_base_26", "--max-turns", "1",
+                                   "--max-calls-per-turn", "1", "--max-new-tokens", "16",
+                                   "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "cold pass" in res.stdout and "warm pass" in res.stdout
+    summary = json.loads(out.read_text())
+    assert summary["exact_match"]["rate"] == 1.0 and summary["exact_match"]["calls"] == 2
+    cold, warm = summary["passes"]["cold"], summary["passes"]["warm"]
+    for p in (cold, warm):
+        assert {"plain_tokens_per_second", "agentspec_tokens_per_second", "median_speedup",
+                "total_speedup", "tokens_per_step", "accepted_by_source"} <= set(p)
+    assert cold["accepted_by_source"].get("memory", 0) == 0  # the memory starts empty
+    assert warm["accepted_by_source"].get("memory", 0) > 0
