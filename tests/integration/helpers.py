@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from agentspec.protocols import DraftContext
-from agentspec.target import HFTarget
+from agentspec.target import HFTarget, load_target
 from agentspec.types import Draft, Verdict
 
 
@@ -72,3 +74,9 @@ class CheckingTarget(HFTarget):
     def commit(self, draft, verdict):
         super().commit(draft, verdict)
         self.context.extend(verdict.new_tokens)
+
+
+@functools.cache
+def cached_target(name: str) -> HFTarget:
+    """A packaged model loaded once per test session (shared by the modules that need it)."""
+    return load_target(name)
