@@ -20,7 +20,8 @@ def shared_speculator() -> Any:
         if not _REAL:
             from agentspec import Speculator
 
-            _REAL.append(Speculator.from_pretrained("smollm2-135m-instruct"))
+            # No memory: tests must neither read nor write the user's default memory file.
+            _REAL.append(Speculator.from_pretrained("smollm2-135m-instruct", memory=None))
         return _REAL[0]
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from adapter_fakes import FakeSpeculator, shared_speculator
+
+from tests.adapters.adapter_fakes import FakeSpeculator, shared_speculator
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
-from adapter_fakes import FakeSpeculator
 
 from agentspec.adapters.decorators import current, tool_loop
 from agentspec.adapters.langchain import ChatAgentSpec
+from tests.adapters.adapter_fakes import FakeSpeculator
 
 
 def test_sync_function_runs_in_one_session(fake_spec: FakeSpeculator) -> None:

@@ -7,7 +7,6 @@ import json
 from typing import Any
 
 import pytest
-from adapter_fakes import FakeSpeculator
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 from langchain_core.tools import tool
 from pydantic import BaseModel
@@ -19,6 +18,7 @@ from agentspec.adapters.langchain import (
     parse_tool_calls,
     to_chat_messages,
 )
+from tests.adapters.adapter_fakes import FakeSpeculator
 
 
 @tool

@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from adapter_fakes import FakeSpeculator, shared_speculator
 from langchain_core.language_models import BaseChatModel
 from langchain_tests.integration_tests import ChatModelIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
 from agentspec.adapters.langchain import ChatAgentSpec
+from tests.adapters.adapter_fakes import FakeSpeculator, shared_speculator
 
 SMALL = "a 135M model rarely"
 WEAK_TOOLS = pytest.mark.xfail(reason=f"{SMALL} emits the exact tool call JSON (name and args) "

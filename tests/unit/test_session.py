@@ -11,7 +11,7 @@ import pytest
 from agentspec.session import Session, observed_calls, record
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "adapters"))
-from adapter_fakes import FakeSpeculator, FakeTokenizer  # noqa: E402
+from tests.adapters.adapter_fakes import FakeSpeculator, FakeTokenizer  # noqa: E402
 
 
 class FakeMemory:
