@@ -58,7 +58,7 @@ class CheckingTarget(HFTarget):
 
     def _fresh_last_logits(self, ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
-            return self.model(input_ids=torch.tensor([ids])).logits[0, -1]
+            return self.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
 
     def score(self, last_token, draft):
         logits = super().score(last_token, draft)
