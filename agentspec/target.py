@@ -155,8 +155,12 @@ class HFTarget:
         self._kv: Any = None
         self._kv_len = 0
         self._refuse_unrollbackable()
-        # Tree drafts need a custom 4-D mask, which the sdpa and eager attention paths accept.
+        # Tree drafts need a custom 4-D mask, which the sdpa and eager attention paths accept;
+        # sliding-window models also need a mask per layer type (see ``_tree_masks``).
         self.supports_trees = getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager")
+        if self.supports_trees and self.sliding_window is not None and not _takes_mask_dict(model):
+            warn_once(f"{name}: sliding-window layers cannot take a tree mask; verifying chains only")
+            self.supports_trees = False
 
     @property
     def fingerprint(self) -> str:
@@ -174,15 +178,15 @@ class HFTarget:
             raise UnsupportedModelError(f"{self.name}: a static KV cannot be rolled back per path")
 
     def check_length(self, total_tokens: int) -> None:
-        """Refuse a generation whose KV would outgrow what can be rolled back or attended."""
+        """Refuse a generation whose KV would outgrow what the model can attend.
+
+        Sliding-window layers keep their full KV here (see ``start``), so a generation longer
+        than the window still rolls back exactly; the window is applied by the masks.
+        """
         if total_tokens > self.max_context:
             raise ValueError(
                 f"prompt plus max_new_tokens is {total_tokens} tokens, more than the model's "
                 f"context of {self.max_context}")
-        if self.sliding_window is not None and total_tokens > self.sliding_window:
-            raise UnsupportedModelError(
-                f"{self.name}: {total_tokens} tokens exceed its sliding window of "
-                f"{self.sliding_window}; a full sliding-window KV cannot be rolled back")
 
     @torch.inference_mode()
     def start(self, prompt_ids: list[int]) -> None:
@@ -209,10 +213,30 @@ class HFTarget:
         ids = torch.tensor([[last_token, *draft.token_ids]], device=self.device)  # [1, num_nodes + 1]
         kwargs: dict[str, Any] = {}
         if not draft.is_chain:
-            kwargs["attention_mask"] = tree_attention_mask(draft.parents, self._kv_len, self.device)
             kwargs["position_ids"] = tree_position_ids(draft.parents, self._kv_len, self.device)
+            kwargs["attention_mask"] = self._tree_masks(draft, kwargs["position_ids"])
         out = self.model(input_ids=ids, past_key_values=self._kv, use_cache=True, **kwargs)
         return out.logits[0]  # [num_nodes + 1, vocab_size]
+
+    def _tree_masks(self, draft: Draft, position_ids: torch.Tensor) -> Any:
+        """The 4-D tree mask; for sliding-window models a dict per layer type, whose sliding
+        mask also hides keys more than ``sliding_window - 1`` positions behind each query
+        (transformers' rule: ``kv_position > q_position - sliding_window``)."""
+        mask = tree_attention_mask(draft.parents, self._kv_len, self.device)  # [1, 1, q, kv]
+        if self.sliding_window is None:
+            return mask
+        q_pos = position_ids[0]  # [num_nodes + 1]
+        kv_pos = torch.cat([torch.arange(self._kv_len + 1, device=self.device), q_pos[1:]])
+        in_window = kv_pos[None, :] > q_pos[:, None] - self.sliding_window  # [q, kv]
+        return {"full_attention": mask, "sliding_attention": mask & in_window[None, None]}
+
+    @torch.inference_mode()
+    def crop(self, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` KV rows: a draft model rolled back to a committed prefix."""
+        if not 0 <= num_tokens <= self._kv_len:
+            raise ValueError(f"crop needs 0 <= num_tokens <= {self._kv_len}, got {num_tokens}")
+        _keep_kv_rows(self._kv, num_tokens, None, num_tokens)
+        self._kv_len = num_tokens
 
     @torch.inference_mode()
     def commit(self, draft: Draft, verdict: Verdict) -> None:
@@ -247,6 +271,19 @@ def _keep_kv_rows(kv: Any, dst: int, src_rows: list[int] | None, new_len: int) -
             layer.values[:, :, dst : dst + len(src_rows)] = layer.values.index_select(2, index)
         layer.keys = layer.keys[:, :, :new_len]
         layer.values = layer.values[:, :, :new_len]
+
+
+def _takes_mask_dict(model: Any) -> bool:
+    """Whether the model's forward takes ``{layer_type: mask}`` as its attention mask (the
+    transformers models with sliding-window layers do, e.g. gemma3; pinned: transformers 5.23)."""
+    import inspect
+
+    base = getattr(model, "model", model)
+    try:
+        source = inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return False
+    return "attention_mask, dict)" in source
 
 
 def warn_once(message: str, _seen: set[str] = set()) -> None:  # noqa: B006 - a deliberate memo
