@@ -66,16 +66,21 @@ class Speculator:
         speculate: False runs plain decoding through the same loop (the baseline).
         cost: the target's forward cost model; ``"measure"`` times it once per model and
             device (cached under ``$AGENTSPEC_HOME/costs``).
+        draft_model: a small causal LM (a loaded ``HFTarget``, or a name for ``load_target``)
+            added last to the default drafters as the fallback
+            (:class:`~agentspec.drafters.model.ModelDrafter`); ignored when ``drafters`` is given.
     """
 
     def __init__(self, target: HFTarget, *, memory: Any = None,
                  drafters: Sequence[Drafter] | None = None, config: SpecConfig | None = None,
-                 speculate: bool = True, cost: CostModel | str = "measure") -> None:
+                 speculate: bool = True, cost: CostModel | str = "measure",
+                 draft_model: str | HFTarget | None = None) -> None:
         self.target = target
         self.memory = memory
         self.config = config or SpecConfig()
         self.speculate = speculate
         self.stop_token_ids = _stop_ids(target)
+        self.draft_model = draft_model
         self.drafters = list(drafters) if drafters is not None else self._default_drafters()
         self._cost = cost
         self._chain: DrafterChain | None = None
@@ -86,16 +91,18 @@ class Speculator:
     def from_pretrained(cls, name: str = "smollm2-135m-instruct", *, speculate: bool = True,
                         memory: Any = "default", device: str | None = None,
                         config: SpecConfig | None = None,
-                        cost: CostModel | str = "measure") -> Speculator:
+                        cost: CostModel | str = "measure",
+                        draft_model: str | HFTarget | None = None) -> Speculator:
         """Load a packaged or local model (offline) and wrap it.
 
         Args:
             memory: ``"default"`` (the SQLite file under ``$AGENTSPEC_HOME``), a SQLAlchemy URL,
                 a :class:`~agentspec.memory.CompletionMemory`, or None for no memory.
+            draft_model: a small model drafting when nothing better does (see ``__init__``).
         """
         target = load_target(name, device=device)
         return cls(target, memory=open_memory(memory), config=config, speculate=speculate,
-                   cost=cost)
+                   cost=cost, draft_model=draft_model)
 
     def _default_drafters(self) -> list[Drafter]:
         from agentspec.drafters.memory import MemoryDrafter
@@ -107,7 +114,20 @@ class Speculator:
             fp = self.target.fingerprint
             drafters += [MemoryDrafter(self.memory, fp, max_nodes=self.config.max_tree_nodes),
                          SuffixDrafter(self.memory, fp)]
-        return drafters + [PromptLookupDrafter(self.config)]
+        drafters.append(PromptLookupDrafter(self.config))
+        if self.draft_model is not None:
+            drafters.append(self._model_drafter(self.draft_model))
+        return drafters
+
+    def _model_drafter(self, draft_model: str | HFTarget) -> Drafter:
+        from agentspec.drafters.model import ModelDrafter
+
+        if draft_model is self.target:
+            raise ValueError("draft_model must be another model (or another HFTarget): the "
+                             "target's own KV cannot also hold the drafts")
+        if isinstance(draft_model, str):
+            draft_model = load_target(draft_model, device=str(self.target.device))
+        return ModelDrafter(draft_model, self.tokenizer)
 
     @property
     def tokenizer(self) -> Any:
