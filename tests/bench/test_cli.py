@@ -1,0 +1,111 @@
+"""``agentspec bench``: bad input, workload names, a mismatch fails the run, and one real run
+end to end on a tiny workload (slow: the real model, a few tokens per request)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from agentspec.bench import cli as bench_cli
+from agentspec.bench import harness
+from agentspec.bench.harness import BenchResult, Outcome, RequestResult
+from agentspec.bench.workload import WorkloadItem
+from agentspec.cli import app
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["bench", *args])
+
+
+def test_module_imports_neither_torch_nor_transformers() -> None:
+    code = ("import sys, agentspec.bench.cli; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--systems", "hf-greedy,warp-drive"], "'warp-drive'"),
+    (["--temperature", "-0.5"], "-0.5"),
+    (["--temperature", "nan"], "nan"),
+    (["--max-new-tokens", "0"], "got 0"),
+    (["--workload", "no-such-workload"], "'no-such-workload'"),
+])
+def test_bad_input_exits_2_naming_the_value(args: list[str], named: str) -> None:
+    res = invoke(*args)
+    assert res.exit_code == 2, res.output
+    assert named in res.stderr and res.stderr.count("\n") == 1
+
+
+def test_bad_task_id_for_the_builder(tmp_path: Path) -> None:
+    pytest.importorskip("bfcl_eval")
+    res = invoke("build-bfcl", "--out", str(tmp_path / "x.jsonl"), "--tasks", "multi_turn_base_999")
+    assert res.exit_code == 2 and "multi_turn_base_999" in res.stderr
+
+
+def test_short_names_resolve_to_shipped_workloads(tmp_path: Path) -> None:
+    data = Path(bench_cli.__file__).parent / "data"
+    assert bench_cli.resolve_workload("prompts") == data / "prompts.jsonl"
+    assert bench_cli.resolve_workload("bfcl") == data / "bfcl.jsonl"
+    own = tmp_path / "prompts"
+    own.write_text('{"id": "a", "prompt": "x"}\n')
+    assert bench_cli.resolve_workload(str(own)) == own  # an existing file wins
+
+
+def test_systems_parsing() -> None:
+    assert bench_cli.parse_systems("agentspec, hf-pld") == ["hf-greedy", "agentspec", "hf-pld"]
+
+
+def _fake_result(workload, model, config, *, on_progress=None) -> BenchResult:
+    """One request on which agentspec-pld differs from the reference."""
+    item = WorkloadItem(id="r-0", prompt="x", max_new_tokens=4)
+    outcomes = {n: (Outcome((1, 2, 3) if n != "agentspec-pld" else (1, 2, 4), 1.0,
+                            None if n.startswith("hf") else 2),) for n in config.systems}
+    return BenchResult(str(workload.path), model, "cpu", config, 0,
+                       (RequestResult(item, 3, 4, outcomes),), (0.1, 0.2, 0.3))
+
+
+def test_a_mismatch_fails_the_run_and_is_in_the_json(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(harness, "run_bench", _fake_result)
+    out = tmp_path / "r.json"
+    res = invoke("--workload", "prompts", "--systems", "hf-greedy,agentspec-pld,agentspec-plain",
+                 "--json", str(out))
+    assert res.exit_code == 1 and "agentspec-pld" in res.stderr
+    summary = json.loads(out.read_text())
+    assert summary["exact_match"] == {"agentspec-pld": 0.0, "agentspec-plain": 1.0}
+
+
+TINY = [
+    {"id": "warm-0", "scope": "t", "phase": "warmup", "max_new_tokens": 6,
+     "messages": [{"role": "user", "content": 'Repeat exactly: {"city": "Paris", "unit": "c"}'}]},
+    {"id": "grounded-0", "scope": "t",
+     "messages": [{"role": "user", "content": 'Repeat exactly: {"city": "Paris", "unit": "c"}'}]},
+    {"id": "open-0", "scope": "t", "prompt": "The three primary colors are"},
+]
+
+
+@pytest.mark.slow
+def test_end_to_end_on_a_tiny_workload(tmp_path: Path) -> None:
+    workload = tmp_path / "tiny.jsonl"
+    workload.write_text("".join(json.dumps(line) + "\n" for line in TINY))
+    out, png, md = tmp_path / "o.json", tmp_path / "o.png", tmp_path / "o.md"
+    res = invoke("--workload", str(workload), "--max-new-tokens", "6",
+                 "--systems", ",".join(bench_cli.SYSTEMS), "--json", str(out),
+                 "--plot", str(png), "--report", str(md))
+    assert res.exit_code == 0, res.output
+    summary = json.loads(out.read_text())
+    assert summary["measured_requests"] == 2 and summary["warmup_requests"] == 1
+    assert summary["device"] == "cpu" and summary["model"] == "smollm2-135m-instruct"
+    assert summary["exact_match"] == {n: 1.0 for n in bench_cli.SYSTEMS[1:]}
+    for name, s in summary["systems"].items():
+        assert s["new_tokens"] > 0 and s["tokens_per_second"] > 0, name
+    assert summary["systems"]["hf-greedy"]["speedup"] == 1.0
+    assert set(summary["systems"]["agentspec"]["accepted_by_source"]) >= {"memory", "prompt_lookup"}
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "agentspec-plain" in md.read_text()
+    assert "exact" in res.stdout  # the rich table

@@ -1,0 +1,125 @@
+"""The bench loop and its report on fake systems (the ``System`` seam): no model, fast."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agentspec.bench import harness, report
+from agentspec.bench.harness import BenchConfig, BenchResult, Outcome
+from agentspec.bench.prompts import GROUNDED, OPEN
+from agentspec.bench.workload import WorkloadItem, load_workload, write_workload
+
+ALL = ("hf-greedy", "hf-pld", "agentspec-pld", "agentspec")
+
+
+class FakeSystem:
+    """Returns fixed tokens (``offset`` shifts them: a wrong system) and logs its calls."""
+
+    def __init__(self, name: str, log: list[tuple[str, str]], *, offset: int = 0,
+                 seconds: float = 1.0, extra_tokens: int = 0) -> None:
+        self.name, self.log, self.offset = name, log, offset
+        self.seconds, self.extra_tokens = seconds, extra_tokens
+
+    def run(self, item: WorkloadItem, max_new_tokens: int, seed: int | None) -> Outcome:
+        self.log.append((self.name, item.id))
+        n = min(max_new_tokens, 4 + self.extra_tokens + (seed or 0) % 3)
+        tokens = tuple(range(self.offset, self.offset + n))
+        spec = self.name.startswith("agentspec")
+        return Outcome(tokens, self.seconds, steps=2 if spec else None,
+                       accepted={"prompt_lookup": 2} if spec else {})
+
+
+def _workload(tmp_path: Path) -> object:
+    items = [WorkloadItem(id="warm", phase="warmup", prompt="w")]
+    items += [WorkloadItem(id=f"{g}-{i}", prompt=f"p{i}") for g in ("grounded", "open")
+              for i in range(2)]
+    write_workload(tmp_path / "w.jsonl", items)
+    return load_workload(tmp_path / "w.jsonl", default_max_new_tokens=8)
+
+
+def _run(tmp_path: Path, systems: dict, config: BenchConfig) -> BenchResult:
+    workload = _workload(tmp_path)
+    requests = harness.run_requests(workload, systems, config,  # type: ignore[arg-type]
+                                    encode=lambda p: [1, 2, 3])
+    return BenchResult("w.jsonl", "fake", "cpu", config, 1, requests)
+
+
+def test_interleaved_rotated_and_warmup_through_agentspec_only(tmp_path: Path) -> None:
+    log: list[tuple[str, str]] = []
+    systems = {n: FakeSystem(n, log) for n in ALL}
+    _run(tmp_path, systems, BenchConfig(systems=ALL))
+    assert log[0] == ("agentspec", "warm")
+    per_request = [[n for n, i in log[1:] if i == rid] for rid in
+                   ("grounded-0", "grounded-1", "open-0", "open-1")]
+    assert per_request == [harness.rotation(ALL, k) for k in range(4)]
+    assert per_request[1][0] == "hf-pld"  # rotated by one
+
+
+def test_summary_fields_and_exact_match(tmp_path: Path) -> None:
+    log: list[tuple[str, str]] = []
+    systems = {n: FakeSystem(n, log, seconds=0.5 if n == "agentspec" else 1.0) for n in ALL}
+    summary = report.summarize(_run(tmp_path, systems, BenchConfig(systems=ALL)))
+    assert summary["measured_requests"] == 4 and summary["device"] == "cpu"
+    assert summary["exact_match"] == {"hf-pld": 1.0, "agentspec-pld": 1.0, "agentspec": 1.0}
+    a = summary["systems"]["agentspec"]
+    assert a["speedup"] == pytest.approx(2.0) and a["median_speedup"] == pytest.approx(2.0)
+    assert a["tokens_per_step"] == pytest.approx(2.0)
+    assert a["accepted_by_source"]["prompt_lookup"] == 8 and a["accepted_by_source"]["memory"] == 0
+    assert summary["systems"]["hf-greedy"]["speedup"] == 1.0
+    assert set(summary["groups"]) == {"grounded", "open"}
+    assert summary["groups"]["grounded"]["ratios"]["agentspec-pld/hf-pld"] == pytest.approx(1.0)
+    assert len(summary["requests"]) == 4
+    json.dumps(summary)  # JSON-ready
+    assert "| agentspec |" in report.to_markdown(summary)
+
+
+def test_a_wrong_system_is_reported(tmp_path: Path) -> None:
+    log: list[tuple[str, str]] = []
+    systems = {n: FakeSystem(n, log, offset=7 if n == "agentspec-pld" else 0) for n in ALL}
+    summary = report.summarize(_run(tmp_path, systems, BenchConfig(systems=ALL)))
+    assert summary["exact_match"]["agentspec-pld"] == 0.0
+    assert summary["exact_match"]["agentspec"] == 1.0
+    assert not summary["requests"][0]["systems"]["agentspec-pld"]["matches_reference"]
+    assert "≠" in report.to_markdown(summary)
+
+
+def test_distribution_check_flags_a_biased_system(tmp_path: Path) -> None:
+    names = ("hf-greedy", "agentspec-pld", "agentspec")
+    log: list[tuple[str, str]] = []
+    systems = {n: FakeSystem(n, log, extra_tokens=3 if n == "agentspec" else 0) for n in names}
+    config = BenchConfig(systems=names, temperature=0.7, samples=3, max_new_tokens=64)
+    summary = report.summarize(_run(tmp_path, systems, config))
+    assert summary["exact_match"] == {}
+    check = summary["distribution_check"]
+    assert check["agentspec-pld"]["ok"] and check["agentspec-pld"]["p_value"] > 0.5
+    # 4 requests can give p >= 1/8 at best with a sign-flip test; the bias is in every one.
+    assert check["agentspec"]["mean_length_difference"] == pytest.approx(3.0)
+    assert check["agentspec"]["p_value"] <= 0.13
+    assert sum(n == "hf-greedy" for n, _ in log) == 4 * 3  # 4 requests, 3 seeds each
+
+
+def test_cut_at_stop() -> None:
+    assert harness.cut_at_stop([5, 6, 2, 7], frozenset({2})) == (5, 6)
+    assert harness.cut_at_stop([5, 6], frozenset({2})) == (5, 6)
+
+
+def test_shipped_prompts_workload_is_the_bundled_prompts() -> None:
+    from agentspec.bench.cli import data_dir
+
+    w = load_workload(data_dir() / "prompts.jsonl", default_max_new_tokens=128)
+    assert [i.id for i in w.measure] == [f"grounded-{i}" for i in range(len(GROUNDED))] + \
+        [f"open-{i}" for i in range(len(OPEN))]
+    for item, prompt in zip(w.measure, GROUNDED + OPEN, strict=True):
+        assert (item.prompt == prompt) if isinstance(prompt, str) else \
+            ([dict(m) for m in item.messages or ()] == prompt)
+
+
+def test_shipped_bfcl_workload_loads() -> None:
+    from agentspec.bench.cli import data_dir
+
+    w = load_workload(data_dir() / "bfcl.jsonl", default_max_new_tokens=128)
+    assert w.errors == () and w.warmup and w.measure
+    assert {i.scope for i in w.measure} <= {i.scope for i in w.warmup}
