@@ -104,6 +104,13 @@ class Speculator:
         return cls(target, memory=open_memory(memory), config=config, speculate=speculate,
                    cost=cost, draft_model=draft_model)
 
+    def warmup(self) -> None:
+        """Do the one-time work now rather than inside the first call: measure the target's
+        forward cost (cached per model and device) and load the memory's embedder."""
+        self._drafter()
+        if self.memory is not None:
+            self.memory.embedder.embed(["warm up"])
+
     def _default_drafters(self) -> list[Drafter]:
         from agentspec.drafters.memory import MemoryDrafter
         from agentspec.drafters.prompt_lookup import PromptLookupDrafter

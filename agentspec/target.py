@@ -142,12 +142,23 @@ def fingerprint(name: str, model: Any, tokenizer: Any) -> str:
 
 
 class HFTarget:
-    """A transformers causal LM and the KV of the one generation in progress (batch size 1)."""
+    """A transformers causal LM and the KV of the one generation in progress (batch size 1).
 
-    def __init__(self, model: Any, tokenizer: Any, *, name: str = "model") -> None:
+    Args:
+        reuse_prefix: keep the KV rows of the longest common prefix between a new prompt and
+            what the KV already holds: the calls of an agent share their system prompt, tool
+            docs and earlier turns, so most of a prompt's prefill is skipped. The rows are the
+            same keys and values a fresh prefill computes (``tests/integration/test_rollback.py``).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, *, name: str = "model",
+                 reuse_prefix: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
+        self.reuse_prefix = reuse_prefix
+        self._kv_ids: list[int] = []  # the token ids whose rows the KV holds, in order
+        self._root = -1  # the last committed token, scored by ``score``
         self.device = next(model.parameters()).device
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
@@ -190,17 +201,31 @@ class HFTarget:
 
     @torch.inference_mode()
     def start(self, prompt_ids: list[int]) -> None:
-        """Reset the KV and prefill every prompt token but the last."""
+        """Prepare the KV for a new generation: every prompt token but the last.
+
+        Rows of the longest common prefix with what the KV holds are kept (``reuse_prefix``);
+        only the rest of the prompt is prefilled.
+        """
         from transformers import DynamicCache
 
-        # Full (non-sliding) layers for every model: rows can always be rolled back, and the
-        # sliding-window masks are still built from positions by transformers.
-        self._kv = DynamicCache()
-        self._kv_len = 0
-        if len(prompt_ids) > 1:
-            ids = torch.tensor([prompt_ids[:-1]], device=self.device)
+        wanted = list(prompt_ids[:-1])
+        reuse = self.reuse_prefix and self._kv is not None
+        keep = _common_prefix_len(self._kv_ids, wanted) if reuse else 0
+        if keep == 0:
+            # Full (non-sliding) layers for every model: rows can always be rolled back, and
+            # the sliding-window masks are still built from positions by transformers.
+            self._kv = DynamicCache()
+        else:
+            _keep_kv_rows(self._kv, keep, None, keep)
+        self._kv_len, self._kv_ids = keep, wanted[:keep]
+        if len(wanted) > keep:
+            ids = torch.tensor([wanted[keep:]], device=self.device)
             self.model(input_ids=ids, past_key_values=self._kv, use_cache=True, logits_to_keep=1)
-            self._kv_len = len(prompt_ids) - 1
+            self._kv_len, self._kv_ids = len(wanted), wanted
+
+    def fork(self) -> HFTarget:
+        """Another target on the same weights with a KV of its own (cheap: no copy)."""
+        return HFTarget(self.model, self.tokenizer, name=self.name, reuse_prefix=self.reuse_prefix)
 
     @torch.inference_mode()
     def score(self, last_token: int, draft: Draft) -> torch.Tensor:
@@ -210,6 +235,7 @@ class HFTarget:
             logits ``[num_nodes + 1, vocab_size]``: row 0 predicts after the last committed
             token, row ``i + 1`` after draft node ``i``.
         """
+        self._root = last_token
         ids = torch.tensor([[last_token, *draft.token_ids]], device=self.device)  # [1, num_nodes + 1]
         kwargs: dict[str, Any] = {}
         if not draft.is_chain:
@@ -237,6 +263,7 @@ class HFTarget:
             raise ValueError(f"crop needs 0 <= num_tokens <= {self._kv_len}, got {num_tokens}")
         _keep_kv_rows(self._kv, num_tokens, None, num_tokens)
         self._kv_len = num_tokens
+        del self._kv_ids[num_tokens:]
 
     @torch.inference_mode()
     def commit(self, draft: Draft, verdict: Verdict) -> None:
@@ -248,10 +275,20 @@ class HFTarget:
         else:
             _keep_kv_rows(self._kv, root_end, [root_end + i for i in path], root_end + len(path))
         self._kv_len = root_end + len(path)
+        self._kv_ids.append(self._root)
+        self._kv_ids.extend(verdict.accepted)
 
     @property
     def kv_len(self) -> int:
         return self._kv_len
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _keep_kv_rows(kv: Any, dst: int, src_rows: list[int] | None, new_len: int) -> None:

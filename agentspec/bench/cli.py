@@ -155,6 +155,8 @@ def build_bfcl(
         "--tasks", help="Comma-separated BFCL task ids; default the default tasks.")] = None,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = DEFAULT_MAX_NEW_TOKENS,
     model: Annotated[str, typer.Option("--model")] = "smollm2-135m-instruct",
+    max_calls_per_turn: Annotated[int | None, typer.Option(
+        "--max-calls-per-turn", help="LLM calls per user turn at most; default bfcl's.")] = None,
 ) -> None:
     """Run the BFCL agent with agentspec (greedy, exact) and write its calls as a workload.
 
@@ -182,7 +184,11 @@ def build_bfcl(
             else None
         return str(spec.generate(messages, max_new_tokens).text)
 
-    items = bfcl.build_workload(task_list, generate, max_new_tokens=max_new_tokens)
+    per_turn = max_calls_per_turn or bfcl.DEFAULT_MAX_CALLS_PER_TURN
+    if per_turn < 1:
+        fail(f"max-calls-per-turn must be a positive integer, got {per_turn}", EXIT_USAGE)
+    items = bfcl.build_workload(task_list, generate, max_new_tokens=max_new_tokens,
+                                max_calls_per_turn=per_turn)
     n = write_workload(out, items)
     warm = sum(i.phase == "warmup" for i in items)
     console.print(f"wrote {n} calls ({warm} warmup, {n - warm} measure) of {len(task_list)} "

@@ -241,7 +241,12 @@ def _load(config: DemoConfig, db_url: str, console: Console) -> tuple[Any, Any]:
     with console.status(f"loading {config.model} (the first run converts its GGUF, ~20 s)"):
         target = load_target(config.model)
     memory = CompletionMemory.open(db_url)
-    plain, spec = Speculator(target, speculate=False), Speculator(target, memory=memory)
+    # Plain decoding as without agentspec: no prompt-prefix KV reuse across calls. agentspec
+    # keeps its own KV on the same weights, so neither run inherits the other's prefill.
+    from agentspec.target import HFTarget
+
+    baseline = HFTarget(target.model, target.tokenizer, name=target.name, reuse_prefix=False)
+    plain, spec = Speculator(baseline, speculate=False), Speculator(target, memory=memory)
     with console.status("loading the memory's embedder, warming up"):
         memory.embedder.embed(["warm up"])  # so that the first timed call does not load it
         hello = [{"role": "user", "content": "Say hi."}]

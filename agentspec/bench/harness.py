@@ -175,12 +175,21 @@ class SpecSystem:
 
 
 def build_systems(target: Any, config: BenchConfig, db_url: str) -> dict[str, System]:
-    """The named systems on one loaded target (they share its weights)."""
+    """The named systems on one loaded target.
+
+    They share its weights; each agentspec system keeps a KV of its own, so prompt-prefix reuse
+    only ever spans that system's own calls. ``agentspec-plain`` reuses nothing: it measures
+    the loop's overhead against transformers. One-time work (the cost curve, the embedder)
+    happens here, before anything is timed.
+    """
     from agentspec import Speculator
+    from agentspec.target import HFTarget
 
     t = config.temperature
-    plain = Speculator(target, speculate=False)
-    pld = Speculator(target)
+    plain = Speculator(HFTarget(target.model, target.tokenizer, name=target.name,
+                                reuse_prefix=False), speculate=False)
+    pld = Speculator(target.fork())
+    pld.warmup()
     built: dict[str, System] = {}
     for name in config.systems:
         if name == "hf-greedy":
@@ -201,15 +210,12 @@ def build_systems(target: Any, config: BenchConfig, db_url: str) -> dict[str, Sy
 
 def _memory_speculator(target: Any, db_url: str) -> Any:
     from agentspec import Speculator
-
-    if "memory" not in inspect.signature(Speculator.__init__).parameters:
-        raise ValueError("the 'agentspec' system needs Speculator(memory=...), which this build "
-                         "lacks; run the other systems (--systems)")
     from agentspec.memory import CompletionMemory
     from agentspec.stores import SQLStore
 
-    memory = CompletionMemory(SQLStore(db_url))
-    return Speculator(target, memory=memory)  # type: ignore[call-arg]
+    spec = Speculator(target.fork(), memory=CompletionMemory(SQLStore(db_url)))
+    spec.warmup()
+    return spec
 
 
 def rotation(names: Sequence[str], index: int) -> list[str]:

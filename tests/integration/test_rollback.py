@@ -6,6 +6,7 @@ import pytest
 
 from agentspec import SamplingParams, Speculator
 from agentspec.bench.prompts import GROUNDED
+from agentspec.drafters.policy import DEFAULT_COST
 
 from .helpers import CheckingTarget, OracleTreeDrafter
 
@@ -16,8 +17,31 @@ def test_rollback_chains_and_trees(spec):
     prompt = GROUNDED[2]
     reference = list(Speculator(spec.target, speculate=False).generate(prompt, 12).token_ids)
     # Trees whose accepted path skips nodes, then prompt-lookup chains, then sampling.
-    tree = Speculator(target, drafters=[OracleTreeDrafter(reference, target.vocab_size)])
+    tree = Speculator(target, drafters=[OracleTreeDrafter(reference, target.vocab_size)],
+                     cost=DEFAULT_COST)
     assert list(tree.generate(prompt, 12).token_ids) == reference
-    Speculator(target).generate(GROUNDED[1], 12)
-    Speculator(target).generate(GROUNDED[1], 8, sampling=SamplingParams(temperature=1.0, seed=3))
+    Speculator(target, cost=DEFAULT_COST).generate(GROUNDED[1], 12)
+    Speculator(target, cost=DEFAULT_COST).generate(GROUNDED[1], 8, sampling=SamplingParams(temperature=1.0, seed=3))
     assert target.checked_rows >= 30
+
+
+@pytest.mark.slow
+def test_prefix_reuse_across_calls_is_exact(spec):
+    """An agent's next call extends the last one: its shared prefix is not prefilled again, and
+    every scored row still equals a fresh forward of its whole prefix."""
+    target = CheckingTarget(spec.target.model, spec.target.tokenizer, atol=1e-4)
+    first = [{"role": "system", "content": "You answer in one short sentence."},
+             {"role": "user", "content": "Name a primary colour."}]
+    reply = Speculator(target, cost=DEFAULT_COST).generate(first, 8).text
+    second = first + [{"role": "assistant", "content": reply},
+                      {"role": "user", "content": "And another one?"}]
+    prefilled: list[int] = []
+    hook = target.model.register_forward_pre_hook(
+        lambda _m, args, kwargs: prefilled.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        ids = Speculator(target, cost=DEFAULT_COST).encode(second)
+        target.start(ids)
+    finally:
+        hook.remove()
+    assert prefilled and prefilled[0] < len(ids) - 1 - 20  # most of the prompt was kept
+    Speculator(target, cost=DEFAULT_COST).generate(second, 8)  # checks every row against a fresh forward
