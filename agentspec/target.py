@@ -166,9 +166,10 @@ class HFTarget:
         self._kv: Any = None
         self._kv_len = 0
         self._refuse_unrollbackable()
-        # Tree drafts need a custom 4-D mask, which the sdpa and eager attention paths accept;
+        # Tree drafts need a custom boolean 4-D mask: sdpa takes it as is (eager would add it as
+        # numbers, so other attention paths verify chains);
         # sliding-window models also need a mask per layer type (see ``_tree_masks``).
-        self.supports_trees = getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager")
+        self.supports_trees = getattr(model.config, "_attn_implementation", None) == "sdpa"
         if self.supports_trees and self.sliding_window is not None and not _takes_mask_dict(model):
             warn_once(f"{name}: sliding-window layers cannot take a tree mask; verifying chains only")
             self.supports_trees = False
