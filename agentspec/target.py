@@ -169,7 +169,10 @@ class HFTarget:
         # Tree drafts need a custom boolean 4-D mask: sdpa takes it as is (eager would add it as
         # numbers, so other attention paths verify chains);
         # sliding-window models also need a mask per layer type (see ``_tree_masks``).
-        self.supports_trees = getattr(model.config, "_attn_implementation", None) == "sdpa"
+        attention = getattr(model.config, "_attn_implementation", None)
+        self.supports_trees = attention == "sdpa"
+        if not self.supports_trees:
+            warn_once(f"{name}: {attention} attention cannot take a tree mask; verifying chains only")
         if self.supports_trees and self.sliding_window is not None and not _takes_mask_dict(model):
             warn_once(f"{name}: sliding-window layers cannot take a tree mask; verifying chains only")
             self.supports_trees = False
