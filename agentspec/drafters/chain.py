@@ -7,7 +7,6 @@ one with the highest expected rate, or none when plain decoding is faster.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 from agentspec.drafters.policy import (
@@ -102,7 +101,3 @@ class DrafterChain:
         for d in self.drafters:
             d.end(context)
 
-
-def warn_chains_only(model_name: str) -> None:
-    warnings.warn(f"{model_name}: attention cannot take a tree mask; verifying chains only",
-                  stacklevel=3)
