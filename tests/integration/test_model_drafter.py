@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from agentspec import SamplingParams, Speculator
 from agentspec.bench.model_fallback import layer_skip_draft
@@ -33,6 +32,7 @@ from agentspec.protocols import DraftContext
 from agentspec.sampling import logits_to_probs
 from agentspec.target import HFTarget
 from agentspec.types import Draft
+from tests.unit.test_verify_stats import p_value
 
 from .helpers import cached_target
 
@@ -112,16 +112,6 @@ def run(target: HFTarget, drafter: ModelDrafter, draws: int, seed: int = 7) -> t
             accepted += len(step.verdict.accepted)
         counts[int(np.ravel_multi_index(context.generated, (V,) * LENGTH))] += 1
     return counts, accepted
-
-
-def p_value(counts: np.ndarray, probs: np.ndarray) -> float:
-    expected = probs * counts.sum()
-    keep = expected >= 5
-    obs = np.append(counts[keep], counts[~keep].sum())
-    exp = np.append(expected[keep], expected[~keep].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
 def test_ratio_test_is_exact_end_to_end(tiny_pair):
