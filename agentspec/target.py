@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from agentspec._kv import keep_kv_rows, new_cache, verifying_attention
 from agentspec.errors import ModelNotAvailableError, UnsupportedModelError
 from agentspec.home import model_dir
 from agentspec.tree import tree_attention_mask, tree_position_ids
@@ -210,21 +211,21 @@ class HFTarget:
         Rows of the longest common prefix with what the KV holds are kept (``reuse_prefix``);
         only the rest of the prompt is prefilled.
         """
-        from transformers import DynamicCache
-
         wanted = list(prompt_ids[:-1])
         reuse = self.reuse_prefix and self._kv is not None
         keep = _common_prefix_len(self._kv_ids, wanted) if reuse else 0
         if keep == 0:
             # Full (non-sliding) layers for every model: rows can always be rolled back, and
             # the sliding-window masks are still built from positions by transformers.
-            self._kv = DynamicCache()
+            self._kv = new_cache()
         else:
-            _keep_kv_rows(self._kv, keep, None, keep)
+            keep_kv_rows(self._kv, keep, None, keep)
         self._kv_len, self._kv_ids = keep, wanted[:keep]
         if len(wanted) > keep:
             ids = torch.tensor([wanted[keep:]], device=self.device)
-            self.model(input_ids=ids, past_key_values=self._kv, use_cache=True, logits_to_keep=1)
+            with verifying_attention(self.model):
+                self.model(input_ids=ids, past_key_values=self._kv, use_cache=True,
+                           logits_to_keep=1)
             self._kv_len, self._kv_ids = len(wanted), wanted
 
     def fork(self) -> HFTarget:
@@ -245,7 +246,8 @@ class HFTarget:
         if not draft.is_chain:
             kwargs["position_ids"] = tree_position_ids(draft.parents, self._kv_len, self.device)
             kwargs["attention_mask"] = self._tree_masks(draft, kwargs["position_ids"])
-        out = self.model(input_ids=ids, past_key_values=self._kv, use_cache=True, **kwargs)
+        with verifying_attention(self.model):
+            out = self.model(input_ids=ids, past_key_values=self._kv, use_cache=True, **kwargs)
         return out.logits[0]  # [num_nodes + 1, vocab_size]
 
     def _tree_masks(self, draft: Draft, position_ids: torch.Tensor) -> Any:
@@ -265,7 +267,7 @@ class HFTarget:
         """Keep the first ``num_tokens`` KV rows: a draft model rolled back to a committed prefix."""
         if not 0 <= num_tokens <= self._kv_len:
             raise ValueError(f"crop needs 0 <= num_tokens <= {self._kv_len}, got {num_tokens}")
-        _keep_kv_rows(self._kv, num_tokens, None, num_tokens)
+        keep_kv_rows(self._kv, num_tokens, None, num_tokens)
         self._kv_len = num_tokens
         del self._kv_ids[num_tokens:]
 
@@ -275,9 +277,9 @@ class HFTarget:
         root_end = self._kv_len + 1  # the root's row is now in the KV
         path = list(verdict.path)
         if draft.is_chain or path == list(range(len(path))):
-            _keep_kv_rows(self._kv, root_end, None, root_end + len(path))
+            keep_kv_rows(self._kv, root_end, None, root_end + len(path))
         else:
-            _keep_kv_rows(self._kv, root_end, [root_end + i for i in path], root_end + len(path))
+            keep_kv_rows(self._kv, root_end, [root_end + i for i in path], root_end + len(path))
         self._kv_len = root_end + len(path)
         self._kv_ids.append(self._root)
         self._kv_ids.extend(verdict.accepted)
@@ -293,25 +295,6 @@ def _common_prefix_len(a: list[int], b: list[int]) -> int:
         if a[i] != b[i]:
             return i
     return n
-
-
-def _keep_kv_rows(kv: Any, dst: int, src_rows: list[int] | None, new_len: int) -> None:
-    """The one place that touches transformers' cache internals (pinned: transformers 5.23).
-
-    Copies the KV rows ``src_rows`` to rows ``dst, dst + 1, ...`` (when given), then crops every
-    layer to ``new_len`` rows. Layer tensors are ``[batch, kv_heads, seq, head_dim]``.
-    """
-    for layer in kv.layers:
-        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-            continue
-        if not hasattr(layer, "crop") or type(layer).__name__ != "DynamicLayer":
-            raise UnsupportedModelError(f"cannot roll back a {type(layer).__name__} KV layer")
-        if src_rows:
-            index = torch.tensor(src_rows, device=layer.keys.device)
-            layer.keys[:, :, dst : dst + len(src_rows)] = layer.keys.index_select(2, index)
-            layer.values[:, :, dst : dst + len(src_rows)] = layer.values.index_select(2, index)
-        layer.keys = layer.keys[:, :, :new_len]
-        layer.values = layer.values[:, :, :new_len]
 
 
 def _takes_mask_dict(model: Any) -> bool:
