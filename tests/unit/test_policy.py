@@ -1,9 +1,20 @@
 """The cost-aware policy: never a draft whose measured cost makes it a loss."""
 
+import json
+
 import pytest
+import torch
 
 from agentspec.drafters.chain import DrafterChain, first_path, trim_to_depth
-from agentspec.drafters.policy import Acceptance, CostModel, best_length, expected_tokens
+from agentspec.drafters.policy import (
+    COST_CACHE_VERSION,
+    DEFAULT_COST_POINTS,
+    Acceptance,
+    CostModel,
+    best_length,
+    expected_tokens,
+    measure_cost,
+)
 from agentspec.protocols import DraftContext
 from agentspec.tree import merge_chains
 from agentspec.types import Draft, Verdict
@@ -14,6 +25,54 @@ CPU = CostModel.fit([(1, 0.058), (8, 0.084), (16, 0.114), (32, 0.152), (64, 0.22
 def test_fit_recovers_a_line():
     model = CostModel.fit([(1, 0.011), (11, 0.031), (21, 0.051)])
     assert model.base == pytest.approx(0.009) and model.per_token == pytest.approx(0.002)
+
+
+def test_points_are_interpolated_and_the_slope_continues():
+    model = CostModel.fit([(1, 0.06), (2, 0.10), (4, 0.08), (8, 0.09)])
+    assert model.seconds(0) == pytest.approx(0.06)  # 1 token scored
+    assert model.seconds(2) == pytest.approx(0.09)  # 3 tokens: halfway between 2 and 4
+    assert model.seconds(7) == pytest.approx(0.09)
+    assert model.seconds(9) == pytest.approx(0.09 + 2 * model.per_token)
+    with pytest.raises(ValueError, match="points"):
+        CostModel(0.1, 0.01, ((0, 0.1),))
+
+
+def test_a_curve_where_short_drafts_cost_more_picks_a_longer_one():
+    # Measured shape on the 2-core CPU: 2-3 tokens scored cost more than 4-8.
+    bumpy = CostModel.fit(list(DEFAULT_COST_POINTS))
+    assert bumpy.seconds(1) > bumpy.seconds(5)
+    assert best_length(0.6, 64, bumpy) >= 3
+    line = CostModel(bumpy.base, bumpy.per_token)  # the same data as a line misses the bump
+    assert line.seconds(1) < line.seconds(5)
+
+
+def test_cost_cache_is_used_and_older_versions_are_measured_again(tmp_path):
+    cache = tmp_path / "cost.json"
+    cache.write_text(json.dumps({"version": COST_CACHE_VERSION, "base": 0.05, "per_token": 0.001,
+                                 "points": [[1, 0.05], [4, 0.06]]}))
+    assert measure_cost(None, cache_file=cache).seconds(3) == pytest.approx(0.06)
+    cache.write_text(json.dumps({"base": 1.6, "per_token": 0.06, "points": [[1, 1.1]]}))  # v1
+    target = _FakeTarget()
+    model = measure_cost(target, sizes=(0, 3), context=16, repeats=1, cache_file=cache)
+    assert target.scored == [1, 1, 4, 4] and model.base < 1.0
+    assert json.loads(cache.read_text())["version"] == COST_CACHE_VERSION
+
+
+class _FakeTarget:
+    vocab_size, max_context = 100, 4096
+
+    def __init__(self):
+        self.scored = []
+
+    def start(self, prompt):
+        pass
+
+    def score(self, last, draft):
+        self.scored.append(draft.num_nodes + 1)
+        return torch.zeros(draft.num_nodes + 1, self.vocab_size)
+
+    def commit(self, draft, verdict):
+        pass
 
 
 def test_expected_tokens():
@@ -103,3 +162,42 @@ def test_chain_prefers_the_reliable_source():
         chain.acceptance["suffix"].update(8, 0)
         chain.acceptance["memory"].update(8, 8)
     assert chain.propose(ctx, max_tokens=30).source == "memory"
+
+
+class CountingDrafter(FixedDrafter):
+    def __init__(self, name, tokens):
+        super().__init__(name, tokens)
+        self.asked = 0
+
+    def propose(self, context, *, max_tokens):
+        self.asked += 1
+        return super().propose(context, max_tokens=max_tokens)
+
+
+def test_a_costly_drafter_is_not_asked_when_a_cheap_draft_is_as_good():
+    lookup = CountingDrafter("prompt_lookup", [3] * 30)
+    model = CountingDrafter("model", [4] * 30)
+    chain = DrafterChain([lookup, model], cost=CPU)
+    ctx = DraftContext(tokens=[1, 2], prompt_len=2)
+    for _ in range(5):
+        chain.acceptance["prompt_lookup"].update(8, 8)
+    chain.propose_seconds["model"] = 0.5  # as measured: a draft-model pass costs 0.5 s
+    assert chain.propose(ctx, max_tokens=30).source == "prompt_lookup"
+    assert lookup.asked == 1 and model.asked == 0
+    # Its own time counts against it even when it is the only source.
+    alone = DrafterChain([model], cost=CPU)
+    alone.propose_seconds["model"] = 0.5
+    assert alone.propose(ctx, max_tokens=30).num_nodes == 0 and model.asked == 0
+    # A fresh chain asks it once, to measure it.
+    fresh = DrafterChain([model], cost=CPU)
+    assert fresh.propose(ctx, max_tokens=30).num_nodes > 0 and model.asked == 1
+    assert fresh.propose_seconds["model"] > 0
+
+
+def test_max_depth_bounds_every_draft():
+    chain = DrafterChain([FixedDrafter("memory", list(range(10, 60)))], cost=CPU, max_depth=5)
+    for _ in range(5):
+        chain.acceptance["memory"].update(8, 8)
+    assert chain.propose(DraftContext(tokens=[1, 2], prompt_len=2), max_tokens=40).num_nodes == 5
+    with pytest.raises(ValueError, match="max_depth"):
+        DrafterChain([], max_depth=0)
