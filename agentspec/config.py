@@ -47,31 +47,25 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """How much to speculate.
+    """How much to speculate (the cost-aware policy sizes each draft within these bounds).
 
     Attributes:
-        max_draft_tokens: upper bound on draft nodes per step.
-        min_draft_tokens: the adaptive draft length never goes below this.
+        max_draft_tokens: upper bound on a draft's depth (tokens along one path).
         ngram_min / ngram_max: prompt lookup match lengths (in tokens).
-        adaptive: grow the draft after full acceptance, shrink it after rejections.
         max_tree_nodes: node budget when several candidates merge into a tree.
+        trees: verify tree drafts where the target's attention can take a tree mask; False
+            verifies each step's best chain only.
     """
 
     max_draft_tokens: int = 64
-    min_draft_tokens: int = 2
     ngram_min: int = 2
     ngram_max: int = 4
-    adaptive: bool = True
     max_tree_nodes: int = 64
+    trees: bool = True
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
-        if not 1 <= self.min_draft_tokens <= self.max_draft_tokens:
-            raise ValueError(
-                f"min_draft_tokens must be in [1, max_draft_tokens={self.max_draft_tokens}], "
-                f"got {self.min_draft_tokens}"
-            )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
                 f"need 1 <= ngram_min <= ngram_max, got ngram_min={self.ngram_min}, "

@@ -242,7 +242,9 @@ class Speculator:
             return NoDrafter()
         if self._chain is None:  # kept across calls: per-source acceptance is learned over time
             cost = self._cost if isinstance(self._cost, CostModel) else self._measure_cost()
-            self._chain = DrafterChain(self.drafters, cost=cost, trees=self.target.supports_trees)
+            self._chain = DrafterChain(self.drafters, cost=cost,
+                                       trees=self.config.trees and self.target.supports_trees,
+                                       max_depth=self.config.max_draft_tokens)
         return self._chain
 
     def _measure_cost(self) -> CostModel:

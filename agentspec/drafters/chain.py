@@ -1,12 +1,16 @@
 """The drafter chain: each step, the draft with the best expected tokens per second.
 
-Every drafter proposes its longest continuation; the chain sizes each one with the cost-aware
-policy (:mod:`agentspec.drafters.policy`) from that source's acceptance so far, and keeps the
-one with the highest expected rate, or none when plain decoding is faster.
+Drafters are asked in priority order. Each proposes its longest continuation; the chain sizes
+it with the cost-aware policy (:mod:`agentspec.drafters.policy`) from that source's acceptance
+so far, and keeps the one with the highest expected rate, or none when plain decoding is
+faster. A drafter's own time to propose (measured, a running mean) counts in its rate, and a
+drafter is not asked at all when even its best possible draft could not beat the best one in
+hand: a small model's forwards are only paid for when lookup has nothing as good.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from agentspec.drafters.policy import (
@@ -56,16 +60,22 @@ class DrafterChain:
         drafters: in priority order (ties go to the earlier one).
         cost: the target's measured forward cost.
         trees: False flattens tree drafts to their best chain (targets without tree masks).
+        max_depth: no draft goes deeper than this.
     """
 
     name = "chain"
 
     def __init__(self, drafters: Sequence[Drafter], *, cost: CostModel = DEFAULT_COST,
-                 trees: bool = True) -> None:
+                 trees: bool = True, max_depth: int = 64) -> None:
+        if max_depth < 1:
+            raise ValueError(f"max_depth must be >= 1, got {max_depth}")
         self.drafters = list(drafters)
+        self.max_depth = max_depth
         self.cost = cost
         self.trees = trees
         self.acceptance = {d.name: Acceptance(PRIORS.get(d.name, 0.5)) for d in self.drafters}
+        # Seconds a drafter takes to propose (running mean; lookups ~1e-4, a model ~a forward).
+        self.propose_seconds = {d.name: 0.0 for d in self.drafters}
 
     def begin(self, context: DraftContext) -> None:
         for d in self.drafters:
@@ -73,21 +83,36 @@ class DrafterChain:
 
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
         best, best_rate = EMPTY_DRAFT, 1.0 / self.cost.seconds(0)
+        max_tokens = min(max_tokens, self.max_depth)
         for drafter in self.drafters:
+            alpha = self.acceptance[drafter.name].alpha
+            spent = self.propose_seconds[drafter.name]
+            if spent and self._best_rate(alpha, max_tokens, spent) <= best_rate:
+                continue  # even its best possible draft would lose: not worth asking
+            started = time.perf_counter()
             draft = drafter.propose(context, max_tokens=max_tokens)
+            spent = self._timed(drafter.name, time.perf_counter() - started)
             if draft.num_nodes == 0:
                 continue
             if not self.trees and not draft.is_chain:
                 draft = first_path(draft)
-            alpha = self.acceptance[drafter.name].alpha
-            length = best_length(alpha, max(depths(draft.parents)), self.cost)
+            length = best_length(alpha, max(depths(draft.parents)), self.cost, spent)
             if length == 0:
                 continue
             draft = trim_to_depth(draft, length)
-            rate = expected_tokens(alpha, length) / self.cost.seconds(draft.num_nodes)
+            rate = expected_tokens(alpha, length) / (self.cost.seconds(draft.num_nodes) + spent)
             if rate > best_rate:
                 best, best_rate = draft, rate
         return best
+
+    def _best_rate(self, alpha: float, max_tokens: int, spent: float) -> float:
+        length = best_length(alpha, max_tokens, self.cost, spent)
+        return expected_tokens(alpha, length) / (self.cost.seconds(length) + spent)
+
+    def _timed(self, name: str, seconds: float) -> float:
+        old = self.propose_seconds[name]
+        self.propose_seconds[name] = seconds if old == 0.0 else 0.8 * old + 0.2 * seconds
+        return self.propose_seconds[name]
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         if draft.num_nodes:

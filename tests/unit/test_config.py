@@ -27,8 +27,6 @@ def test_bad_sampling_params(kwargs, match):
     ("kwargs", "match"),
     [
         ({"max_draft_tokens": 0}, "max_draft_tokens"),
-        ({"min_draft_tokens": 0}, "min_draft_tokens"),
-        ({"min_draft_tokens": 80}, "min_draft_tokens"),
         ({"ngram_min": 3, "ngram_max": 2}, "ngram_min"),
         ({"max_tree_nodes": 0}, "max_tree_nodes"),
     ],
