@@ -94,10 +94,10 @@ def generate(ctx: typer.Context, prompt: str,
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-@app.command("demo", context_settings=_PASS_THROUGH)
+@app.command("demo", context_settings=_PASS_THROUGH, add_help_option=False)
 @handles_errors
 def demo(ctx: typer.Context) -> None:
-    """Run the offline demo (agentspec.bench.demo); extra arguments are passed to it.
+    """The BFCL agent demo, plain versus agentspec, cold and warm; see: agentspec demo --help.
 
     Example: agentspec demo
     """

@@ -21,6 +21,14 @@ def test_bad_input_exits_2_before_loading() -> None:
         assert "error:" in res.stderr
 
 
+def test_help_is_the_demo_options() -> None:
+    res = CliRunner().invoke(app, ["demo", "--help"])
+    assert res.exit_code == 0, res.output
+    assert "usage: agentspec demo" in res.output
+    for option in ("--tasks", "--max-new-tokens", "--max-calls-per-turn", "--db", "--json"):
+        assert option in res.output
+
+
 def test_task_ids_and_cut() -> None:
     assert _task_ids("26, multi_turn_base_12,") == ("multi_turn_base_26", "multi_turn_base_12")
     assert _cut([5, 6, 2, 7], frozenset({2})) == (5, 6)

@@ -22,7 +22,8 @@ bench_app = typer.Typer(
          "Example: agentspec bench --workload prompts --json out/core.json",
 )
 
-SYSTEMS = ("hf-greedy", "hf-pld", "agentspec-plain", "agentspec-pld", "agentspec")
+SYSTEMS = ("hf-greedy", "hf-pld", "agentspec-plain", "agentspec-pld", "agentspec",
+           "agentspec-chain")
 DEFAULT_SYSTEMS = "hf-greedy,hf-pld,agentspec-pld,agentspec"
 # The core benchmark: the engine without memory against transformers.
 CORE_SYSTEMS = "hf-greedy,hf-pld,agentspec-plain,agentspec-pld"
@@ -90,7 +91,8 @@ def bench(
         "--samples", help="Seeds per request when temperature > 0.")] = 3,
     db: Annotated[str | None, typer.Option(
         "--db", metavar="URL", help="Memory database of the agentspec system; default a fresh "
-                                    "SQLite file in a temporary folder.")] = None,
+                                    "SQLite file in a temporary folder (agentspec-chain always "
+                                    "gets a fresh file of its own).")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the results.")] = None,
     report: Annotated[Path | None, typer.Option("--report", help="Write a markdown report.")] = None,

@@ -9,6 +9,8 @@ Systems (names as on the command line):
 - ``agentspec-pld``: the Speculator without memory (prompt lookup only).
 - ``agentspec``: all drafters and a completion memory, warmed by the workload's warmup lines
   and by every earlier measured line (``record=True``), as in real use.
+- ``agentspec-chain``: the same with tree drafts off (``SpecConfig(trees=False)``: each step
+  verifies its best chain), in a memory of its own: what trees add.
 
 Per request the systems run one after another, the order rotated by one each request, so
 that a slow or fast phase of a shared machine falls on every system alike (ARCHITECTURE §10).
@@ -28,6 +30,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agentspec.bench.workload import Workload, WorkloadItem
+
+# Systems with a completion memory: the warmup lines run through them.
+MEMORY_SYSTEMS = ("agentspec", "agentspec-chain")
 
 Progress = Callable[[int, int, str], None]
 PLD_TOKENS = 10
@@ -174,7 +179,8 @@ class SpecSystem:
                        stats.steps, dict(stats.drafted_by_source), dict(stats.accepted_by_source))
 
 
-def build_systems(target: Any, config: BenchConfig, db_url: str) -> dict[str, System]:
+def build_systems(target: Any, config: BenchConfig, db_url: str,
+                  chain_db_url: str | None = None) -> dict[str, System]:
     """The named systems on one loaded target.
 
     They share its weights; each agentspec system keeps a KV of its own, so prompt-prefix reuse
@@ -182,10 +188,12 @@ def build_systems(target: Any, config: BenchConfig, db_url: str) -> dict[str, Sy
     the loop's overhead against transformers. One-time work (the cost curve, the embedder)
     happens here, before anything is timed.
     """
-    from agentspec import Speculator
+    from agentspec import SpecConfig, Speculator
     from agentspec.target import HFTarget
 
     t = config.temperature
+    if "agentspec-chain" in config.systems and chain_db_url is None:
+        raise ValueError("agentspec-chain needs a memory database of its own (chain_db_url)")
     plain = Speculator(HFTarget(target.model, target.tokenizer, name=target.name,
                                 reuse_prefix=False), speculate=False)
     pld = Speculator(target.fork())
@@ -203,17 +211,22 @@ def build_systems(target: Any, config: BenchConfig, db_url: str) -> dict[str, Sy
         elif name == "agentspec":
             built[name] = SpecSystem(name, _memory_speculator(target, db_url), temperature=t,
                                      record=True)
+        elif name == "agentspec-chain":
+            assert chain_db_url is not None
+            built[name] = SpecSystem(name, _memory_speculator(target, chain_db_url,
+                                                              SpecConfig(trees=False)),
+                                     temperature=t, record=True)
         else:
             raise ValueError(f"unknown system {name!r}")
     return built
 
 
-def _memory_speculator(target: Any, db_url: str) -> Any:
+def _memory_speculator(target: Any, db_url: str, config: Any = None) -> Any:
     from agentspec import Speculator
     from agentspec.memory import CompletionMemory
     from agentspec.stores import SQLStore
 
-    spec = Speculator(target.fork(), memory=CompletionMemory(SQLStore(db_url)))
+    spec = Speculator(target.fork(), memory=CompletionMemory(SQLStore(db_url)), config=config)
     spec.warmup()
     return spec
 
@@ -233,13 +246,15 @@ def _seeds(config: BenchConfig, index: int) -> list[int | None]:
 def run_requests(workload: Workload, systems: dict[str, System], config: BenchConfig,
                  *, encode: Callable[[Any], list[int]],
                  on_progress: Progress | None = None) -> tuple[RequestResult, ...]:
-    """Warmup lines through ``agentspec`` (untimed), then each measured line through every
+    """Warmup lines through the memory systems (untimed), then each measured line through every
     system in rotated order. Pure loop over the :class:`System` seam (tests inject systems)."""
-    warmup = workload.warmup if "agentspec" in systems else ()
+    warm = [name for name in MEMORY_SYSTEMS if name in systems]
+    warmup = workload.warmup if warm else ()
     measure = workload.measure
     total, done = len(warmup) + len(measure), 0
     for item in warmup:
-        systems["agentspec"].run(item, _budget(item, config), None)
+        for name in warm:
+            systems[name].run(item, _budget(item, config), None)
         done += 1
         if on_progress:
             on_progress(done, total, f"warmup {item.id}")
@@ -281,13 +296,15 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
     encode = Speculator(target, speculate=False).encode
     with tempfile.TemporaryDirectory(prefix="agentspec-bench-") as tmp:
         db_url = config.db or f"sqlite:///{Path(tmp) / 'memory.db'}"
-        systems = build_systems(target, config, db_url)
+        systems = build_systems(target, config, db_url, f"sqlite:///{Path(tmp) / 'chain.db'}")
         requests = run_requests(workload, systems, config, encode=encode,
                                 on_progress=on_progress)
-        _close_memory(systems.get("agentspec"))
+        for name in MEMORY_SYSTEMS:
+            _close_memory(systems.get(name))
     # The machine may be shared: the 1/5/15-minute load at the end says how loaded it was.
     return BenchResult(str(workload.path), model, str(target.device), config,
-                       len(workload.warmup) if "agentspec" in systems else 0, requests,
+                       len(workload.warmup) if set(MEMORY_SYSTEMS) & set(systems) else 0,
+                       requests,
                        os.getloadavg())
 
 

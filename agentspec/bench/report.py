@@ -117,7 +117,7 @@ def _ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
     out = {}
     if "hf-pld" in systems:
         base = systems["hf-pld"]["tokens_per_second"]
-        for name in ("agentspec-pld", "agentspec"):
+        for name in ("agentspec-pld", "agentspec", "agentspec-chain"):
             if name in systems and base:
                 out[f"{name}/hf-pld"] = round(systems[name]["tokens_per_second"] / base, 3)
     return out

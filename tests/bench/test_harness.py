@@ -58,6 +58,14 @@ def test_interleaved_rotated_and_warmup_through_agentspec_only(tmp_path: Path) -
     assert per_request[1][0] == "hf-pld"  # rotated by one
 
 
+def test_warmup_runs_through_every_memory_system(tmp_path: Path) -> None:
+    log: list[tuple[str, str]] = []
+    names = ("hf-greedy", "agentspec", "agentspec-chain")
+    _run(tmp_path, {n: FakeSystem(n, log) for n in names}, BenchConfig(systems=names))
+    assert log[:2] == [("agentspec", "warm"), ("agentspec-chain", "warm")]
+    assert ("hf-greedy", "warm") not in log
+
+
 def test_summary_fields_and_exact_match(tmp_path: Path) -> None:
     log: list[tuple[str, str]] = []
     systems = {n: FakeSystem(n, log, seconds=0.5 if n == "agentspec" else 1.0) for n in ALL}
