@@ -18,6 +18,7 @@ from agentspec.drafters.policy import (
     Acceptance,
     CostModel,
     best_length,
+    best_subtree,
     expected_tokens,
 )
 from agentspec.protocols import DraftContext, Drafter
@@ -33,7 +34,13 @@ def trim_to_depth(draft: Draft, depth: int) -> Draft:
     d = depths(draft.parents)
     if max(d) <= depth:
         return draft
-    keep = [i for i in range(draft.num_nodes) if d[i] <= depth]
+    return keep_nodes(draft, [i for i in range(draft.num_nodes) if d[i] <= depth])
+
+
+def keep_nodes(draft: Draft, keep: list[int]) -> Draft:
+    """The sub-draft of the nodes ``keep`` (ascending, each one's parent kept too)."""
+    if len(keep) == draft.num_nodes:
+        return draft
     remap = {old: new for new, old in enumerate(keep)}
     parents = tuple(-1 if draft.parents[i] < 0 else remap[draft.parents[i]] for i in keep)
     source = draft.source if isinstance(draft.source, str) else tuple(draft.source[i] for i in keep)
@@ -87,7 +94,8 @@ class DrafterChain:
         for drafter in self.drafters:
             alpha = self.acceptance[drafter.name].alpha
             spent = self.propose_seconds[drafter.name]
-            if spent and self._best_rate(alpha, max_tokens, spent) <= best_rate:
+            slow = spent > 0.1 * self.cost.seconds(0)
+            if slow and self._best_rate(alpha, max_tokens, spent) <= best_rate:
                 continue  # even its best possible draft would lose: not worth asking
             started = time.perf_counter()
             draft = drafter.propose(context, max_tokens=max_tokens)
@@ -96,16 +104,14 @@ class DrafterChain:
                 continue
             if not self.trees and not draft.is_chain:
                 draft = first_path(draft)
-            length = best_length(alpha, max(depths(draft.parents)), self.cost, spent)
-            if length == 0:
-                continue
-            draft = trim_to_depth(draft, length)
-            rate = expected_tokens(alpha, length) / (self.cost.seconds(draft.num_nodes) + spent)
-            if rate > best_rate:
-                best, best_rate = draft, rate
+            keep, rate = best_subtree(draft.parents, alpha, self.cost, spent)
+            if keep and rate > best_rate:
+                best, best_rate = keep_nodes(draft, keep), rate
         return best
 
     def _best_rate(self, alpha: float, max_tokens: int, spent: float) -> float:
+        """The best rate a chain from a source could reach (its drafts are chains: the only
+        drafters worth skipping are slow ones, i.e. models)."""
         length = best_length(alpha, max_tokens, self.cost, spent)
         return expected_tokens(alpha, length) / (self.cost.seconds(length) + spent)
 

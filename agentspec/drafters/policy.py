@@ -100,6 +100,46 @@ def best_length(alpha: float, max_length: int, cost: CostModel, overhead: float 
     return best
 
 
+def node_probabilities(parents: tuple[int, ...] | list[int], alpha: float) -> list[float]:
+    """P(node accepted) for a draft tree whose candidates come best first.
+
+    The first child of an accepted node is accepted with probability ``alpha``; its ``k``-th
+    later sibling, an alternative tried where the earlier ones fail, with
+    ``alpha * (1 - alpha) ** k`` (siblings exclude each other). A chain gets ``alpha ** depth``.
+    No node is more probable than its parent.
+    """
+    probs: list[float] = []
+    children: dict[int, int] = {}
+    for parent in parents:
+        rank = children.get(parent, 0)
+        children[parent] = rank + 1
+        above = 1.0 if parent < 0 else probs[parent]
+        probs.append(above * alpha * (1.0 - alpha) ** rank)
+    return probs
+
+
+def best_subtree(parents: tuple[int, ...] | list[int], alpha: float, cost: CostModel,
+                 overhead: float = 0.0) -> tuple[list[int], float]:
+    """The nodes worth verifying and the expected tokens per second they give.
+
+    Keeps the ``n`` most probable nodes (always a subtree: parents are at least as probable
+    as their children and come first on ties), ``n`` maximising expected tokens, ``1 + sum
+    of P(node)``, per second of ``cost(n) + overhead``. ``([], plain rate)`` when no draft pays.
+    For a chain this is :func:`best_length`.
+    """
+    probs = node_probabilities(parents, alpha)
+    order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
+    best_n, best_rate, total = 0, 1.0 / cost.seconds(0), 1.0
+    for n, node in enumerate(order, 1):
+        if probs[node] < 1e-4:  # further nodes add nothing measurable
+            break
+        total += probs[node]
+        rate = total / (cost.seconds(n) + overhead)
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return sorted(order[:best_n]), best_rate
+
+
 class Acceptance:
     """Per-token acceptance of one source, a decayed count with a Beta prior."""
 
