@@ -27,6 +27,28 @@ from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
 # Per-token acceptance before any evidence: remembered completions are usually right.
 PRIORS = {"memory": 0.85, "suffix": 0.6, "prompt_lookup": 0.5, "model": 0.6}
+# How often a tree's alternative branch is right where the first one was wrong, before evidence.
+ALTERNATIVE_PRIOR = 0.3
+
+
+def alternatives_tried(parents: tuple[int, ...], path: tuple[int, ...]) -> tuple[int, int]:
+    """``(tried, right)``: nodes on the accepted path (and where it ended) at which the first
+    child was wrong and alternatives existed; ``right`` is 1 where one of them was accepted."""
+    first: dict[int, int] = {}
+    count: dict[int, int] = {}
+    for node, parent in enumerate(parents):
+        first.setdefault(parent, node)
+        count[parent] = count.get(parent, 0) + 1
+    tried = right = 0
+    at = -1
+    for node in (*path, None):
+        if count.get(at, 0) > 1 and node != first[at]:
+            tried += 1
+            right += node is not None
+        if node is None:
+            break
+        at = node
+    return tried, right
 
 
 def trim_to_depth(draft: Draft, depth: int) -> Draft:
@@ -81,6 +103,8 @@ class DrafterChain:
         self.cost = cost
         self.trees = trees
         self.acceptance = {d.name: Acceptance(PRIORS.get(d.name, 0.5)) for d in self.drafters}
+        # Per source: how often a tree's alternative branch was right where its first was wrong.
+        self.alternatives = {d.name: Acceptance(ALTERNATIVE_PRIOR) for d in self.drafters}
         # Seconds a drafter takes to propose (running mean; lookups ~1e-4, a model ~a forward).
         self.propose_seconds = {d.name: 0.0 for d in self.drafters}
 
@@ -104,7 +128,8 @@ class DrafterChain:
                 continue
             if not self.trees and not draft.is_chain:
                 draft = first_path(draft)
-            keep, rate = best_subtree(draft.parents, alpha, self.cost, spent)
+            keep, rate = best_subtree(draft.parents, alpha, self.cost, spent,
+                                      self.alternatives[drafter.name].alpha)
             if keep and rate > best_rate:
                 best, best_rate = keep_nodes(draft, keep), rate
         return best
@@ -125,6 +150,9 @@ class DrafterChain:
             name = draft.source_of(0)
             if name in self.acceptance:
                 self.acceptance[name].update(max(depths(draft.parents)), len(verdict.path))
+                tried, right = alternatives_tried(draft.parents, verdict.path)
+                if tried:
+                    self.alternatives[name].update(tried, right)
         for d in self.drafters:
             d.observe(context, draft, verdict)
 

@@ -100,26 +100,31 @@ def best_length(alpha: float, max_length: int, cost: CostModel, overhead: float 
     return best
 
 
-def node_probabilities(parents: tuple[int, ...] | list[int], alpha: float) -> list[float]:
+def node_probabilities(parents: tuple[int, ...] | list[int], alpha: float,
+                       alternative: float | None = None) -> list[float]:
     """P(node accepted) for a draft tree whose candidates come best first.
 
-    The first child of an accepted node is accepted with probability ``alpha``; its ``k``-th
-    later sibling, an alternative tried where the earlier ones fail, with
-    ``alpha * (1 - alpha) ** k`` (siblings exclude each other). A chain gets ``alpha ** depth``.
-    No node is more probable than its parent.
+    The first child of an accepted node is accepted with probability ``alpha``. Its later
+    siblings are alternatives, tried where the first child fails: the ``k``-th (``k >= 1``)
+    with ``(1 - alpha) * beta * (1 - beta) ** (k - 1)``, ``beta = alternative`` (how often an
+    alternative was right where the first child was wrong; default ``alpha``). Siblings
+    exclude each other; a chain gets ``alpha ** depth``; no node is more probable than its
+    parent.
     """
+    beta = alpha if alternative is None else alternative
     probs: list[float] = []
     children: dict[int, int] = {}
     for parent in parents:
         rank = children.get(parent, 0)
         children[parent] = rank + 1
         above = 1.0 if parent < 0 else probs[parent]
-        probs.append(above * alpha * (1.0 - alpha) ** rank)
+        step = alpha if rank == 0 else (1.0 - alpha) * beta * (1.0 - beta) ** (rank - 1)
+        probs.append(above * step)
     return probs
 
 
 def best_subtree(parents: tuple[int, ...] | list[int], alpha: float, cost: CostModel,
-                 overhead: float = 0.0) -> tuple[list[int], float]:
+                 overhead: float = 0.0, alternative: float | None = None) -> tuple[list[int], float]:
     """The nodes worth verifying and the expected tokens per second they give.
 
     Keeps the ``n`` most probable nodes (always a subtree: parents are at least as probable
@@ -127,7 +132,7 @@ def best_subtree(parents: tuple[int, ...] | list[int], alpha: float, cost: CostM
     of P(node)``, per second of ``cost(n) + overhead``. ``([], plain rate)`` when no draft pays.
     For a chain this is :func:`best_length`.
     """
-    probs = node_probabilities(parents, alpha)
+    probs = node_probabilities(parents, alpha, alternative)
     order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
     best_n, best_rate, total = 0, 1.0 / cost.seconds(0), 1.0
     for n, node in enumerate(order, 1):

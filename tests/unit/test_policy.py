@@ -201,3 +201,55 @@ def test_max_depth_bounds_every_draft():
     assert chain.propose(DraftContext(tokens=[1, 2], prompt_len=2), max_tokens=40).num_nodes == 5
     with pytest.raises(ValueError, match="max_depth"):
         DrafterChain([], max_depth=0)
+
+
+def test_node_probabilities_rank_siblings_and_reduce_to_a_chain():
+    from agentspec.drafters.policy import node_probabilities
+
+    assert node_probabilities([-1, 0, 1], 0.5) == pytest.approx([0.5, 0.25, 0.125])
+    # root children: best candidate 0.6, the alternative 0.6 * 0.4; a child of the alternative
+    probs = node_probabilities([-1, -1, 1], 0.6)
+    assert probs == pytest.approx([0.6, 0.24, 0.144])
+    assert sum(probs[:2]) <= 1.0
+
+
+def test_best_subtree_keeps_probable_nodes_and_matches_best_length_on_chains():
+    from agentspec.drafters.policy import best_subtree
+
+    for alpha in (0.3, 0.6, 0.9):
+        keep, _ = best_subtree(list(range(-1, 39)), alpha, CPU)
+        assert keep == list(range(best_length(alpha, 40, CPU)))
+    # A tree: two strong candidates at the root, long tails; the kept set is a subtree.
+    parents = [-1, 0, 1, 2, -1, 4, 5, 6]
+    keep, rate = best_subtree(parents, 0.5, CPU)
+    assert keep and all(parents[i] < 0 or parents[i] in keep for i in keep)
+    assert rate > 1 / CPU.seconds(0)
+    assert best_subtree(parents, 0.01, CPU)[0] == []  # nothing pays
+
+
+def test_alternatives_tried_counts_where_the_first_branch_failed():
+    from agentspec.drafters.chain import alternatives_tried
+
+    parents = (-1, 0, -1, 2, 0)  # root: 0 (first), 2 (alternative); node 0: 1 (first), 4 (alt)
+    assert alternatives_tried(parents, (0, 1)) == (0, 0)  # first branches all the way
+    assert alternatives_tried(parents, (2, 3)) == (1, 1)  # the root's alternative was right
+    assert alternatives_tried(parents, (0, 4)) == (1, 1)
+    assert alternatives_tried(parents, ()) == (1, 0)  # all root branches wrong
+    assert alternatives_tried((-1, 0), ()) == (0, 0)  # a chain has no alternatives
+
+
+def test_trees_shrink_to_chains_when_alternatives_are_never_right():
+    from agentspec.drafters.policy import node_probabilities
+
+    tree = [FixedDrafter("memory", [])]
+    chain = DrafterChain(tree, cost=CPU)
+    two = Draft((5, 6, 7, 8, 9, 10), (-1, 0, 1, -1, 3, 4), "memory")
+    tree[0].propose = lambda context, *, max_tokens: two
+    ctx = DraftContext(tokens=[1], prompt_len=1)
+    chain.acceptance["memory"] = Acceptance(0.6)
+    assert chain.propose(ctx, max_tokens=8).num_nodes > 3  # the alternative is worth a try
+    for _ in range(30):  # alternatives tried and always wrong
+        chain.observe(ctx, two, Verdict((), (), 0))
+    chain.acceptance["memory"] = Acceptance(0.6)
+    assert chain.propose(ctx, max_tokens=8).token_ids == (5, 6, 7)  # the first branch only
+    assert node_probabilities([-1, -1], 0.6, 0.0) == pytest.approx([0.6, 0.0])
