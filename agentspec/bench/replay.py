@@ -1,0 +1,302 @@
+"""Offline draft replay: tokens per target step of each drafting policy, and their ceiling.
+
+    python -m agentspec.bench.replay --workload bfcl --outputs out/replay-outputs.json
+
+Greedy decoding is deterministic, so once the target's greedy output of every line is known
+(generated once with the target and cached in ``--outputs``), replaying drafters over it gives
+exactly the steps the decode loop takes: a draft's accepted path is its longest match with the
+output, and the step commits that path plus the next output token. No target runs in the
+replay itself: a policy change is measured in seconds, not in a 7-minute benchmark.
+
+The drafters are the real ones, with a fresh completion memory in a temporary SQLite file that
+records the warmup lines and every earlier measured line, as in ``agentspec bench``. Policies:
+
+- ``prompt-lookup``: prompt lookup alone (``agentspec-pld``);
+- ``agentspec``: memory, suffix and prompt lookup with tree drafts (``agentspec``);
+- ``agentspec-chain``: the same verifying chains only (``agentspec-chain``);
+- ``ceiling-pld`` / ``ceiling``: each step the one drafter whose proposal is accepted furthest,
+  chosen with hindsight and cut one token past its accepted length: an upper bound on what any
+  policy choosing among these drafters' proposals can reach.
+
+``modeled speedup`` is plain decoding's cost (one forward per output token) over the policy's
+summed step costs, both from the cost model (default: the measured CPU curve of
+``agentspec.drafters.policy``); prefill, prefix reuse and Python overheads are left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentspec.config import SamplingParams, SpecConfig
+from agentspec.drafters.chain import DrafterChain, keep_nodes
+from agentspec.drafters.policy import DEFAULT_COST, CostModel
+from agentspec.protocols import DraftContext, Drafter
+from agentspec.types import EMPTY_DRAFT, Draft, Verdict
+
+_STOP = -1  # stands for the stop token that ended an output (no draft proposes it)
+MODEL = "replay"  # the model fingerprint of the replay's memory rows
+POLICIES = ("prompt-lookup", "agentspec", "agentspec-chain", "ceiling-pld", "ceiling")
+
+
+@dataclass(frozen=True)
+class Line:
+    """One workload line with the target's greedy output (cut before its stop token)."""
+
+    id: str
+    phase: str
+    scope: str
+    prompt_ids: tuple[int, ...]
+    key_text: str
+    output_ids: tuple[int, ...]
+    output_text: str
+    max_new_tokens: int
+
+    @property
+    def stopped(self) -> bool:
+        return len(self.output_ids) < self.max_new_tokens
+
+
+@dataclass
+class Totals:
+    """Measured lines only: steps, output tokens, modeled seconds, accepted tokens by source."""
+
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    plain_seconds: float = 0.0
+    accepted: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def modeled_speedup(self) -> float:
+        return self.plain_seconds / self.seconds if self.seconds else 0.0
+
+
+def accepted_path(draft: Draft, output: Sequence[int]) -> list[int]:
+    """The nodes greedy verification accepts: the longest root path spelling a prefix of
+    ``output`` (which holds the tokens still to come, the next one last to be drafted)."""
+    children: defaultdict[int, list[int]] = defaultdict(list)
+    for node, parent in enumerate(draft.parents):
+        children[parent].append(node)
+    path: list[int] = []
+    node = -1
+    while len(path) < len(output) - 1:
+        want = output[len(path)]
+        node = next((c for c in children[node] if draft.token_ids[c] == want), -2)
+        if node == -2:
+            break
+        path.append(node)
+    return path
+
+
+class Hindsight:
+    """Each step the proposal of the drafter that the output accepts furthest (cheating on
+    purpose: an upper bound), cut one node past its accepted path."""
+
+    name = "hindsight"
+
+    def __init__(self, drafters: Sequence[Drafter]) -> None:
+        self.drafters = list(drafters)
+        self.output: tuple[int, ...] = ()
+        self.prompt_len = 0
+
+    def begin(self, context: DraftContext) -> None:
+        for d in self.drafters:
+            d.begin(context)
+
+    def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
+        todo = [*self.output[len(context.tokens) - self.prompt_len :], _STOP]
+        best, best_path = EMPTY_DRAFT, -1
+        for drafter in self.drafters:
+            draft = drafter.propose(context, max_tokens=max_tokens)
+            path = accepted_path(draft, todo) if draft.num_nodes else []
+            if draft.num_nodes and len(path) > best_path:
+                best, best_path = draft, len(path)
+        if best_path <= 0:
+            return EMPTY_DRAFT
+        path = accepted_path(best, todo)
+        keep = sorted(set(path) | {c for c, p in enumerate(best.parents) if p == path[-1]})
+        return keep_nodes(best, keep[: len(path) + 1])
+
+    def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
+        for d in self.drafters:
+            d.observe(context, draft, verdict)
+
+    def end(self, context: DraftContext) -> None:
+        for d in self.drafters:
+            d.end(context)
+
+
+def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
+           cost: CostModel = DEFAULT_COST) -> Totals:
+    """Run ``drafter`` over every line's known greedy output; totals over measured lines.
+
+    Lines are replayed in order; each one's output is recorded into ``memory`` afterwards
+    (warmup lines included), as ``agentspec bench`` does.
+    """
+    totals = Totals()
+    for line in lines:
+        context = DraftContext(tokens=list(line.prompt_ids), prompt_len=len(line.prompt_ids),
+                               scope=line.scope, key_text=line.key_text if memory else "",
+                               sampling=SamplingParams())
+        if isinstance(drafter, Hindsight):
+            drafter.output, drafter.prompt_len = line.output_ids, len(line.prompt_ids)
+        steps, seconds, accepted = _replay_line(line, drafter, context, cost)
+        if memory is not None and line.output_ids:
+            memory.record(scope=line.scope, model=MODEL, request_text=line.key_text,
+                          key_text=line.key_text, completion_text=line.output_text,
+                          completion_ids=list(line.output_ids))
+        if line.phase == "measure":
+            totals.steps += steps
+            totals.tokens += len(line.output_ids)
+            totals.seconds += seconds
+            totals.plain_seconds += (len(line.output_ids) + line.stopped) * cost.seconds(0)
+            totals.accepted.update(accepted)
+    return totals
+
+
+def _replay_line(line: Line, drafter: Drafter, context: DraftContext,
+                 cost: CostModel) -> tuple[int, float, Counter[str]]:
+    # What the steps commit: the output, then the stop token where one ended it.
+    todo = [*line.output_ids, _STOP] if line.stopped else list(line.output_ids)
+    drafter.begin(context)
+    steps, seconds, done, accepted = 0, 0.0, 0, Counter[str]()
+    try:
+        while done < len(todo):
+            room = line.max_new_tokens - done - 1
+            draft = drafter.propose(context, max_tokens=room) if room > 0 else EMPTY_DRAFT
+            path = accepted_path(draft, [*todo[done:], _STOP])
+            new = todo[done : done + len(path) + 1]
+            verdict = Verdict(tuple(path), tuple(draft.token_ids[n] for n in path), new[-1])
+            context.tokens.extend(t for t in new if t != _STOP)
+            done += len(new)
+            steps += 1
+            seconds += cost.seconds(draft.num_nodes)
+            accepted.update(draft.source_of(n) for n in path)
+            drafter.observe(context, draft, verdict)
+    finally:
+        drafter.end(context)
+    return steps, seconds, accepted
+
+
+def policies(memory: Any, cost: CostModel) -> dict[str, Callable[[], Drafter]]:
+    """The replayed policies, each built fresh (drafters keep per-request state)."""
+    from agentspec.drafters.memory import MemoryDrafter
+    from agentspec.drafters.prompt_lookup import PromptLookupDrafter
+    from agentspec.drafters.suffix import SuffixDrafter
+
+    def all_drafters() -> list[Drafter]:
+        return [MemoryDrafter(memory, MODEL), SuffixDrafter(memory, MODEL),
+                PromptLookupDrafter(SpecConfig())]
+
+    return {
+        "prompt-lookup": lambda: DrafterChain([PromptLookupDrafter(SpecConfig())], cost=cost),
+        "agentspec": lambda: DrafterChain(all_drafters(), cost=cost, trees=True),
+        "agentspec-chain": lambda: DrafterChain(all_drafters(), cost=cost, trees=False),
+        "ceiling-pld": lambda: Hindsight([PromptLookupDrafter(SpecConfig())]),
+        "ceiling": lambda: Hindsight(all_drafters()),
+    }
+
+
+def run_policies(lines: Sequence[Line], names: Sequence[str] = POLICIES,
+                 cost: CostModel = DEFAULT_COST) -> dict[str, Totals]:
+    """Every named policy over ``lines``, each with a fresh memory of its own."""
+    from agentspec.memory import CompletionMemory
+    from agentspec.stores import SQLStore
+
+    out: dict[str, Totals] = {}
+    for name in names:
+        with tempfile.TemporaryDirectory(prefix="agentspec-replay-") as tmp:
+            memory = CompletionMemory(SQLStore(f"sqlite:///{Path(tmp) / 'memory.db'}"))
+            try:
+                drafter = policies(memory, cost)[name]()
+                uses_memory = name not in ("prompt-lookup", "ceiling-pld")
+                out[name] = replay(lines, drafter, memory=memory if uses_memory else None,
+                                   cost=cost)
+            finally:
+                memory.close()
+    return out
+
+
+def generate_lines(workload_path: Path, model: str, default_max_new_tokens: int) -> list[Line]:
+    """The target's greedy output of every line (the engine's greedy output is plain decoding's)."""
+    from rich.progress import track
+
+    from agentspec import Speculator
+    from agentspec.bench.workload import load_workload
+    from agentspec.memory import conversation_key
+
+    workload = load_workload(workload_path, default_max_new_tokens=default_max_new_tokens)
+    spec = Speculator.from_pretrained(model, memory=None)
+    lines = []
+    for item in track(workload.items, description="greedy outputs"):
+        prompt: Any = [dict(m) for m in item.messages] if item.messages else item.prompt
+        budget = item.max_new_tokens or default_max_new_tokens
+        gen = spec.generate(prompt, budget)
+        lines.append(Line(item.id, item.phase, item.scope, tuple(spec.encode(prompt)),
+                          conversation_key(prompt), gen.token_ids, gen.text, budget))
+    return lines
+
+
+def save_lines(lines: Sequence[Line], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([line.__dict__ for line in lines]) + "\n", encoding="utf-8")
+
+
+def load_lines(path: Path) -> list[Line]:
+    rows = json.loads(path.read_text(encoding="utf-8"))
+    return [Line(r["id"], r["phase"], r["scope"], tuple(r["prompt_ids"]), r["key_text"],
+                 tuple(r["output_ids"]), r["output_text"], int(r["max_new_tokens"]))
+            for r in rows]
+
+
+def table(results: dict[str, Totals]) -> str:
+    head = "| policy | tok/step | modeled speedup | accepted by source |\n|---|---:|---:|---|\n"
+    rows = [f"| {name} | {t.tokens_per_step:.2f} | {t.modeled_speedup:.2f}x | "
+            f"{', '.join(f'{k} {v}' for k, v in sorted(t.accepted.items())) or '-'} |"
+            for name, t in results.items()]
+    return head + "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from agentspec.bench.cli import resolve_workload
+
+    parser = argparse.ArgumentParser(prog="python -m agentspec.bench.replay",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="bfcl", help="shipped name or JSONL path")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--max-new-tokens", type=int, default=96,
+                        help="budget of lines that name none")
+    parser.add_argument("--outputs", type=Path, default=None,
+                        help="cache of the greedy outputs: read when it exists, else written")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown or not names:
+        parser.error(f"unknown policy {unknown or args.policies!r}; known: {', '.join(POLICIES)}")
+    if args.outputs is not None and args.outputs.exists():
+        lines = load_lines(args.outputs)
+    else:
+        lines = generate_lines(resolve_workload(args.workload), args.model, args.max_new_tokens)
+        if args.outputs is not None:
+            save_lines(lines, args.outputs)
+    measured = sum(1 for line in lines if line.phase == "measure")
+    print(f"{args.workload}: {measured} measured lines (+{len(lines) - measured} warmup), "
+          f"{sum(len(line.output_ids) for line in lines if line.phase == 'measure')} tokens")
+    print(table(run_policies(lines, names)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""The offline replay: steps equal what the decode loop would take; the ceiling bounds policies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agentspec.bench import replay as rp
+from agentspec.config import SpecConfig
+from agentspec.decode import NoDrafter
+from agentspec.drafters.chain import DrafterChain
+from agentspec.drafters.policy import CostModel
+from agentspec.drafters.prompt_lookup import PromptLookupDrafter
+from agentspec.types import Draft
+
+FREE = CostModel(base=1.0, per_token=1e-6)  # drafting is (almost) free: always draft
+
+
+def _line(prompt, output, *, phase="measure", budget=16, id="a"):
+    return rp.Line(id, phase, "s", tuple(prompt), "key " + id, tuple(output), "text", budget)
+
+
+def test_accepted_path_walks_the_tree_and_leaves_room_for_the_next_token():
+    tree = Draft((5, 6, 7, 6, 9), (-1, 0, 1, -1, 3), "m")
+    assert rp.accepted_path(tree, [5, 6, 7, 8]) == [0, 1, 2]
+    assert rp.accepted_path(tree, [6, 9, 1]) == [3, 4]
+    assert rp.accepted_path(tree, [5, 6]) == [0]  # the last output token is never drafted
+    assert rp.accepted_path(tree, [4, 6, 7]) == []
+
+
+def test_plain_decoding_takes_one_step_per_token_and_one_for_the_stop():
+    stopped = _line([1, 2, 3], [4, 5, 6], budget=16)
+    cut = _line([1, 2, 3], [4, 5, 6], budget=3, id="b")
+    assert rp.replay([stopped], NoDrafter()).steps == 4
+    assert rp.replay([cut], NoDrafter()).steps == 3
+
+
+def test_prompt_lookup_copies_a_repeated_span_in_few_steps():
+    span = list(range(10, 30))
+    line = _line([1, 2, *span, 3], [1, 2, *span], budget=40)
+    drafter = DrafterChain([PromptLookupDrafter(SpecConfig())], cost=FREE)
+    totals = rp.replay([line], drafter, cost=FREE)
+    assert totals.steps <= 4 and totals.tokens == 22
+    assert totals.accepted["prompt_lookup"] >= 19
+    assert totals.modeled_speedup > 4
+
+
+def test_warmup_lines_are_not_counted():
+    lines = [_line([1], [2, 3], phase="warmup", id="w"), _line([1], [2, 3], id="m")]
+    assert rp.replay(lines, NoDrafter()).tokens == 2
+
+
+def test_ceiling_is_at_least_every_policy_and_memory_replays_a_repeat(tmp_path: Path):
+    body = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18]
+    lines = [_line([1, 2, 3], body, phase="warmup", id="w"),
+             _line([1, 2, 4], [5, *body], id="m1"),
+             _line([1, 2, 3], body, id="m2")]
+    results = rp.run_policies(lines, cost=FREE)
+    assert set(results) == set(rp.POLICIES)
+    for name in ("prompt-lookup", "agentspec", "agentspec-chain"):
+        assert results["ceiling"].tokens_per_step >= results[name].tokens_per_step - 1e-9
+    assert results["ceiling-pld"].tokens_per_step >= results["prompt-lookup"].tokens_per_step
+    # The repeat of the warmup line is drafted from memory; prompt lookup alone cannot.
+    assert results["agentspec"].accepted["memory"] >= len(body) - 1
+    assert results["agentspec"].tokens_per_step > results["prompt-lookup"].tokens_per_step
+
+
+def test_lines_round_trip_and_the_table(tmp_path: Path):
+    lines = [_line([1, 2], [3, 4]), _line([5], [6], phase="warmup", id="w")]
+    rp.save_lines(lines, tmp_path / "o.json")
+    assert rp.load_lines(tmp_path / "o.json") == lines
+    text = rp.table({"prompt-lookup": rp.replay(lines, NoDrafter())})
+    assert "| prompt-lookup | 0.67 | 1.00x |" in text  # 2 tokens, 3 steps (the stop)
+
+
+def test_cli_reads_cached_outputs_and_rejects_unknown_policies(tmp_path: Path, capsys):
+    out = tmp_path / "o.json"
+    rp.save_lines([_line([1, 2, 3], [1, 2, 3, 1, 2, 3])], out)
+    assert rp.main(["--outputs", str(out), "--policies", "prompt-lookup,ceiling-pld"]) == 0
+    printed = capsys.readouterr().out
+    assert "| prompt-lookup |" in printed and "| ceiling-pld |" in printed
+    with pytest.raises(SystemExit):
+        rp.main(["--outputs", str(out), "--policies", "nope"])
