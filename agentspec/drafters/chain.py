@@ -41,13 +41,13 @@ def alternatives_tried(parents: tuple[int, ...], path: tuple[int, ...]) -> tuple
         count[parent] = count.get(parent, 0) + 1
     tried = right = 0
     at = -1
-    for node in (*path, None):
-        if count.get(at, 0) > 1 and node != first[at]:
+    for node in path:
+        if count.get(at, 0) > 1 and node != first[at]:  # went down an alternative
             tried += 1
-            right += node is not None
-        if node is None:
-            break
+            right += 1
         at = node
+    if count.get(at, 0) > 1:  # the path ended where every branch was wrong
+        tried += 1
     return tried, right
 
 
