@@ -23,8 +23,8 @@ from typing import Any
 DEFAULT_COST_POINTS = ((1, 0.0637), (2, 0.0994), (3, 0.1165), (4, 0.0889), (6, 0.0826),
                        (8, 0.0823), (12, 0.0917), (16, 0.1008), (24, 0.1187), (32, 0.1361),
                        (48, 0.1753), (64, 0.2125))
-# Bumped when the measurement changes, so older cached curves are measured again.
-COST_CACHE_VERSION = 2
+# Bumped when the measurement or the engine changes, so older cached curves are measured again.
+COST_CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
