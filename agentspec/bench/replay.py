@@ -280,6 +280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--outputs", type=Path, default=None,
                         help="cache of the greedy outputs: read when it exists, else written")
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--cost", type=Path, default=None, metavar="JSON",
+                        help="a measured cost curve (a file of $AGENTSPEC_HOME/costs); default "
+                             "the built-in CPU curve")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICIES]
@@ -294,7 +297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     measured = sum(1 for line in lines if line.phase == "measure")
     print(f"{args.workload}: {measured} measured lines (+{len(lines) - measured} warmup), "
           f"{sum(len(line.output_ids) for line in lines if line.phase == 'measure')} tokens")
-    print(table(run_policies(lines, names)))
+    cost = DEFAULT_COST
+    if args.cost is not None:
+        points = json.loads(args.cost.read_text(encoding="utf-8"))["points"]
+        cost = CostModel.fit([(int(t), float(sec)) for t, sec in points])
+    print(table(run_policies(lines, names, cost)))
     return 0
 
 

@@ -29,6 +29,8 @@ from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 PRIORS = {"memory": 0.85, "suffix": 0.6, "prompt_lookup": 0.5, "model": 0.6}
 # How often a tree's alternative branch is right where the first one was wrong, before evidence.
 ALTERNATIVE_PRIOR = 0.3
+# A skipped drafter's time estimate shrinks by this per skip (re-measured after ~45 skips).
+SKIP_DECAY = 0.95
 
 
 def alternatives_tried(parents: tuple[int, ...], path: tuple[int, ...]) -> tuple[int, int]:
@@ -107,8 +109,12 @@ class DrafterChain:
         self.alternatives = {d.name: Acceptance(ALTERNATIVE_PRIOR) for d in self.drafters}
         # Seconds a drafter takes to propose (running mean; lookups ~1e-4, a model ~a forward).
         self.propose_seconds = {d.name: 0.0 for d in self.drafters}
+        self._untimed: set[str] = set()
 
     def begin(self, context: DraftContext) -> None:
+        # A request's first proposal does lazy per-request work (indexing the prompt, a draft
+        # model's prefill): it is not timed as the drafter's cost.
+        self._untimed = {d.name for d in self.drafters}
         for d in self.drafters:
             d.begin(context)
 
@@ -120,7 +126,10 @@ class DrafterChain:
             spent = self.propose_seconds[drafter.name]
             slow = spent > 0.1 * self.cost.seconds(0)
             if slow and self._best_rate(alpha, max_tokens, spent) <= best_rate:
-                continue  # even its best possible draft would lose: not worth asking
+                # Even its best possible draft would lose: not worth asking. The estimate
+                # shrinks while it is skipped, so it is measured again now and then.
+                self.propose_seconds[drafter.name] = SKIP_DECAY * spent
+                continue
             started = time.perf_counter()
             draft = drafter.propose(context, max_tokens=max_tokens)
             spent = self._timed(drafter.name, time.perf_counter() - started)
@@ -141,6 +150,9 @@ class DrafterChain:
         return expected_tokens(alpha, length) / (self.cost.seconds(length) + spent)
 
     def _timed(self, name: str, seconds: float) -> float:
+        if name in self._untimed:
+            self._untimed.discard(name)
+            return self.propose_seconds[name]
         old = self.propose_seconds[name]
         self.propose_seconds[name] = seconds if old == 0.0 else 0.8 * old + 0.2 * seconds
         return self.propose_seconds[name]

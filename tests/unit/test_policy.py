@@ -253,3 +253,26 @@ def test_trees_shrink_to_chains_when_alternatives_are_never_right():
     chain.acceptance["memory"] = Acceptance(0.6)
     assert chain.propose(ctx, max_tokens=8).token_ids == (5, 6, 7)  # the first branch only
     assert node_probabilities([-1, -1], 0.6, 0.0) == pytest.approx([0.6, 0.0])
+
+
+def test_first_proposal_of_a_request_is_not_timed_and_skipped_drafters_are_probed_again():
+    import time as _time
+
+    class SlowFirst(CountingDrafter):
+        def propose(self, context, *, max_tokens):
+            if self.asked == 0:
+                _time.sleep(0.3)  # lazy per-request work, e.g. indexing the prompt
+            return super().propose(context, max_tokens=max_tokens)
+
+    lookup = SlowFirst("prompt_lookup", [3] * 30)
+    chain = DrafterChain([lookup], cost=CPU)
+    ctx = DraftContext(tokens=[1, 2], prompt_len=2)
+    chain.begin(ctx)
+    chain.propose(ctx, max_tokens=30)
+    assert chain.propose_seconds["prompt_lookup"] < 0.01  # the slow first call did not count
+    # An inflated estimate makes it skipped; it shrinks while skipped, so it is asked again.
+    chain.propose_seconds["prompt_lookup"] = 1.0
+    asked = lookup.asked
+    for _ in range(200):
+        chain.propose(ctx, max_tokens=30)
+    assert lookup.asked > asked and chain.propose_seconds["prompt_lookup"] < 0.01
