@@ -29,8 +29,8 @@ from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 PRIORS = {"memory": 0.85, "suffix": 0.6, "prompt_lookup": 0.5, "model": 0.6}
 # How often a tree's alternative branch is right where the first one was wrong, before evidence.
 ALTERNATIVE_PRIOR = 0.3
-# A skipped drafter's time estimate shrinks by this per skip (re-measured after ~45 skips).
-SKIP_DECAY = 0.95
+# A skipped drafter is asked again once the skipped steps took this many times its own cost.
+PROBE_RATIO = 30
 
 
 def alternatives_tried(parents: tuple[int, ...], path: tuple[int, ...]) -> tuple[int, int]:
@@ -110,6 +110,7 @@ class DrafterChain:
         # Seconds a drafter takes to propose (running mean; lookups ~1e-4, a model ~a forward).
         self.propose_seconds = {d.name: 0.0 for d in self.drafters}
         self._untimed: set[str] = set()
+        self._skipped = {d.name: 0 for d in self.drafters}
 
     def begin(self, context: DraftContext) -> None:
         # A request's first proposal does lazy per-request work (indexing the prompt, a draft
@@ -126,10 +127,13 @@ class DrafterChain:
             spent = self.propose_seconds[drafter.name]
             slow = spent > 0.1 * self.cost.seconds(0)
             if slow and self._best_rate(alpha, max_tokens, spent) <= best_rate:
-                # Even its best possible draft would lose: not worth asking. The estimate
-                # shrinks while it is skipped, so it is measured again now and then.
-                self.propose_seconds[drafter.name] = SKIP_DECAY * spent
-                continue
+                # Even its best possible draft would lose: not worth asking. It is measured
+                # again once the skipped steps' time is PROBE_RATIO times its own cost, so
+                # re-probing costs at most ~1/PROBE_RATIO of the time.
+                self._skipped[drafter.name] += 1
+                if self._skipped[drafter.name] * self.cost.seconds(0) < PROBE_RATIO * spent:
+                    continue
+            self._skipped[drafter.name] = 0
             started = time.perf_counter()
             draft = drafter.propose(context, max_tokens=max_tokens)
             spent = self._timed(drafter.name, time.perf_counter() - started)
@@ -154,7 +158,10 @@ class DrafterChain:
             self._untimed.discard(name)
             return self.propose_seconds[name]
         old = self.propose_seconds[name]
-        self.propose_seconds[name] = seconds if old == 0.0 else 0.8 * old + 0.2 * seconds
+        # A running mean; a re-probe replaces a larger estimate outright (it was a hiccup, or
+        # the drafter got faster), so one slow call cannot keep a drafter out for long.
+        self.propose_seconds[name] = seconds if old == 0.0 or seconds < old / 2 else (
+            0.8 * old + 0.2 * seconds)
         return self.propose_seconds[name]
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:

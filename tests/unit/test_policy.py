@@ -270,9 +270,15 @@ def test_first_proposal_of_a_request_is_not_timed_and_skipped_drafters_are_probe
     chain.begin(ctx)
     chain.propose(ctx, max_tokens=30)
     assert chain.propose_seconds["prompt_lookup"] < 0.01  # the slow first call did not count
-    # An inflated estimate makes it skipped; it shrinks while skipped, so it is asked again.
-    chain.propose_seconds["prompt_lookup"] = 1.0
+    # An inflated estimate makes it skipped; it is probed again once the skipped steps took
+    # PROBE_RATIO times that estimate, and the fast re-measurement replaces it.
+    chain.propose_seconds["prompt_lookup"] = 0.2
     asked = lookup.asked
-    for _ in range(200):
+    chain.propose(ctx, max_tokens=30)
+    assert lookup.asked == asked  # skipped
+    skipped = 1
+    while lookup.asked == asked and skipped < 1000:
         chain.propose(ctx, max_tokens=30)
-    assert lookup.asked > asked and chain.propose_seconds["prompt_lookup"] < 0.01
+        skipped += 1
+    assert skipped == pytest.approx(30 * 0.2 / CPU.seconds(0), abs=2)
+    assert chain.propose_seconds["prompt_lookup"] < 0.01  # the fast re-measurement replaced it
