@@ -25,8 +25,10 @@ from agentspec.protocols import DraftContext, Drafter
 from agentspec.tree import depths
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
-# Per-token acceptance before any evidence: remembered completions are usually right.
-PRIORS = {"memory": 0.85, "suffix": 0.6, "prompt_lookup": 0.5, "model": 0.6}
+# Per-token acceptance before any evidence: remembered completions are usually right, and one
+# that has matched every generated token so far ("memory/follow") almost always.
+PRIORS = {"memory": 0.85, "memory/follow": 0.97, "suffix": 0.6, "prompt_lookup": 0.5,
+          "model": 0.6}
 # How often a tree's alternative branch is right where the first one was wrong, before evidence.
 ALTERNATIVE_PRIOR = 0.3
 # A skipped drafter is asked again once the skipped steps took this many times its own cost.
@@ -111,6 +113,7 @@ class DrafterChain:
         self.propose_seconds = {d.name: 0.0 for d in self.drafters}
         self._untimed: set[str] = set()
         self._skipped = {d.name: 0 for d in self.drafters}
+        self._chosen_key = ""  # the acceptance class of the last chosen draft
 
     def begin(self, context: DraftContext) -> None:
         # A request's first proposal does lazy per-request work (indexing the prompt, a draft
@@ -139,13 +142,23 @@ class DrafterChain:
             spent = self._timed(drafter.name, time.perf_counter() - started)
             if draft.num_nodes == 0:
                 continue
+            # A drafter may name a finer acceptance class for this proposal (the memory: a
+            # candidate that has matched every generated token so far).
+            key = getattr(drafter, "acceptance_key", None) or drafter.name
+            alpha = self._acceptance(key).alpha
             if not self.trees and not draft.is_chain:
                 draft = first_path(draft)
             keep, rate = best_subtree(draft.parents, alpha, self.cost, spent,
                                       self.alternatives[drafter.name].alpha)
             if keep and rate > best_rate:
                 best, best_rate = keep_nodes(draft, keep), rate
+                self._chosen_key = key
         return best
+
+    def _acceptance(self, key: str) -> Acceptance:
+        if key not in self.acceptance:
+            self.acceptance[key] = Acceptance(PRIORS.get(key, PRIORS.get(key.split("/")[0], 0.5)))
+        return self.acceptance[key]
 
     def _best_rate(self, alpha: float, max_tokens: int, spent: float) -> float:
         """The best rate a chain from a source could reach (its drafts are chains: the only
@@ -167,8 +180,9 @@ class DrafterChain:
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         if draft.num_nodes:
             name = draft.source_of(0)
-            if name in self.acceptance:
-                self.acceptance[name].update(max(depths(draft.parents)), len(verdict.path))
+            if name in self.alternatives:
+                key = self._chosen_key if self._chosen_key.split("/")[0] == name else name
+                self._acceptance(key).update(max(depths(draft.parents)), len(verdict.path))
                 tried, right = alternatives_tried(draft.parents, verdict.path)
                 if tried:
                     self.alternatives[name].update(tried, right)

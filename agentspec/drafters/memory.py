@@ -51,6 +51,9 @@ class MemoryDrafter:
         self._cands: list[_Candidate] = []
         self._owners: list[int] = []  # per node of the last draft: index into _cands
         self._credits: Counter[int] = Counter()
+        # The acceptance class of the last proposal, for the drafter chain: "memory/follow"
+        # when its best candidate has matched every generated token so far.
+        self.acceptance_key = self.name
 
     def begin(self, context: DraftContext) -> None:
         self._credits = Counter()
@@ -76,6 +79,7 @@ class MemoryDrafter:
             self._owners = []
             return EMPTY_DRAFT
         chains.sort(key=lambda c: c[0], reverse=True)
+        self.acceptance_key = "memory/follow" if chains[0][0][0] == 100 else self.name
         tokens, parents, owners = merge_chains([(c[1], str(c[2])) for c in chains],
                                                min(self.max_nodes, max(max_tokens, 1) * len(chains)))
         self._owners = [int(o) for o in owners]

@@ -282,3 +282,18 @@ def test_first_proposal_of_a_request_is_not_timed_and_skipped_drafters_are_probe
         skipped += 1
     assert skipped == pytest.approx(30 * 0.2 / CPU.seconds(0), abs=2)
     assert chain.propose_seconds["prompt_lookup"] < 0.01  # the fast re-measurement replaced it
+
+
+def test_a_drafter_can_name_a_finer_acceptance_class():
+    class Keyed(FixedDrafter):
+        acceptance_key = "memory/follow"
+
+    chain = DrafterChain([Keyed("memory", list(range(10, 60)))], cost=CPU)
+    ctx = DraftContext(tokens=[1, 2], prompt_len=2)
+    plain = DrafterChain([FixedDrafter("memory", list(range(10, 60)))], cost=CPU)
+    # The class's prior (0.97) drafts deeper than the source's (0.85).
+    assert chain.propose(ctx, max_tokens=50).num_nodes > plain.propose(ctx, max_tokens=50).num_nodes
+    draft = chain.propose(ctx, max_tokens=50)
+    chain.observe(ctx, draft, Verdict((), (), 0))  # a miss is booked on the class, not the source
+    assert chain.acceptance["memory/follow"].alpha < 0.97
+    assert chain.acceptance["memory"].alpha == pytest.approx(0.85)
