@@ -268,9 +268,10 @@ class HFTarget:
 
         On CPU BLAS (the only device it is used on) the weight-first product over a tall output
         head (49k-262k rows) is 2-4x faster for 2-16 rows: a verification forward of 4 tokens
-        went from ~114 to ~95 ms on SmolLM2-135M and from ~211 to ~111 ms on Gemma-3-270M; the values agree to float rounding (checked against the model's
-        own forward on first use; a model whose head is anything more than a bias-free linear
-        layer, optionally soft-capped, fails the check and keeps its own forward).
+        went from ~114 to ~95 ms on SmolLM2-135M and from ~211 to ~111 ms on Gemma-3-270M. The
+        values agree to float rounding: checked against the model's own forward on first use;
+        a model whose head is anything more than a bias-free linear layer, optionally
+        soft-capped, fails the check and keeps its own forward.
         """
         base, head = self.model.model, self.model.get_output_embeddings()
         reference = None

@@ -124,7 +124,8 @@ def cut_at_stop(token_ids: Sequence[int], stop_ids: frozenset[int]) -> tuple[int
     return tuple(int(x) for x in token_ids)
 
 
-def _prompt(item: WorkloadItem) -> Any:
+def prompt_of(item: WorkloadItem) -> Any:
+    """The item's chat messages (as fresh dicts) or raw prompt, as the systems take it."""
     return [dict(m) for m in item.messages] if item.messages is not None else item.prompt
 
 
@@ -148,7 +149,7 @@ class HFSystem:
         if self.prompt_lookup:
             kwargs["prompt_lookup_num_tokens"] = PLD_TOKENS
         started = time.perf_counter()
-        ids = self.spec.encode(_prompt(item))
+        ids = self.spec.encode(prompt_of(item))
         input_ids = torch.tensor([ids], device=model.device)  # [1, prompt_len]
         with torch.inference_mode():
             out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
@@ -172,7 +173,7 @@ class SpecSystem:
         if self._takes_record:
             kwargs["record"] = self.record
         started = time.perf_counter()
-        gen = self.spec.generate(_prompt(item), max_new_tokens, **kwargs)
+        gen = self.spec.generate(prompt_of(item), max_new_tokens, **kwargs)
         seconds = time.perf_counter() - started
         stats = gen.stats
         return Outcome(cut_at_stop(gen.token_ids, self.spec.stop_token_ids), seconds,
@@ -264,7 +265,7 @@ def run_requests(workload: Workload, systems: dict[str, System], config: BenchCo
         for seed in _seeds(config, index):
             for name in rotation(list(systems), index):
                 outcomes[name].append(systems[name].run(item, _budget(item, config), seed))
-        results.append(RequestResult(item, len(encode(_prompt(item))), _budget(item, config),
+        results.append(RequestResult(item, len(encode(prompt_of(item))), _budget(item, config),
                                      {k: tuple(v) for k, v in outcomes.items()}))
         done += 1
         if on_progress:

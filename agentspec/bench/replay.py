@@ -216,12 +216,13 @@ def run_policies(lines: Sequence[Line], names: Sequence[str] = POLICIES,
 
     out: dict[str, Totals] = {}
     for name in names:
+        if name in ("prompt-lookup", "ceiling-pld"):
+            out[name] = replay(lines, policies(None, cost)[name](), cost=cost)
+            continue
         with tempfile.TemporaryDirectory(prefix="agentspec-replay-") as tmp:
             memory = CompletionMemory(SQLStore(f"sqlite:///{Path(tmp) / 'memory.db'}"))
             try:
-                drafter = policies(memory, cost)[name]()
-                uses_memory = name not in ("prompt-lookup", "ceiling-pld")
-                out[name] = replay(lines, drafter, memory=memory if uses_memory else None,
+                out[name] = replay(lines, policies(memory, cost)[name](), memory=memory,
                                    cost=cost)
             finally:
                 memory.close()
@@ -233,6 +234,7 @@ def generate_lines(workload_path: Path, model: str, default_max_new_tokens: int)
     from rich.progress import track
 
     from agentspec import Speculator
+    from agentspec.bench.harness import prompt_of
     from agentspec.bench.workload import load_workload
     from agentspec.memory import conversation_key
 
@@ -240,7 +242,7 @@ def generate_lines(workload_path: Path, model: str, default_max_new_tokens: int)
     spec = Speculator.from_pretrained(model, memory=None)
     lines = []
     for item in track(workload.items, description="greedy outputs"):
-        prompt: Any = [dict(m) for m in item.messages] if item.messages else item.prompt
+        prompt = prompt_of(item)
         budget = item.max_new_tokens or default_max_new_tokens
         gen = spec.generate(prompt, budget)
         lines.append(Line(item.id, item.phase, item.scope, tuple(spec.encode(prompt)),

@@ -113,7 +113,7 @@ class DrafterChain:
         self.propose_seconds = {d.name: 0.0 for d in self.drafters}
         self._untimed: set[str] = set()
         self._skipped = {d.name: 0 for d in self.drafters}
-        self._chosen_key = ""  # the acceptance class of the last chosen draft
+        self._chosen_key = ""  # the acceptance class of the draft the last propose returned
 
     def begin(self, context: DraftContext) -> None:
         # A request's first proposal does lazy per-request work (indexing the prompt, a draft
@@ -124,6 +124,7 @@ class DrafterChain:
 
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
         best, best_rate = EMPTY_DRAFT, 1.0 / self.cost.seconds(0)
+        self._chosen_key = ""
         max_tokens = min(max_tokens, self.max_depth)
         for drafter in self.drafters:
             alpha = self.acceptance[drafter.name].alpha
@@ -181,8 +182,8 @@ class DrafterChain:
         if draft.num_nodes:
             name = draft.source_of(0)
             if name in self.alternatives:
-                key = self._chosen_key if self._chosen_key.split("/")[0] == name else name
-                self._acceptance(key).update(max(depths(draft.parents)), len(verdict.path))
+                depth = max(depths(draft.parents))
+                self._acceptance(self._chosen_key or name).update(depth, len(verdict.path))
                 tried, right = alternatives_tried(draft.parents, verdict.path)
                 if tried:
                     self.alternatives[name].update(tried, right)

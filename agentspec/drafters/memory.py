@@ -19,6 +19,10 @@ from agentspec.protocols import DraftContext
 from agentspec.tree import merge_chains
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
+# Match strength of a candidate that has matched every generated token so far (n-gram
+# realignments score their match length, at most 8).
+_FOLLOWING = 100
+
 
 @dataclass
 class _Candidate:
@@ -69,7 +73,7 @@ class MemoryDrafter:
         tail = context.tokens[-8:]
         for i, cand in enumerate(self._cands):
             if cand.follow >= 0:
-                start, strength = cand.follow, 100
+                start, strength = cand.follow, _FOLLOWING
             else:
                 strength, start = cand.index.match(cand.ids, tail)
             cont = cand.ids[start : start + max_tokens] if strength else []
@@ -79,7 +83,7 @@ class MemoryDrafter:
             self._owners = []
             return EMPTY_DRAFT
         chains.sort(key=lambda c: c[0], reverse=True)
-        self.acceptance_key = "memory/follow" if chains[0][0][0] == 100 else self.name
+        self.acceptance_key = "memory/follow" if chains[0][0][0] == _FOLLOWING else self.name
         tokens, parents, owners = merge_chains([(c[1], str(c[2])) for c in chains],
                                                min(self.max_nodes, max(max_tokens, 1) * len(chains)))
         self._owners = [int(o) for o in owners]

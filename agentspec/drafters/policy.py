@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from typing import Any
 DEFAULT_COST_POINTS = ((1, 0.0724), (2, 0.0788), (3, 0.0920), (4, 0.0747), (6, 0.0784),
                        (8, 0.0817), (12, 0.1225), (16, 0.1247), (24, 0.1556), (32, 0.1850),
                        (48, 0.2354), (64, 0.2657))
+_TABLE_NODES = 130  # covers the 64-node tree budget and the 64-token depth bound
 # Bumped when the measurement or the engine changes, so older cached curves are measured again.
 COST_CACHE_VERSION = 3
 
@@ -40,6 +41,8 @@ class CostModel:
     base: float
     per_token: float
     points: tuple[tuple[int, float], ...] = ()
+    # seconds(n) for n < _TABLE_NODES, computed once: the policy asks for it per node per step.
+    _table: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.base <= 0 or self.per_token < 0:
@@ -47,9 +50,15 @@ class CostModel:
         if any(t < 1 or sec <= 0 for t, sec in self.points):
             raise ValueError(f"cost points need tokens >= 1 and seconds > 0, got {self.points}")
         object.__setattr__(self, "points", tuple(sorted((int(t), float(sec)) for t, sec in self.points)))
+        object.__setattr__(self, "_table", tuple(self._interpolate(n) for n in range(_TABLE_NODES)))
 
     def seconds(self, draft_nodes: int) -> float:
         """Cost of a step scoring the root plus ``draft_nodes`` nodes."""
+        if 0 <= draft_nodes < len(self._table):
+            return self._table[draft_nodes]
+        return self._interpolate(draft_nodes)
+
+    def _interpolate(self, draft_nodes: int) -> float:
         tokens = draft_nodes + 1
         pts = self.points
         if not pts:
