@@ -1,17 +1,22 @@
 """Everything that touches transformers' KV-cache and attention internals (pinned: transformers 5.23).
 
-Three pieces, each exact (same keys, values and attention arithmetic as transformers' own):
+Two pieces:
 
-- :class:`BufferedLayer`: a ``DynamicLayer`` whose rows live in a buffer with spare capacity.
-  ``DynamicLayer.update`` concatenates, copying the whole KV of every layer on every step
-  (64 MiB per step at 1,400 tokens of SmolLM2-135M, a quarter of a CPU decode step); here a
-  step writes only its new rows.
-- :func:`keep_kv_rows`: gather the accepted path's rows into place and crop the rest.
-- ``agentspec_sdpa`` attention: transformers' sdpa path, except that a masked multi-token
-  forward on a grouped-query model lets SDPA broadcast the key/value heads
-  (``enable_gqa=True``) instead of copying them with ``repeat_kv``: verifying a draft then
-  reads the KV once, as single-token decoding does. :func:`verifying_attention` switches a
-  model to it for one forward and back, so a model shared with other code stays unchanged.
+- :class:`FixedKV`: per-layer key and value buffers of a fixed capacity (static addresses, so a
+  forward can be captured as a CUDA graph). A forward writes its rows at the slots in
+  ``FixedKV.slots`` (a device tensor) and attends over all ``capacity`` rows through its mask:
+  rows past the committed length hold stale values that the mask hides. Rolling back a chain is
+  moving the committed length; nothing is copied.
+- ``agentspec_sdpa`` attention: transformers' sdpa path, except that a masked forward on a
+  grouped-query model lets SDPA broadcast the key/value heads (``enable_gqa=True``) instead of
+  copying the whole fixed-capacity KV with ``repeat_kv`` on every forward.
+  :func:`verifying_attention` switches a model to it for one forward and back, so a model
+  shared with other code (the bench's ``hf-*`` baselines) stays unchanged.
+
+Why fixed shapes: a row's logits must not depend on how many other rows its forward had, or
+on how long the KV was, or drafts would change outputs (see ``docs/architecture.md``). With
+the KV at a fixed capacity and the query width from one measured reduction class, every row
+meets the same kernels in the same order, whatever the draft (``tests/integration/test_invariance.py``).
 """
 
 from __future__ import annotations
@@ -21,89 +26,52 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
-
-from agentspec.errors import UnsupportedModelError
-
-_MIN_CAPACITY = 256
 
 
-class BufferedLayer(DynamicLayer):
-    """A full (non-sliding) KV layer appending in place; ``keys``/``values`` are views of the
-    first ``length`` rows of buffers that grow by half again when full."""
+class FixedKV:
+    """Key and value buffers ``[1, kv_heads, capacity, head_dim]`` per layer.
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self._kbuf: torch.Tensor | None = None
-        self._vbuf: torch.Tensor | None = None
-        self._length = 0
+    Duck-types the part of transformers' ``Cache`` that a decoder layer calls (``update``);
+    the model always gets explicit position ids and a 4-D mask, so nothing else is asked.
+    Buffers are allocated on the first forward (zeros: stale rows are always finite).
+    """
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self._length + key_states.shape[-2]
-        if self._kbuf is None or end > self._kbuf.shape[-2]:
-            self._grow(key_states, value_states, end)
-        assert self._kbuf is not None and self._vbuf is not None
-        self._kbuf[:, :, self._length : end] = key_states
-        self._vbuf[:, :, self._length : end] = value_states
-        self.truncate(end)
-        return self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+    is_compileable = True
 
-    def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, need: int) -> None:
-        capacity = max(_MIN_CAPACITY, need + need // 2)
-        kbuf = key_states.new_empty((*key_states.shape[:2], capacity, key_states.shape[-1]))
-        vbuf = value_states.new_empty((*value_states.shape[:2], capacity, value_states.shape[-1]))
-        if self._kbuf is not None and self._vbuf is not None and self._length:
-            kbuf[:, :, : self._length] = self._kbuf[:, :, : self._length]
-            vbuf[:, :, : self._length] = self._vbuf[:, :, : self._length]
-        self._kbuf, self._vbuf = kbuf, vbuf
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.slots: torch.Tensor | None = None  # [width]: where the next forward's rows go
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
 
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` rows (the buffers keep their capacity)."""
-        assert self._kbuf is not None and self._vbuf is not None
-        self._length = length
-        self.keys = self._kbuf[:, :, :length]
-        self.values = self._vbuf[:, :, :length]
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if layer_idx == len(self.keys):
+            shape = (*key_states.shape[:2], self.capacity)
+            self.keys.append(key_states.new_zeros((*shape, key_states.shape[-1])))
+            self.values.append(value_states.new_zeros((*shape, value_states.shape[-1])))
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        assert self.slots is not None and self.slots.shape[0] == key_states.shape[-2]
+        keys.index_copy_(2, self.slots, key_states)
+        values.index_copy_(2, self.slots, value_states)
+        return keys, values
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of rows to remove, got {tokens_to_remove}")
-        if tokens_to_remove and self.is_initialized:
-            self.truncate(max(0, self._length + tokens_to_remove))
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.capacity
 
-    def reset(self) -> None:
-        self._kbuf = self._vbuf = None
-        self._length = 0
-        super().reset()
-
-
-def new_cache() -> DynamicCache:
-    """An empty cache whose layers are :class:`BufferedLayer` (full layers for every model:
-    rows can always be rolled back; sliding windows are applied by the masks)."""
-    cache = DynamicCache()
-    cache.layer_class_to_replicate = BufferedLayer
-    return cache
-
-
-def keep_kv_rows(kv: Any, dst: int, src_rows: list[int] | None, new_len: int) -> None:
-    """Copy the KV rows ``src_rows`` to rows ``dst, dst + 1, ...`` (when given), then crop every
-    layer to ``new_len`` rows. Layer tensors are ``[batch, kv_heads, seq, head_dim]``."""
-    for layer in kv.layers:
-        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
-            continue
-        if type(layer) not in (BufferedLayer, DynamicLayer):
-            raise UnsupportedModelError(f"cannot roll back a {type(layer).__name__} KV layer")
-        if src_rows:
-            index = torch.tensor(src_rows, device=layer.keys.device)
-            layer.keys[:, :, dst : dst + len(src_rows)] = layer.keys.index_select(2, index)
-            layer.values[:, :, dst : dst + len(src_rows)] = layer.values.index_select(2, index)
-        if isinstance(layer, BufferedLayer):
-            layer.truncate(new_len)
-        else:
-            layer.keys = layer.keys[:, :, :new_len]
-            layer.values = layer.values[:, :, :new_len]
+    def resized(self, capacity: int, rows: int) -> FixedKV:
+        """A KV of another capacity holding this one's first ``rows`` rows."""
+        if not 0 <= rows <= min(capacity, self.capacity):
+            raise ValueError(f"cannot keep {rows} rows when resizing {self.capacity} -> {capacity}")
+        out = FixedKV(capacity)
+        for old, new in ((self.keys, out.keys), (self.values, out.values)):
+            for buf in old:
+                grown = buf.new_zeros((*buf.shape[:2], capacity, buf.shape[-1]))
+                grown[:, :, :rows] = buf[:, :, :rows]
+                new.append(grown)
+        return out
 
 
 _ATTENTION = "agentspec_sdpa"
@@ -119,7 +87,7 @@ def _gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     plain = (dropout == 0.0 and kwargs.get("softcap") is None
              and kwargs.get("position_bias") is None and kwargs.get("cache") is None
              and not kwargs.get("output_attentions", False))
-    if (groups > 1 and plain and isinstance(attention_mask, torch.Tensor) and query.shape[2] > 1
+    if (groups > 1 and plain and isinstance(attention_mask, torch.Tensor)
             and key.shape[-1] == value.shape[-1]):
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)

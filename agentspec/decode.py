@@ -14,9 +14,9 @@ import torch
 from agentspec.config import SamplingParams
 from agentspec.protocols import DraftContext, Drafter
 from agentspec.target import HFTarget
-from agentspec.tree import depths
+from agentspec.tree import depths, preorder
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
-from agentspec.verify import verify
+from agentspec.verify import cut_at_spine, verify
 
 
 @dataclass(frozen=True)
@@ -78,15 +78,19 @@ def _steps(target: HFTarget, drafter: Drafter, context: DraftContext, sampling: 
            max_new_tokens: int, stop_token_ids: frozenset[int],
            generator: torch.Generator | None) -> Iterator[Step]:
     produced = 0
+    # One uniform per output position, so a seeded sample does not depend on the drafts.
+    uniforms = None if sampling.greedy else torch.rand(
+        max_new_tokens, generator=generator, device=target.device)  # [max_new_tokens]
     while produced < max_new_tokens:
         # 2. Propose, leaving room for the recovered/bonus token.
         room = max_new_tokens - produced - 1
         draft = drafter.propose(context, max_tokens=room) if room > 0 else EMPTY_DRAFT
-        draft = _sanitize(draft, target.vocab_size, room)
+        draft = _sanitize(draft, target.vocab_size, room, target.max_draft_nodes)
         # 3. Score the last committed token and the whole draft in one forward.
         logits = target.score(context.tokens[-1], draft)  # [num_nodes + 1, vocab_size]
-        # 4. Verify exactly (one host sync).
-        verdict = verify(draft, logits, sampling, generator)
+        # 4. Verify exactly (one host sync), deciding only on spine rows.
+        rows = None if uniforms is None else uniforms[_row_offsets(draft, produced)]
+        verdict = cut_at_spine(draft, verify(draft, logits, sampling, generator, uniforms=rows))
         # 5. Commit: the KV keeps the accepted path only.
         target.commit(draft, verdict)
         new_tokens, stopped = _cut_at_stop(verdict.new_tokens, stop_token_ids)
@@ -99,20 +103,29 @@ def _steps(target: HFTarget, drafter: Drafter, context: DraftContext, sampling: 
             return
 
 
-def _sanitize(draft: Draft, vocab_size: int, room: int) -> Draft:
+def _row_offsets(draft: Draft, produced: int) -> torch.Tensor:
+    """Output position of each scored row: the root's next token, then each node's."""
+    return torch.tensor([produced, *(produced + d for d in depths(draft.parents))])
+
+
+def _sanitize(draft: Draft, vocab_size: int, room: int, max_nodes: int) -> Draft:
     """Drafts are untrusted: keep only nodes with in-vocabulary ids, valid ancestors and a
-    depth that fits ``room``."""
+    depth that fits ``room``, in depth-first order (first children form the spine, see
+    :func:`~agentspec.tree.preorder`), at most ``max_nodes`` of them."""
     if draft.num_nodes == 0:
         return draft
-    if 0 <= min(draft.token_ids) and max(draft.token_ids) < vocab_size and (
-            max(depths(draft.parents)) <= room):
+    if draft.is_chain and draft.num_nodes <= min(room, max_nodes) and (
+            0 <= min(draft.token_ids) and max(draft.token_ids) < vocab_size):
         return draft
-    keep: list[int] = []
-    kept_depth: dict[int, int] = {-1: 0}
+    valid: dict[int, int] = {-1: 0}  # kept node -> its depth
     for i, (tok, par) in enumerate(zip(draft.token_ids, draft.parents, strict=True)):
-        if par in kept_depth and 0 <= tok < vocab_size and kept_depth[par] < room:
-            kept_depth[i] = kept_depth[par] + 1
-            keep.append(i)
+        if par in valid and 0 <= tok < vocab_size and valid[par] < room:
+            valid[i] = valid[par] + 1
+    kept = [i for i in valid if i >= 0]
+    parents = [draft.parents[i] for i in kept]
+    position = {old: new for new, old in enumerate(kept)}
+    order = preorder([-1 if p < 0 else position[p] for p in parents])[:max_nodes]
+    keep = [kept[i] for i in order]
     if not keep:
         return EMPTY_DRAFT
     remap = {old: new for new, old in enumerate(keep)}

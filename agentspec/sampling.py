@@ -46,6 +46,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One draw per row of ``probs`` ``[num_rows, vocab_size]`` from its uniform in [0, 1)
+    ``[num_rows]``: the first token whose cumulative mass exceeds ``u`` times the row's total
+    (float64 sums; a token of zero probability is never drawn). -> ``[num_rows]`` on device."""
+    cdf = probs.double().cumsum(dim=-1)  # [num_rows, vocab_size]
+    target = (uniforms.double() * cdf[:, -1]).unsqueeze(-1)  # [num_rows, 1]
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return drawn.clamp_max(probs.shape[-1] - 1)
+
+
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
     """An explicit generator: the library never seeds torch's global state."""
     gen = torch.Generator(device=device)

@@ -249,7 +249,8 @@ class Speculator:
 
     def _measure_cost(self) -> CostModel:
         fp = self.target.fingerprint.replace(":", "-")
-        cache = agentspec_home() / "costs" / f"{fp}-{self.target.device.type}.json"
+        dtype = str(next(self.target.model.parameters()).dtype).removeprefix("torch.")
+        cache = agentspec_home() / "costs" / f"{fp}-{self.target.device.type}-{dtype}.json"
         return measure_cost(self.target, cache_file=cache)
 
 

@@ -16,12 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from agentspec._kv import keep_kv_rows, new_cache, verifying_attention
+from agentspec._fixed import FixedForward
+from agentspec._kv import FixedKV
 from agentspec.errors import ModelNotAvailableError, UnsupportedModelError
 from agentspec.home import model_dir
-from agentspec.tree import tree_attention_mask, tree_position_ids
+from agentspec.tree import ancestor_matrix, depths
 from agentspec.types import Draft, Verdict
 
 
@@ -145,33 +147,48 @@ def fingerprint(name: str, model: Any, tokenizer: Any) -> str:
 class HFTarget:
     """A transformers causal LM and the KV of the one generation in progress (batch size 1).
 
+    Every forward runs at a width from :attr:`widths` over a :class:`~agentspec._kv.FixedKV`
+    (see :mod:`agentspec._fixed`), so a committed token's logits and KV rows are bitwise the
+    same whatever the drafts: the output is a pure function of the request, in bf16 too.
+
     Args:
         reuse_prefix: keep the KV rows of the longest common prefix between a new prompt and
             what the KV already holds: the calls of an agent share their system prompt, tool
             docs and earlier turns, so most of a prompt's prefill is skipped. The rows are the
-            same keys and values a fresh prefill computes (``tests/integration/test_rollback.py``).
+            same bits a fresh prefill computes (``tests/integration/test_invariance.py``).
+        widths: the forward widths, smallest first, all of one reduction class. Default on
+            the CPU (4, 8, 16, 32, 64): on x86 BLAS, 1 and 2-3 rows run other kernels than 4+;
+            checked on first use (:meth:`check_widths`). On CUDA one width, 64, captured as a
+            CUDA graph (cuBLAS picks kernels by row count; the forward is launch-bound anyway).
+        cuda_graphs: capture the forwards as CUDA graphs (CUDA only; default on).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str = "model",
-                 reuse_prefix: bool = True) -> None:
+                 reuse_prefix: bool = True, widths: tuple[int, ...] | None = None,
+                 cuda_graphs: bool = True) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
         self.reuse_prefix = reuse_prefix
+        self.device = next(model.parameters()).device
+        cuda = self.device.type == "cuda"
+        self.widths = tuple(widths or ((64,) if cuda else (4, 8, 16, 32, 64)))
+        if list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
+            raise ValueError(f"widths must be distinct positive ints, smallest first, got {widths}")
+        self.cuda_graphs = cuda_graphs and cuda
         self._kv_ids: list[int] = []  # the token ids whose rows the KV holds, in order
         self._root = -1  # the last committed token, scored by ``score``
-        self.device = next(model.parameters()).device
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._fingerprint: str | None = None
-        self._kv: Any = None
+        self._kv: FixedKV | None = None
         self._kv_len = 0
-        # Whether the weight-first output head matches the model's (None: not checked yet).
-        self._head_checked: bool | None = None
+        self._forwards: dict[int, FixedForward] = {}
+        self._widths_checked = widths is not None and len(self.widths) == 1
         self._refuse_unrollbackable()
         # Tree drafts need a custom boolean 4-D mask: sdpa takes it as is (eager would add it as
         # numbers, so other attention paths verify chains);
-        # sliding-window models also need a mask per layer type (see ``_tree_masks``).
+        # sliding-window models also need a mask per layer type.
         attention = getattr(model.config, "_attn_implementation", None)
         self.supports_trees = attention == "sdpa"
         if not self.supports_trees:
@@ -186,6 +203,11 @@ class HFTarget:
             self._fingerprint = fingerprint(self.name, self.model, self.tokenizer)
         return self._fingerprint
 
+    @property
+    def max_draft_nodes(self) -> int:
+        """The most draft nodes one forward scores (the root takes a row)."""
+        return self.widths[-1] - 1
+
     def _refuse_unrollbackable(self) -> None:
         cfg = self.model.config
         text_cfg = getattr(cfg, "text_config", None) or cfg
@@ -198,8 +220,8 @@ class HFTarget:
     def check_length(self, total_tokens: int) -> None:
         """Refuse a generation whose KV would outgrow what the model can attend.
 
-        Sliding-window layers keep their full KV here (see ``start``), so a generation longer
-        than the window still rolls back exactly; the window is applied by the masks.
+        Sliding-window layers keep their full KV here, so a generation longer than the window
+        still rolls back exactly; the window is applied by the masks.
         """
         if total_tokens > self.max_context:
             raise ValueError(
@@ -207,32 +229,89 @@ class HFTarget:
                 f"context of {self.max_context}")
 
     @torch.inference_mode()
+    def check_widths(self) -> tuple[int, ...]:
+        """Measure which widths share one reduction order; keep the class of the widest.
+
+        Scores the same rows at every width over an empty KV and compares the logits bitwise.
+        Widths whose rows differ are dropped (with a warning): padding to a wider forward
+        costs speed, a width of another class would let drafts change outputs.
+        """
+        if not self._widths_checked:
+            self._widths_checked = True
+            gen = torch.Generator().manual_seed(0)
+            n = self.widths[0]
+            ids = torch.randint(0, self.vocab_size, (n,), generator=gen).tolist()
+            anc = np.tril(np.ones((n, n), dtype=bool))
+            rows = {w: self._forward_rows(ids, list(range(n)), anc, width=w) for w in self.widths}
+            same = tuple(w for w in self.widths if torch.equal(rows[w], rows[self.widths[-1]]))
+            if same != self.widths:
+                warn_once(f"{self.name}: forward widths {sorted(set(self.widths) - set(same))} "
+                          f"compute rows in another order on this {self.device.type}; using {same}")
+                self.widths = same
+        return self.widths
+
+    def _forward_rows(self, ids: list[int], depth: list[int], anc: np.ndarray, *,
+                      width: int | None = None) -> torch.Tensor:
+        """Logits ``[len(ids), vocab_size]`` of rows written at slots ``kv_len + row``."""
+        n = len(ids)
+        if width is None:
+            width = next((w for w in self.widths if w >= n), None)
+            if width is None:
+                raise ValueError(f"a forward of {n} rows is wider than the widest, {self.widths[-1]}")
+        self._reserve(self._kv_len + width)
+        forward = self._forwards.get(width)
+        if forward is None:
+            assert self._kv is not None
+            forward = FixedForward(self.model, self._kv, width, sliding_window=self.sliding_window)
+            self._forwards[width] = forward
+        forward.load(ids, depth, anc, self._kv_len)
+        if self.cuda_graphs and forward._graph is None:
+            forward.capture()
+        return forward.run()[:n]
+
+    def _reserve(self, rows: int) -> None:
+        """Grow the KV to hold ``rows`` rows (the committed rows are copied over). The rows of
+        a forward do not depend on the capacity, so growing never changes an output; on CUDA
+        it re-captures the graphs, and says so."""
+        capacity = self._kv.capacity if self._kv is not None else 0
+        if rows <= capacity:
+            return
+        step = 1024 if self.device.type == "cuda" else 256
+        new = -(-max(rows, capacity + capacity // 2, 512) // step) * step
+        if self._kv is None:
+            self._kv = FixedKV(new)
+        else:
+            self._kv = self._kv.resized(new, self._kv_len)
+            if self.cuda_graphs:
+                warn_once(f"{self.name}: KV capacity grown from {capacity} to {new} tokens; "
+                          "CUDA graphs are captured again")
+        self._forwards.clear()
+
+    @torch.inference_mode()
     def start(self, prompt_ids: list[int]) -> None:
         """Prepare the KV for a new generation: every prompt token but the last.
 
         Rows of the longest common prefix with what the KV holds are kept (``reuse_prefix``);
-        only the rest of the prompt is prefilled.
+        only the rest of the prompt is prefilled, in chunks of the widest width.
         """
+        self.check_widths()
         wanted = list(prompt_ids[:-1])
-        reuse = self.reuse_prefix and self._kv is not None
-        keep = _common_prefix_len(self._kv_ids, wanted) if reuse else 0
-        if keep == 0:
-            # Full (non-sliding) layers for every model: rows can always be rolled back, and
-            # the sliding-window masks are still built from positions by transformers.
-            self._kv = new_cache()
-        else:
-            keep_kv_rows(self._kv, keep, None, keep)
+        keep = _common_prefix_len(self._kv_ids, wanted) if self.reuse_prefix else 0
         self._kv_len, self._kv_ids = keep, wanted[:keep]
-        if len(wanted) > keep:
-            ids = torch.tensor([wanted[keep:]], device=self.device)
-            with verifying_attention(self.model):
-                self.model(input_ids=ids, past_key_values=self._kv, use_cache=True,
-                           logits_to_keep=1)
-            self._kv_len, self._kv_ids = len(wanted), wanted
+        chunk = self.widths[-1]
+        causal = np.tril(np.ones((chunk, chunk), dtype=bool))
+        for begin in range(keep, len(wanted), chunk):
+            ids = wanted[begin : begin + chunk]
+            self._forward_rows(ids, list(range(len(ids))), causal[: len(ids), : len(ids)])
+            self._kv_len += len(ids)
+            self._kv_ids.extend(ids)
 
     def fork(self) -> HFTarget:
         """Another target on the same weights with a KV of its own (cheap: no copy)."""
-        return HFTarget(self.model, self.tokenizer, name=self.name, reuse_prefix=self.reuse_prefix)
+        twin = HFTarget(self.model, self.tokenizer, name=self.name, reuse_prefix=self.reuse_prefix,
+                        widths=self.widths, cuda_graphs=self.cuda_graphs)
+        twin._widths_checked = self._widths_checked
+        return twin
 
     @torch.inference_mode()
     def score(self, last_token: int, draft: Draft) -> torch.Tensor:
@@ -240,92 +319,40 @@ class HFTarget:
 
         Returns:
             logits ``[num_nodes + 1, vocab_size]``: row 0 predicts after the last committed
-            token, row ``i + 1`` after draft node ``i``.
+            token, row ``i + 1`` after draft node ``i``. Rows off the draft's spine
+            (:func:`~agentspec.tree.spine_length`) are exact only up to float rounding.
         """
+        self.check_widths()
         self._root = last_token
-        ids = torch.tensor([[last_token, *draft.token_ids]], device=self.device)  # [1, num_nodes + 1]
-        kwargs: dict[str, Any] = {}
-        if not draft.is_chain:
-            kwargs["position_ids"] = tree_position_ids(draft.parents, self._kv_len, self.device)
-            kwargs["attention_mask"] = self._tree_masks(draft, kwargs["position_ids"])
-        if draft.num_nodes and self._weight_first_head():
-            return self._score_weight_first(ids, kwargs)
-        with verifying_attention(self.model):
-            out = self.model(input_ids=ids, past_key_values=self._kv, use_cache=True, **kwargs)
-        return out.logits[0]  # [num_nodes + 1, vocab_size]
-
-    def _weight_first_head(self) -> bool:
-        if self._head_checked is None:
-            head = self.model.get_output_embeddings()
-            plain = isinstance(head, torch.nn.Linear) and head.bias is None
-            base = getattr(self.model, "model", None)
-            if self.device.type != "cpu" or not plain or not isinstance(base, torch.nn.Module):
-                self._head_checked = False
-        return self._head_checked is not False
-
-    def _score_weight_first(self, ids: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor:
-        """Multi-token logits as ``(W @ h.T).T`` instead of the model's ``h @ W.T``.
-
-        On CPU BLAS (the only device it is used on) the weight-first product over a tall output
-        head (49k-262k rows) is 2-4x faster for 2-16 rows: a verification forward of 4 tokens
-        went from ~114 to ~95 ms on SmolLM2-135M and from ~211 to ~111 ms on Gemma-3-270M. The
-        values agree to float rounding: checked against the model's own forward on first use;
-        a model whose head is anything more than a bias-free linear layer, optionally
-        soft-capped, fails the check and keeps its own forward.
-        """
-        base, head = self.model.model, self.model.get_output_embeddings()
-        reference = None
-        if self._head_checked is None:  # first use: the model's own logits, then roll back
-            with verifying_attention(self.model):
-                reference = self.model(input_ids=ids, past_key_values=self._kv, use_cache=True,
-                                       **kwargs).logits[0]
-            keep_kv_rows(self._kv, self._kv_len, None, self._kv_len)
-        with verifying_attention(self.model):
-            hidden = base(input_ids=ids, past_key_values=self._kv, use_cache=True,
-                          **kwargs).last_hidden_state[0]  # [n, hidden]
-        logits = torch.mm(head.weight, hidden.T).T  # [n, vocab_size]
-        cap = getattr(self.model.config, "final_logit_softcapping", None)
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        if reference is not None:
-            scale = float(reference.abs().max()) + 1.0
-            self._head_checked = bool(torch.allclose(logits, reference, rtol=0, atol=1e-4 * scale))
-            if not self._head_checked:
-                warn_once(f"{self.name}: the output head is not a plain linear layer; "
-                          "scoring drafts through the model's own forward")
-                return reference
-        return logits
-
-    def _tree_masks(self, draft: Draft, position_ids: torch.Tensor) -> Any:
-        """The 4-D tree mask; for sliding-window models a dict per layer type, whose sliding
-        mask also hides keys more than ``sliding_window - 1`` positions behind each query
-        (transformers' rule: ``kv_position > q_position - sliding_window``)."""
-        mask = tree_attention_mask(draft.parents, self._kv_len, self.device)  # [1, 1, q, kv]
-        if self.sliding_window is None:
-            return mask
-        q_pos = position_ids[0]  # [num_nodes + 1]
-        kv_pos = torch.cat([torch.arange(self._kv_len + 1, device=self.device), q_pos[1:]])
-        in_window = kv_pos[None, :] > q_pos[:, None] - self.sliding_window  # [q, kv]
-        return {"full_attention": mask, "sliding_attention": mask & in_window[None, None]}
+        n = draft.num_nodes
+        anc = np.zeros((n + 1, n + 1), dtype=bool)
+        anc[:, 0] = True
+        anc[1:, 1:] = ancestor_matrix(draft.parents)
+        depth = [0, *depths(draft.parents)]
+        return self._forward_rows([last_token, *draft.token_ids], depth, anc)
 
     @torch.inference_mode()
     def crop(self, num_tokens: int) -> None:
         """Keep the first ``num_tokens`` KV rows: a draft model rolled back to a committed prefix."""
         if not 0 <= num_tokens <= self._kv_len:
             raise ValueError(f"crop needs 0 <= num_tokens <= {self._kv_len}, got {num_tokens}")
-        keep_kv_rows(self._kv, num_tokens, None, num_tokens)
         self._kv_len = num_tokens
         del self._kv_ids[num_tokens:]
 
     @torch.inference_mode()
     def commit(self, draft: Draft, verdict: Verdict) -> None:
-        """Keep the root and the accepted path in the KV; drop every other draft row."""
+        """Keep the root and the accepted path in the KV; drop every other draft row.
+
+        A path along the spine is already in place; another path's rows are gathered into
+        place on the device (no host sync).
+        """
         root_end = self._kv_len + 1  # the root's row is now in the KV
         path = list(verdict.path)
-        if draft.is_chain or path == list(range(len(path))):
-            keep_kv_rows(self._kv, root_end, None, root_end + len(path))
-        else:
-            keep_kv_rows(self._kv, root_end, [root_end + i for i in path], root_end + len(path))
+        if path != list(range(len(path))) and self._kv is not None:
+            src = torch.tensor([root_end + i for i in path], device=self.device)
+            dst = torch.arange(root_end, root_end + len(path), device=self.device)
+            for buf in (*self._kv.keys, *self._kv.values):
+                buf.index_copy_(2, dst, buf.index_select(2, src))
         self._kv_len = root_end + len(path)
         self._kv_ids.append(self._root)
         self._kv_ids.extend(verdict.accepted)

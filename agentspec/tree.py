@@ -32,6 +32,31 @@ def child_index(token_ids: Sequence[int], parents: Sequence[int]) -> dict[tuple[
     return index
 
 
+def spine_length(parents: Sequence[int]) -> int:
+    """Length of the draft's spine: the longest prefix of nodes that forms a chain
+    (``parents[i] == i - 1``). A spine node's row sits at its own position in the KV; the
+    target computes its logits bitwise as plain decoding would (see :mod:`agentspec._fixed`)."""
+    for i, p in enumerate(parents):
+        if p != i - 1:
+            return i
+    return len(parents)
+
+
+def preorder(parents: Sequence[int]) -> list[int]:
+    """Nodes in depth-first preorder, children in index order: the first child of every node
+    follows it, so the path of first children becomes the spine."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    order: list[int] = []
+    stack = list(reversed(children.get(-1, [])))
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(reversed(children.get(node, [])))
+    return order
+
+
 def ancestor_matrix(parents: Sequence[int]) -> np.ndarray:
     """``[num_nodes, num_nodes]`` bool: ``m[i, j]`` when ``j`` is ``i`` or one of its ancestors."""
     n = len(parents)

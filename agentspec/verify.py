@@ -15,6 +15,14 @@ Two rules, both exact:
   norm(max(0, p - q)); when every token is accepted sample the bonus token from p.
 
 Either way one device-to-host transfer per step.
+
+Point-mass sampling draws each row by inverse CDF from one uniform per row; the decode loop
+passes the uniform of each row's *output position* (drawn once per request from its seed), so
+a seeded sampled output does not depend on how the drafts split it into steps.
+
+Only rows on the draft's spine are bitwise what plain decoding computes (see
+:mod:`agentspec._fixed`); :func:`cut_at_spine` ends a verdict at the first node off the spine,
+whose token (a draw at its parent, a spine row) becomes the next token.
 """
 
 from __future__ import annotations
@@ -22,17 +30,24 @@ from __future__ import annotations
 import torch
 
 from agentspec.config import SamplingParams
-from agentspec.sampling import logits_to_probs, sample
-from agentspec.tree import child_index
+from agentspec.sampling import logits_to_probs, sample, sample_inverse_cdf
+from agentspec.tree import child_index, spine_length
 from agentspec.types import Draft, Verdict
 
 
 def target_samples(logits: torch.Tensor, sampling: SamplingParams,
-                   generator: torch.Generator | None) -> torch.Tensor:
-    """One target draw per row of ``logits`` ``[num_nodes + 1, vocab_size]`` -> ``[num_nodes + 1]``."""
+                   generator: torch.Generator | None,
+                   uniforms: torch.Tensor | None = None) -> torch.Tensor:
+    """One target draw per row of ``logits`` ``[num_nodes + 1, vocab_size]`` -> ``[num_nodes + 1]``.
+
+    Sampled rows use ``uniforms`` ``[num_nodes + 1]`` (one per row, in [0, 1)) when given,
+    else fresh draws from ``generator``.
+    """
     if sampling.greedy:
         return logits.argmax(dim=-1)
-    return sample(logits_to_probs(logits, sampling), generator)
+    if uniforms is None:
+        uniforms = torch.rand(logits.shape[0], generator=generator, device=logits.device)
+    return sample_inverse_cdf(logits_to_probs(logits, sampling), uniforms)
 
 
 def walk(draft: Draft, samples: list[int]) -> Verdict:
@@ -61,10 +76,22 @@ def walk(draft: Draft, samples: list[int]) -> Verdict:
 
 
 def verify_point_mass(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
-                      generator: torch.Generator | None = None) -> Verdict:
+                      generator: torch.Generator | None = None, *,
+                      uniforms: torch.Tensor | None = None) -> Verdict:
     """Exact acceptance of a point-mass draft (chain or tree); see the module docstring."""
-    samples = target_samples(logits, sampling, generator).tolist()  # the one host sync
+    samples = target_samples(logits, sampling, generator, uniforms).tolist()  # the one host sync
     return walk(draft, samples)
+
+
+def cut_at_spine(draft: Draft, verdict: Verdict) -> Verdict:
+    """End ``verdict`` at its first node off the draft's spine: that node's token is the
+    target's draw at its parent (a spine row), so it becomes the next token, and no logits of
+    an off-spine row decide anything."""
+    spine = spine_length(draft.parents)
+    for j, node in enumerate(verdict.path):
+        if node != j or j >= spine:
+            return Verdict(verdict.path[:j], verdict.accepted[:j], draft.token_ids[node])
+    return verdict
 
 
 def verify_ratio(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
@@ -102,8 +129,10 @@ def verify_ratio(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
 
 
 def verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
-           generator: torch.Generator | None = None) -> Verdict:
-    """Dispatch: the ratio test for drafts carrying probabilities, else the point-mass walk."""
+           generator: torch.Generator | None = None, *,
+           uniforms: torch.Tensor | None = None) -> Verdict:
+    """Dispatch: the ratio test for drafts carrying probabilities, else the point-mass walk
+    (with ``uniforms``, one per row, for its sampled rows)."""
     if draft.draft_probs is not None:
         return verify_ratio(draft, logits, sampling, generator)
-    return verify_point_mass(draft, logits, sampling, generator)
+    return verify_point_mass(draft, logits, sampling, generator, uniforms=uniforms)

@@ -1,4 +1,4 @@
-"""The cache internals (agentspec/_kv.py): buffered layers, row keeping, GQA attention."""
+"""The cache internals (agentspec/_kv.py): the fixed-capacity KV and GQA attention."""
 
 from __future__ import annotations
 
@@ -6,17 +6,9 @@ import types
 
 import pytest
 import torch
-from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from agentspec._kv import (
-    BufferedLayer,
-    _gqa_sdpa,
-    keep_kv_rows,
-    new_cache,
-    verifying_attention,
-)
-from agentspec.errors import UnsupportedModelError
+from agentspec._kv import FixedKV, _gqa_sdpa, verifying_attention
 
 
 def _rows(n: int, start: int = 0) -> torch.Tensor:
@@ -24,61 +16,30 @@ def _rows(n: int, start: int = 0) -> torch.Tensor:
     return torch.arange(start, start + n, dtype=torch.float32).view(1, 1, n, 1).expand(1, 2, n, 3)
 
 
-def _both() -> tuple[BufferedLayer, DynamicLayer]:
-    return BufferedLayer(), DynamicLayer()
+def test_fixed_kv_writes_rows_at_their_slots_and_returns_the_whole_buffer():
+    kv = FixedKV(8)
+    kv.slots = torch.tensor([2, 3, 4])
+    keys, values = kv.update(_rows(3, 10), _rows(3, 20), 0)
+    assert keys.shape == (1, 2, 8, 3) and kv.get_seq_length() == 8
+    assert keys[0, 0, :, 0].tolist() == [0, 0, 10, 11, 12, 0, 0, 0]
+    assert values[0, 1, 4, 2] == 22
+    kv.slots = torch.tensor([0])
+    kv.update(_rows(1, 5), _rows(1, 5), 0)  # in place: the same buffer, other rows kept
+    assert keys[0, 0, :5, 0].tolist() == [5, 0, 10, 11, 12]
+    kv.update(_rows(1, 7), _rows(1, 7), 1)  # a second layer gets buffers of its own
+    assert len(kv.keys) == 2 and kv.keys[1][0, 0, 0, 0] == 7 and keys[0, 0, 0, 0] == 5
 
 
-def test_buffered_layer_appends_like_dynamic_layer_and_grows():
-    buffered, dynamic = _both()
-    start = 0
-    for n in (5, 1, 300, 2, 700):  # crosses the initial capacity and one growth
-        kb, vb = buffered.update(_rows(n, start), _rows(n, start) + 0.5)
-        kd, vd = dynamic.update(_rows(n, start), _rows(n, start) + 0.5)
-        start += n
-        assert torch.equal(kb, kd) and torch.equal(vb, vd)
-        assert buffered.get_seq_length() == dynamic.get_seq_length() == start
-
-
-def test_keep_kv_rows_gathers_a_path_then_crops_on_both_layer_kinds():
-    for layer in _both():
-        cache = types.SimpleNamespace(layers=[layer])
-        layer.update(_rows(10), _rows(10))
-        keep_kv_rows(cache, 4, [6, 8], 6)  # rows 6 and 8 move to 4 and 5
-        assert layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 6, 8]
-        assert layer.values[0, 1, :, 2].tolist() == [0, 1, 2, 3, 6, 8]
-        layer.update(_rows(1, 42), _rows(1, 42))  # appends after the kept rows
-        assert layer.keys[0, 0, :, 0].tolist() == [0, 1, 2, 3, 6, 8, 42]
-        keep_kv_rows(cache, 3, None, 3)
-        assert layer.keys.shape[2] == 3
-
-
-def test_buffered_crop_and_reset():
-    layer = BufferedLayer()
-    layer.update(_rows(8), _rows(8))
-    layer.crop(-3)
-    assert layer.get_seq_length() == 5
-    with pytest.raises(ValueError, match="negative"):
-        layer.crop(2)
-    layer.reset()
-    assert layer.get_seq_length() == 0
-    layer.update(_rows(2, 7), _rows(2, 7))
-    assert layer.keys[0, 0, :, 0].tolist() == [7, 8]
-
-
-def test_keep_kv_rows_refuses_other_layer_kinds():
-    class Other(DynamicLayer):
-        pass
-
-    layer = Other()
-    layer.update(_rows(4), _rows(4))
-    with pytest.raises(UnsupportedModelError, match="Other"):
-        keep_kv_rows(types.SimpleNamespace(layers=[layer]), 2, None, 2)
-
-
-def test_new_cache_builds_buffered_layers():
-    cache = new_cache()
-    cache.update(_rows(3), _rows(3), layer_idx=0)
-    assert isinstance(cache.layers[0], BufferedLayer) and cache.get_seq_length() == 3
+def test_fixed_kv_resized_keeps_the_committed_rows_only():
+    kv = FixedKV(4)
+    kv.slots = torch.arange(4)
+    kv.update(_rows(4, 1), _rows(4, 1), 0)
+    grown = kv.resized(8, 3)
+    assert grown.capacity == 8 and grown.keys[0][0, 0, :, 0].tolist() == [1, 2, 3, 0, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="cannot keep 5 rows"):
+        kv.resized(8, 5)
+    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+        FixedKV(0)
 
 
 @pytest.mark.parametrize("q_len", [1, 5])

@@ -1,0 +1,111 @@
+"""One fixed-width forward of the target over a :class:`~agentspec._kv.FixedKV`.
+
+Every forward that produces a committed token (prefill chunks, plain steps, verifications)
+goes through :class:`FixedForward`: a width from one measured reduction class, rows written
+at KV slots ``kv_len + row``, and a ``[width, capacity]`` mask built on the device from a
+``[width, width]`` ancestor matrix. Inputs live in static buffers, so on CUDA the forward is
+captured once as a CUDA graph (:meth:`FixedForward.capture`) and replayed per step; on the CPU
+the same code runs eagerly.
+
+Row ``r`` of a forward is *canonical* when it sits at slot ``kv_len + r`` = its position and
+attends exactly the slots ``[0, kv_len + r]``: the rows of a chain (and a tree's spine, see
+:func:`agentspec.tree.spine_length`). A canonical row's logits and KV are bitwise the same
+whatever else its forward holds, because its keys sit in the same slots and every kernel
+sees the same shapes (``tests/integration/test_invariance.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from agentspec._kv import FixedKV, verifying_attention
+
+
+class FixedForward:
+    """Static inputs and outputs of one forward of ``width`` rows over ``kv``.
+
+    Args:
+        model: the transformers causal LM.
+        kv: the KV whose buffers the forward reads and writes (its capacity is fixed).
+        width: rows per forward.
+        sliding_window: the model's window, when it has sliding-window layers (their mask
+            also hides keys more than ``sliding_window - 1`` positions behind a query).
+    """
+
+    def __init__(self, model: Any, kv: FixedKV, width: int, *,
+                 sliding_window: int | None = None) -> None:
+        self.model, self.kv, self.width, self.window = model, kv, width, sliding_window
+        device = next(model.parameters()).device
+        # Host staging (pinned on CUDA, so copies to the device do not block the host).
+        pin = device.type == "cuda"
+        self._host = torch.zeros(2 * width + 1, dtype=torch.long, pin_memory=pin)
+        self._host_anc = torch.zeros((width, width), dtype=torch.bool, pin_memory=pin)
+        self._ins = torch.zeros(2 * width + 1, dtype=torch.long, device=device)  # ids, depth, kv_len
+        self._anc = torch.zeros((width, width), dtype=torch.bool, device=device)
+        self._rows = torch.arange(width, device=device)
+        self._slots = torch.zeros(width, dtype=torch.long, device=device)
+        self._cols = torch.arange(kv.capacity, device=device)
+        self.logits: torch.Tensor | None = None  # [width, vocab_size] after a run
+        self._graph: Any = None
+
+    def load(self, ids: list[int], depth: list[int], anc: np.ndarray, kv_len: int) -> None:
+        """Stage one forward's inputs: ``n <= width`` rows of token ids, their depths below
+        the first row (position = ``kv_len + depth``), and ``anc[r, c]`` = row ``r`` attends
+        row ``c`` of this forward (itself included). Missing rows are padding."""
+        w, n = self.width, len(ids)
+        host = self._host.numpy()
+        host[:n], host[n:w] = ids, ids[-1]
+        host[w : w + n], host[w + n : 2 * w] = depth, np.arange(n, w)
+        host[2 * w] = kv_len
+        full = self._host_anc.numpy()
+        full[:] = False
+        full[:n, :n] = anc
+        full[np.arange(n, w), np.arange(n, w)] = True  # padding rows see only themselves
+        self._ins.copy_(self._host, non_blocking=True)
+        self._anc.copy_(self._host_anc, non_blocking=True)
+
+    def run(self) -> torch.Tensor:
+        """The forward on the staged inputs (a graph replay once captured)."""
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._compute()
+        assert self.logits is not None
+        return self.logits
+
+    def capture(self) -> None:
+        """Record the forward as a CUDA graph (inputs must be staged: the warm-up forwards
+        write only the slots from ``kv_len`` on, which hold nothing committed)."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._compute()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._compute()
+        self._graph = graph
+
+    def _compute(self) -> None:
+        w = self.width
+        ids, depth, kv_len = self._ins[:w], self._ins[w : 2 * w], self._ins[2 * w]
+        positions = kv_len + depth  # [width]
+        self._slots.copy_(kv_len + self._rows)
+        self.kv.slots = self._slots
+        rel = self._cols - kv_len  # [capacity]: slot relative to this forward's first row
+        inside = (rel >= 0) & (rel < w)
+        block = self._anc[:, rel.clamp(0, w - 1)] & inside  # [width, capacity]
+        mask = (self._cols < kv_len)[None, :] | block  # [width, capacity], True = attend
+        masks: Any = mask[None, None]
+        if self.window is not None:
+            key_pos = torch.where(inside, kv_len + depth[rel.clamp(0, w - 1)], self._cols)
+            near = key_pos[None, :] > positions[:, None] - self.window  # [width, capacity]
+            masks = {"full_attention": masks, "sliding_attention": (mask & near)[None, None]}
+        with verifying_attention(self.model):
+            out = self.model(input_ids=ids[None], position_ids=positions[None],
+                             attention_mask=masks, past_key_values=self.kv, use_cache=True)
+        self.logits = out.logits[0]  # [width, vocab_size]
