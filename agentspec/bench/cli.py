@@ -22,7 +22,7 @@ bench_app = typer.Typer(
          "Example: agentspec bench --workload prompts --json out/core.json",
 )
 
-SYSTEMS = ("hf-greedy", "hf-pld", "agentspec-plain", "agentspec-pld", "agentspec",
+SYSTEMS = ("hf-greedy", "hf-pld", "hf-static", "agentspec-plain", "agentspec-pld", "agentspec",
            "agentspec-chain")
 DEFAULT_SYSTEMS = "hf-greedy,hf-pld,agentspec-pld,agentspec"
 # The core benchmark: the engine without memory against transformers.
@@ -64,6 +64,38 @@ def parse_systems(text: str) -> list[str]:
     return ["hf-greedy"] + [s for s in names if s != "hf-greedy"]
 
 
+def resolve_dtype(text: str | None, device: str) -> str:
+    """``--dtype``: bf16, fp16 or fp32; default bf16 on CUDA, fp32 on the CPU."""
+    from agentspec.bench.harness import DTYPES
+
+    if text is None:
+        return "bf16" if device.startswith("cuda") else "fp32"
+    if text not in DTYPES:
+        fail(f"unknown dtype {text!r}; choices: {', '.join(DTYPES)}", EXIT_USAGE)
+    return text
+
+
+def resolve_device(text: str | None) -> str:
+    """``--device``: cpu, cuda or cuda:N (checked to exist); default cuda when available."""
+    import torch
+
+    if text is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        fail(f"unknown device {text!r}; use cpu, cuda or cuda:N", EXIT_USAGE)
+    if device.type not in ("cpu", "cuda"):
+        fail(f"device {text!r} is not supported by the bench; use cpu, cuda or cuda:N", EXIT_USAGE)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        fail(f"device {text!r} needs CUDA, which is not available here (torch "
+             f"{torch.__version__}); use --device cpu", EXIT_USAGE)
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        fail(f"device {text!r} does not exist: {torch.cuda.device_count()} CUDA device(s)",
+             EXIT_USAGE)
+    return text
+
+
 def _check_temperature(t: float) -> float:
     if not math.isfinite(t) or t < 0:
         fail(f"temperature must be a finite number >= 0, got {t}", EXIT_USAGE)
@@ -93,6 +125,12 @@ def bench(
         "--db", metavar="URL", help="Memory database of the agentspec system; default a fresh "
                                     "SQLite file in a temporary folder (agentspec-chain always "
                                     "gets a fresh file of its own).")] = None,
+    device: Annotated[str | None, typer.Option(
+        "--device", help="Where the target runs, for every system: cpu, cuda, cuda:N. Default "
+                         "cuda when available, else cpu.")] = None,
+    dtype: Annotated[str | None, typer.Option(
+        "--dtype", help="The target's weights, for every system: bf16, fp16, fp32. Default "
+                        "bf16 on CUDA, fp32 on the CPU.")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the results.")] = None,
     report: Annotated[Path | None, typer.Option("--report", help="Write a markdown report.")] = None,
@@ -110,17 +148,30 @@ def bench(
         fail(f"samples must be a positive integer, got {samples}", EXIT_USAGE)
     if systems is not None:
         parse_systems(systems)  # bad names fail before anything loads
+    if dtype is not None:
+        resolve_dtype(dtype, "cpu")  # a bad name fails before torch is imported
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     path = resolve_workload(workload)
     names = parse_systems(systems or (CORE_SYSTEMS if path.stem == "prompts" else DEFAULT_SYSTEMS))
     from agentspec.bench import harness
-    from agentspec.bench import report as report_mod
     from agentspec.bench.workload import load_workload
 
     loaded = load_workload(path, default_max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
     for line, error in loaded.errors:
         err_console.print(f"warning: {path}:{line}: skipped: {error}", markup=False)
     config = harness.BenchConfig(systems=tuple(names), temperature=temperature,
-                                 max_new_tokens=max_new_tokens, samples=samples, db=db)
+                                 max_new_tokens=max_new_tokens, samples=samples, db=db,
+                                 device=device, dtype=dtype)
+    _run_and_report(loaded, model, config, json_out=json_out, plot=plot, report=report)
+
+
+def _run_and_report(loaded: Any, model: str, config: Any, *, json_out: Path | None,
+                    plot: Path | None, report: Path | None) -> None:
+    """Run the bench with a progress bar, print the table and notes, write the outputs."""
+    from agentspec.bench import harness
+    from agentspec.bench import report as report_mod
+
     with progress() as bar:
         task = bar.add_task("bench", total=None)
 
@@ -131,6 +182,8 @@ def bench(
 
         result = harness.run_bench(loaded, model, config, on_progress=tick)
     summary = report_mod.summarize(result)
+    for note in summary["notes"]:
+        err_console.print(f"note: {note}", markup=False)
     console.print(report_mod.rich_table(summary), width=max(console.width, 150))
     if json_out is not None:
         report_mod.write_json(summary, json_out)
@@ -142,11 +195,22 @@ def bench(
 
 
 def _fail_on_mismatch(summary: dict[str, Any]) -> None:
+    """Exit 1 when an agentspec system's outputs differ from hf-greedy's.
+
+    transformers' own variants (hf-pld, hf-static) are baselines, not agentspec's promise: on
+    a GPU in bf16 their kernels may round differently from hf-greedy's. Their exactness is
+    reported (a warning here, the exact column), not failed on.
+    """
     bad = {k: v for k, v in summary["exact_match"].items() if v is not None and v < 1.0}
     bad.update({k: v["p_value"] for k, v in summary.get("distribution_check", {}).items()
                 if not v["ok"]})
-    if bad:
-        fail(f"outputs differ from hf-greedy: {bad} (see the report)")
+    baselines = {k: v for k, v in bad.items() if k.startswith("hf-")}
+    if baselines:
+        err_console.print(f"warning: transformers baselines differ from hf-greedy: {baselines} "
+                          "(see the report)", markup=False)
+    own = {k: v for k, v in bad.items() if k not in baselines}
+    if own:
+        fail(f"outputs differ from hf-greedy: {own} (see the report)")
 
 
 @bench_app.command("build-bfcl")

@@ -5,6 +5,9 @@ Systems (names as on the command line):
 - ``hf-greedy``: transformers ``model.generate(do_sample=False)``, the reference (with
   temperature > 0: ``do_sample=True`` with the same temperature, top-k and top-p off).
 - ``hf-pld``: the same with ``prompt_lookup_num_tokens=10`` (transformers' prompt lookup).
+- ``hf-static``: the same with a static KV, the decoding forward compiled as transformers
+  does it on CUDA (:mod:`agentspec.bench.hf`); warmed once, untimed, on the first measured
+  request, so compiling is not timed.
 - ``agentspec-plain``: :class:`~agentspec.Speculator` with ``speculate=False``.
 - ``agentspec-pld``: the Speculator without memory (prompt lookup only).
 - ``agentspec``: all drafters and a completion memory, warmed by the workload's warmup lines
@@ -35,7 +38,8 @@ from agentspec.bench.workload import Workload, WorkloadItem
 MEMORY_SYSTEMS = ("agentspec", "agentspec-chain")
 
 Progress = Callable[[int, int, str], None]
-PLD_TOKENS = 10
+# --dtype names -> torch dtype attribute names.
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,10 @@ class BenchConfig:
         samples: seeds per request when ``temperature > 0``.
         db: memory database URL of the ``agentspec`` system; ``None``: a fresh temporary file.
         seed: first seed of the sampled runs.
+        device: where the target runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``); ``None``: CUDA
+            when available, else the CPU (:func:`agentspec.load_target`'s default).
+        dtype: the target's weights, a key of :data:`DTYPES`; ``None``: bf16 on CUDA, fp32 on
+            the CPU.
     """
 
     systems: tuple[str, ...]
@@ -57,8 +65,12 @@ class BenchConfig:
     samples: int = 1
     db: str | None = None
     seed: int = 1234
+    device: str | None = None
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if not self.systems or self.systems[0] != "hf-greedy":
             raise ValueError(f"systems must start with the reference 'hf-greedy', got {self.systems}")
         if self.temperature < 0:
@@ -114,6 +126,10 @@ class BenchResult:
     warmup_requests: int
     requests: tuple[RequestResult, ...]
     load_average: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    dtype: str | None = None
+    gpu_name: str | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
 
 
 def cut_at_stop(token_ids: Sequence[int], stop_ids: frozenset[int]) -> tuple[int, ...]:
@@ -127,35 +143,6 @@ def cut_at_stop(token_ids: Sequence[int], stop_ids: frozenset[int]) -> tuple[int
 def prompt_of(item: WorkloadItem) -> Any:
     """The item's chat messages (as fresh dicts) or raw prompt, as the systems take it."""
     return [dict(m) for m in item.messages] if item.messages is not None else item.prompt
-
-
-class HFSystem:
-    """transformers ``generate`` on the Speculator's own model: greedy, or with prompt lookup."""
-
-    def __init__(self, name: str, spec: Any, *, temperature: float, prompt_lookup: bool) -> None:
-        self.name, self.spec, self.temperature = name, spec, temperature
-        self.prompt_lookup = prompt_lookup
-
-    def run(self, item: WorkloadItem, max_new_tokens: int, seed: int | None) -> Outcome:
-        import torch
-
-        model = self.spec.target.model
-        kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": False,
-                                  "pad_token_id": self.spec.tokenizer.eos_token_id}
-        if self.temperature > 0:
-            # transformers samples from the global RNG only; top-k/top-p off as in agentspec.
-            kwargs.update(do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0)
-            torch.manual_seed(seed or 0)
-        if self.prompt_lookup:
-            kwargs["prompt_lookup_num_tokens"] = PLD_TOKENS
-        started = time.perf_counter()
-        ids = self.spec.encode(prompt_of(item))
-        input_ids = torch.tensor([ids], device=model.device)  # [1, prompt_len]
-        with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                 **kwargs)
-        seconds = time.perf_counter() - started
-        return Outcome(cut_at_stop(out[0, len(ids):].tolist(), self.spec.stop_token_ids), seconds)
 
 
 class SpecSystem:
@@ -181,15 +168,18 @@ class SpecSystem:
 
 
 def build_systems(target: Any, config: BenchConfig, db_url: str,
-                  chain_db_url: str | None = None) -> dict[str, System]:
+                  chain_db_url: str | None = None, *,
+                  static_len: int | None = None) -> dict[str, System]:
     """The named systems on one loaded target.
 
     They share its weights; each agentspec system keeps a KV of its own, so prompt-prefix reuse
     only ever spans that system's own calls. ``agentspec-plain`` reuses nothing: it measures
     the loop's overhead against transformers. One-time work (the cost curve, the embedder)
-    happens here, before anything is timed.
+    happens here, before anything is timed; ``hf-static`` compiles in its ``warm``.
+    ``static_len`` is hf-static's KV length (the workload's longest prompt plus budget).
     """
     from agentspec import SpecConfig, Speculator
+    from agentspec.bench.hf import HFStaticSystem, HFSystem
     from agentspec.target import HFTarget
 
     t = config.temperature
@@ -205,6 +195,8 @@ def build_systems(target: Any, config: BenchConfig, db_url: str,
             built[name] = HFSystem(name, plain, temperature=t, prompt_lookup=False)
         elif name == "hf-pld":
             built[name] = HFSystem(name, plain, temperature=t, prompt_lookup=True)
+        elif name == "hf-static":
+            built[name] = HFStaticSystem(name, plain, temperature=t, max_cache_len=static_len)
         elif name == "agentspec-plain":
             built[name] = SpecSystem(name, plain, temperature=t)
         elif name == "agentspec-pld":
@@ -247,8 +239,10 @@ def _seeds(config: BenchConfig, index: int) -> list[int | None]:
 def run_requests(workload: Workload, systems: dict[str, System], config: BenchConfig,
                  *, encode: Callable[[Any], list[int]],
                  on_progress: Progress | None = None) -> tuple[RequestResult, ...]:
-    """Warmup lines through the memory systems (untimed), then each measured line through every
-    system in rotated order. Pure loop over the :class:`System` seam (tests inject systems)."""
+    """Warmup lines through the memory systems (untimed), a system with a ``warm`` method (one
+    that compiles) once on the first measured line (untimed), then each measured line through
+    every system in rotated order. Pure loop over the :class:`System` seam (tests inject
+    systems)."""
     warm = [name for name in MEMORY_SYSTEMS if name in systems]
     warmup = workload.warmup if warm else ()
     measure = workload.measure
@@ -259,6 +253,12 @@ def run_requests(workload: Workload, systems: dict[str, System], config: BenchCo
         done += 1
         if on_progress:
             on_progress(done, total, f"warmup {item.id}")
+    for name, system in systems.items():
+        warm_once = getattr(system, "warm", None)  # compiles: once, untimed, on a real prompt
+        if callable(warm_once) and measure:
+            if on_progress:
+                on_progress(done, total, f"warmup {name} on {measure[0].id}")
+            warm_once(measure[0], _budget(measure[0], config))
     results = []
     for index, item in enumerate(measure):
         outcomes: dict[str, list[Outcome]] = {name: [] for name in systems}
@@ -293,20 +293,43 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
     """
     from agentspec import Speculator, load_target
 
-    target = load_target(model)
+    target = load_target(model, device=config.device, dtype=_torch_dtype(config.dtype))
     encode = Speculator(target, speculate=False).encode
+    static_len = max((len(encode(prompt_of(i))) + _budget(i, config) for i in workload.measure),
+                     default=None) if "hf-static" in config.systems else None
     with tempfile.TemporaryDirectory(prefix="agentspec-bench-") as tmp:
         db_url = config.db or f"sqlite:///{Path(tmp) / 'memory.db'}"
-        systems = build_systems(target, config, db_url, f"sqlite:///{Path(tmp) / 'chain.db'}")
+        systems = build_systems(target, config, db_url, f"sqlite:///{Path(tmp) / 'chain.db'}",
+                                static_len=static_len)
         requests = run_requests(workload, systems, config, encode=encode,
                                 on_progress=on_progress)
         for name in MEMORY_SYSTEMS:
             _close_memory(systems.get(name))
+    notes = tuple(note for s in systems.values() if (note := getattr(s, "note", None)))
     # The machine may be shared: the 1/5/15-minute load at the end says how loaded it was.
     return BenchResult(str(workload.path), model, str(target.device), config,
                        len(workload.warmup) if set(MEMORY_SYSTEMS) & set(systems) else 0,
-                       requests,
-                       os.getloadavg())
+                       requests, os.getloadavg(), notes=notes, **environment(target.model))
+
+
+def _torch_dtype(name: str | None) -> Any:
+    import torch
+
+    return getattr(torch, DTYPES[name]) if name is not None else None
+
+
+def environment(model: Any) -> dict[str, Any]:
+    """What ran it: the weights' dtype (a :data:`DTYPES` key), the GPU's name, the versions."""
+    import torch
+    import transformers
+
+    param = next(model.parameters())
+    names = {v: k for k, v in DTYPES.items()}
+    dtype = str(param.dtype).removeprefix("torch.")
+    return {"dtype": names.get(dtype, dtype),
+            "gpu_name": torch.cuda.get_device_name(param.device)
+            if param.device.type == "cuda" else None,
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
 
 
 def _close_memory(system: System | None) -> None:

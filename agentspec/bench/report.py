@@ -146,7 +146,10 @@ def summarize(result: BenchResult) -> dict[str, Any]:
     others = [n for n in names if n != REFERENCE]
     summary: dict[str, Any] = {
         "workload": Path(result.workload).stem, "workload_path": result.workload,
-        "model": result.model, "device": result.device, "measured_requests": len(reqs),
+        "model": result.model, "device": result.device, "dtype": result.dtype,
+        "gpu_name": result.gpu_name, "torch_version": result.versions.get("torch"),
+        "transformers_version": result.versions.get("transformers"),
+        "notes": list(result.notes), "measured_requests": len(reqs),
         "warmup_requests": result.warmup_requests, "temperature": config.temperature,
         "samples_per_request": config.samples if config.temperature > 0 else 1,
         "max_new_tokens": config.max_new_tokens, "load_average": list(result.load_average),
@@ -207,8 +210,10 @@ def rich_table(summary: dict[str, Any]) -> Any:
 
 def _title(summary: dict[str, Any]) -> str:
     load = "/".join(f"{x:.2f}" for x in summary["load_average"])
+    where = ", ".join(str(x) for x in (summary["device"], summary.get("dtype"),
+                                       summary.get("gpu_name")) if x)
     return (f"{summary['workload']}: {summary['measured_requests']} requests "
-            f"(+{summary['warmup_requests']} warmup), {summary['model']} on {summary['device']}, "
+            f"(+{summary['warmup_requests']} warmup), {summary['model']} on {where}, "
             f"temperature {summary['temperature']}, load average {load}")
 
 
@@ -222,6 +227,11 @@ def to_markdown(summary: dict[str, Any]) -> str:
     parts = [f"## {_title(summary)}", "", _md_table(list(_COLUMNS), table_rows(summary)), ""]
     parts.append(f"speedup = tokens/s over {REFERENCE}'s on the same requests; median = median "
                  "per-request speedup; accepted = accepted draft tokens by source.")
+    versions = [f"{k} {summary[f'{k}_version']}" for k in ("torch", "transformers")
+                if summary.get(f"{k}_version")]
+    if versions:
+        parts.append("Versions: " + ", ".join(versions) + ".")
+    parts += [f"Note: {note}" for note in summary.get("notes", [])]
     if summary["ratios"]:
         parts.append("Ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in summary["ratios"].items()))
     for group, g in summary["groups"].items():

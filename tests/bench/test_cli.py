@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 from typer.testing import CliRunner
 
 from agentspec.bench import cli as bench_cli
@@ -35,11 +37,52 @@ def test_module_imports_neither_torch_nor_transformers() -> None:
     (["--temperature", "nan"], "nan"),
     (["--max-new-tokens", "0"], "got 0"),
     (["--workload", "no-such-workload"], "'no-such-workload'"),
+    (["--dtype", "fp8"], "'fp8'"),
+    (["--dtype", "BF16", "--device", "cpu"], "'BF16'"),
+    (["--device", "tpu"], "'tpu'"),
+    (["--device", "not a device"], "'not a device'"),
 ])
 def test_bad_input_exits_2_naming_the_value(args: list[str], named: str) -> None:
     res = invoke(*args)
     assert res.exit_code == 2, res.output
     assert named in res.stderr and res.stderr.count("\n") == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1"])
+def test_cuda_without_cuda_exits_2_naming_the_device(device: str) -> None:
+    res = invoke("--workload", "prompts", "--device", device)
+    assert res.exit_code == 2, res.output
+    assert f"{device!r}" in res.stderr and "CUDA, which is not available" in res.stderr
+    assert res.stderr.count("\n") == 1
+
+
+def _capture_config(monkeypatch) -> list:
+    seen: list = []
+
+    def fake(workload, model, config, *, on_progress=None) -> BenchResult:
+        seen.append(config)
+        return _fake_result(workload, model, config)
+
+    monkeypatch.setattr(harness, "run_bench", fake)
+    return seen
+
+
+@pytest.mark.parametrize(("args", "cuda", "device", "dtype"), [
+    ([], False, "cpu", "fp32"),
+    ([], True, "cuda", "bf16"),
+    (["--dtype", "fp16"], True, "cuda", "fp16"),
+    (["--device", "cpu"], True, "cpu", "fp32"),
+    (["--device", "cpu", "--dtype", "bf16"], False, "cpu", "bf16"),
+])
+def test_device_and_dtype_defaults_reach_the_config(monkeypatch, args, cuda, device,
+                                                     dtype) -> None:
+    seen = _capture_config(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    res = invoke("--workload", "prompts", "--systems", "hf-greedy,hf-static", *args)
+    assert res.exit_code == 0, res.output
+    assert (seen[0].device, seen[0].dtype) == (device, dtype)
+    assert seen[0].systems == ("hf-greedy", "hf-static")
 
 
 def test_bad_task_id_for_the_builder(tmp_path: Path) -> None:
@@ -62,12 +105,16 @@ def test_systems_parsing() -> None:
 
 
 def _fake_result(workload, model, config, *, on_progress=None) -> BenchResult:
-    """One request on which agentspec-pld differs from the reference."""
+    """One request on which agentspec-pld and hf-static differ from the reference."""
     item = WorkloadItem(id="r-0", prompt="x", max_new_tokens=4)
-    outcomes = {n: (Outcome((1, 2, 3) if n != "agentspec-pld" else (1, 2, 4), 1.0,
-                            None if n.startswith("hf") else 2),) for n in config.systems}
-    return BenchResult(str(workload.path), model, "cpu", config, 0,
-                       (RequestResult(item, 3, 4, outcomes),), (0.1, 0.2, 0.3))
+    outcomes = {n: (Outcome((1, 2, 4) if n in ("agentspec-pld", "hf-static") else (1, 2, 3),
+                            1.0, None if n.startswith("hf") else 2),) for n in config.systems}
+    return BenchResult(str(workload.path), model, "cuda:0", config, 0,
+                       (RequestResult(item, 3, 4, outcomes),), (0.1, 0.2, 0.3), dtype="bf16",
+                       gpu_name="NVIDIA H100 80GB HBM3",
+                       versions={"torch": "2.13.0", "transformers": "5.23.0"},
+                       notes=("hf-static: torch.compile failed (X: y); static KV without "
+                              "torch.compile",))
 
 
 def test_a_mismatch_fails_the_run_and_is_in_the_json(tmp_path: Path, monkeypatch) -> None:
@@ -78,6 +125,27 @@ def test_a_mismatch_fails_the_run_and_is_in_the_json(tmp_path: Path, monkeypatch
     assert res.exit_code == 1 and "agentspec-pld" in res.stderr
     summary = json.loads(out.read_text())
     assert summary["exact_match"] == {"agentspec-pld": 0.0, "agentspec-plain": 1.0}
+
+
+def test_a_baseline_mismatch_is_a_finding_not_a_failure(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(harness, "run_bench", _fake_result)
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    res = invoke("--workload", "prompts", "--systems", "hf-greedy,hf-static,agentspec-plain",
+                 "--json", str(out), "--report", str(md))
+    assert res.exit_code == 0, res.output
+    assert "warning: transformers baselines differ" in res.stderr and "hf-static" in res.stderr
+    assert res.stderr.count("note: hf-static: torch.compile failed") == 1
+    summary = json.loads(out.read_text())
+    assert summary["exact_match"] == {"hf-static": 0.0, "agentspec-plain": 1.0}
+    assert {k: summary[k] for k in ("device", "dtype", "gpu_name", "torch_version",
+                                    "transformers_version")} == {
+        "device": "cuda:0", "dtype": "bf16", "gpu_name": "NVIDIA H100 80GB HBM3",
+        "torch_version": "2.13.0", "transformers_version": "5.23.0"}
+    assert summary["notes"] == ["hf-static: torch.compile failed (X: y); static KV without "
+                                "torch.compile"]
+    header = md.read_text().splitlines()[0]
+    assert header.startswith("## ") and "on cuda:0, bf16, NVIDIA H100 80GB HBM3," in header
+    assert "Note: hf-static: torch.compile failed" in md.read_text()
 
 
 TINY = [
@@ -101,6 +169,10 @@ def test_end_to_end_on_a_tiny_workload(tmp_path: Path) -> None:
     summary = json.loads(out.read_text())
     assert summary["measured_requests"] == 2 and summary["warmup_requests"] == 1
     assert summary["device"] == "cpu" and summary["model"] == "smollm2-135m-instruct"
+    assert (summary["dtype"], summary["gpu_name"]) == ("fp32", None)
+    assert summary["torch_version"] == torch.__version__
+    assert summary["transformers_version"] == transformers.__version__
+    assert [n.split(":")[0] for n in summary["notes"]] == ["hf-static"]  # no compile on CPU
     assert summary["exact_match"] == {n: 1.0 for n in bench_cli.SYSTEMS[1:]}
     for name, s in summary["systems"].items():
         assert s["new_tokens"] > 0 and s["tokens_per_second"] > 0, name

@@ -131,3 +131,53 @@ def test_shipped_bfcl_workload_loads() -> None:
     w = load_workload(data_dir() / "bfcl.jsonl", default_max_new_tokens=128)
     assert w.errors == () and w.warmup and w.measure
     assert {i.scope for i in w.measure} <= {i.scope for i in w.warmup}
+
+
+class CompilingFakeSystem(FakeSystem):
+    """A fake with ``warm`` (as hf-static has): logged as ``warm:<id>``."""
+
+    def warm(self, item: WorkloadItem, max_new_tokens: int) -> None:
+        self.log.append((self.name, f"warm:{item.id}:{max_new_tokens}"))
+
+
+def test_a_compiling_system_is_warmed_once_on_the_first_measured_request(tmp_path: Path) -> None:
+    log: list[tuple[str, str]] = []
+    names = ("hf-greedy", "hf-static", "agentspec")
+    systems = {n: (CompilingFakeSystem if n == "hf-static" else FakeSystem)(n, log)
+               for n in names}
+    _run(tmp_path, systems, BenchConfig(systems=names))
+    warms = [entry for entry in log if entry[1].startswith("warm:")]
+    assert warms == [("hf-static", "warm:grounded-0:8")]
+    # after the memory warmup, before any measured run
+    assert log.index(warms[0]) == 1 and log[0] == ("agentspec", "warm")
+    assert sum(n == "hf-static" for n, _ in log) == 1 + 4  # warm + one run per request
+
+
+def test_dtype_is_checked() -> None:
+    with pytest.raises(ValueError, match="'fp8'"):
+        BenchConfig(systems=("hf-greedy",), dtype="fp8")
+
+
+@pytest.mark.parametrize(("dtype", "name"), [("float32", "fp32"), ("bfloat16", "bf16"),
+                                             ("float16", "fp16")])
+def test_environment_names_dtype_and_versions(dtype: str, name: str) -> None:
+    import torch
+    import transformers
+
+    model = torch.nn.Linear(2, 2).to(getattr(torch, dtype))
+    env = harness.environment(model)
+    assert env == {"dtype": name, "gpu_name": None,
+                   "versions": {"torch": torch.__version__,
+                                "transformers": transformers.__version__}}
+
+
+def test_report_header_names_device_dtype_and_gpu(tmp_path: Path) -> None:
+    log: list[tuple[str, str]] = []
+    config = BenchConfig(systems=ALL)
+    result = _run(tmp_path, {n: FakeSystem(n, log) for n in ALL}, config)
+    cpu = report.summarize(result)
+    assert (cpu["dtype"], cpu["gpu_name"], cpu["notes"]) == (None, None, [])
+    assert " on cpu, temperature" in report.to_markdown(cpu).splitlines()[0]
+    gpu = report.summarize(BenchResult("w.jsonl", "fake", "cuda:0", config, 1, result.requests,
+                                       dtype="bf16", gpu_name="NVIDIA H200"))
+    assert " on cuda:0, bf16, NVIDIA H200, temperature" in report.to_markdown(gpu).splitlines()[0]
