@@ -7,9 +7,10 @@ Two pieces:
   ``FixedKV.slots`` (a device tensor) and attends over all ``capacity`` rows through its mask:
   rows past the committed length hold stale values that the mask hides. Rolling back a chain is
   moving the committed length; nothing is copied.
-- ``agentspec_sdpa`` attention: transformers' sdpa path, except that a masked forward on a
-  grouped-query model lets SDPA broadcast the key/value heads (``enable_gqa=True``) instead of
-  copying the whole fixed-capacity KV with ``repeat_kv`` on every forward.
+- ``agentspec_sdpa`` attention: for the masked forwards of the engine, attention as plain
+  products in float32 (every query row computed alike, wherever it sits in its forward),
+  reading grouped key/value heads once per group instead of copying the whole fixed-capacity
+  KV with ``repeat_kv``.
   :func:`verifying_attention` switches a model to it for one forward and back, so a model
   shared with other code (the bench's ``hf-*`` baselines) stays unchanged.
 
@@ -81,19 +82,36 @@ def _gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
               scaling: float | None = None, is_causal: bool | None = None,
               **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention as two matrix products and a softmax, in float32, over the whole KV.
+
+    Not SDPA: the CPU flash kernel splits a forward's queries into blocks, and the same query
+    row gave other bits at row 27 than at row 47 of a forward; plain products compute every row
+    alike. Grouped key/value heads are read once per group of query heads (no ``repeat_kv``
+    copy of the fixed-capacity KV). Any other call (no boolean mask, dropout, softcap, ...)
+    takes transformers' own sdpa path.
+    """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    groups = getattr(module, "num_key_value_groups", 1)
     plain = (dropout == 0.0 and kwargs.get("softcap") is None
              and kwargs.get("position_bias") is None and kwargs.get("cache") is None
              and not kwargs.get("output_attentions", False))
-    if (groups > 1 and plain and isinstance(attention_mask, torch.Tensor)
-            and key.shape[-1] == value.shape[-1]):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
-        return out.transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                  scaling=scaling, is_causal=is_causal, **kwargs)
+    if not (plain and isinstance(attention_mask, torch.Tensor)
+            and attention_mask.dtype == torch.bool and key.shape[-1] == value.shape[-1]):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    batch, heads, width, dim = query.shape
+    kv_heads, capacity = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scale = scaling if scaling is not None else dim ** -0.5
+    # Query heads j * groups .. j * groups + groups - 1 share key/value head j (repeat_kv's order).
+    q = query.reshape(batch, kv_heads, groups * width, dim).float()  # [b, kv_heads, g * w, dim]
+    scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale  # [b, kv_heads, g * w, capacity]
+    mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1)  # [b, 1, g, w, capacity]
+    scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, groups * width, capacity),
+                                float("-inf"))
+    out = torch.matmul(scores.softmax(dim=-1), value.float())  # [b, kv_heads, g * w, dim]
+    out = out.reshape(batch, heads, width, dim).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _register() -> None:

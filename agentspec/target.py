@@ -157,7 +157,7 @@ class HFTarget:
             docs and earlier turns, so most of a prompt's prefill is skipped. The rows are the
             same bits a fresh prefill computes (``tests/integration/test_invariance.py``).
         widths: the forward widths, smallest first, all of one reduction class. Default on
-            the CPU (4, 8, 16, 32, 64): on x86 BLAS, 1 and 2-3 rows run other kernels than 4+;
+            the CPU (2, 4, 8, 16, 32, 64): a 1-row product runs another kernel than 2+ rows;
             checked on first use (:meth:`check_widths`). On CUDA one width, 64, captured as a
             CUDA graph (cuBLAS picks kernels by row count; the forward is launch-bound anyway).
         cuda_graphs: capture the forwards as CUDA graphs (CUDA only; default on).
@@ -172,7 +172,7 @@ class HFTarget:
         self.reuse_prefix = reuse_prefix
         self.device = next(model.parameters()).device
         cuda = self.device.type == "cuda"
-        self.widths = tuple(widths or ((64,) if cuda else (4, 8, 16, 32, 64)))
+        self.widths = tuple(widths or ((64,) if cuda else (2, 4, 8, 16, 32, 64)))
         if list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
             raise ValueError(f"widths must be distinct positive ints, smallest first, got {widths}")
         self.cuda_graphs = cuda_graphs and cuda
@@ -251,8 +251,9 @@ class HFTarget:
         return self.widths
 
     def _forward_rows(self, ids: list[int], depth: list[int], anc: np.ndarray, *,
-                      width: int | None = None) -> torch.Tensor:
-        """Logits ``[len(ids), vocab_size]`` of rows written at slots ``kv_len + row``."""
+                      width: int | None = None, logits: bool = True) -> torch.Tensor:
+        """Logits ``[len(ids), vocab_size]`` of rows written at slots ``kv_len + row``
+        (``logits=False``: the KV rows are what counts; the logits may be fewer)."""
         n = len(ids)
         if width is None:
             width = next((w for w in self.widths if w >= n), None)
@@ -267,7 +268,7 @@ class HFTarget:
         forward.load(ids, depth, anc, self._kv_len)
         if self.cuda_graphs and forward._graph is None:
             forward.capture()
-        return forward.run()[:n]
+        return forward.run(logits=logits)[:n]
 
     def _reserve(self, rows: int) -> None:
         """Grow the KV to hold ``rows`` rows (the committed rows are copied over). The rows of
@@ -302,7 +303,8 @@ class HFTarget:
         causal = np.tril(np.ones((chunk, chunk), dtype=bool))
         for begin in range(keep, len(wanted), chunk):
             ids = wanted[begin : begin + chunk]
-            self._forward_rows(ids, list(range(len(ids))), causal[: len(ids), : len(ids)])
+            self._forward_rows(ids, list(range(len(ids))), causal[: len(ids), : len(ids)],
+                               logits=False)
             self._kv_len += len(ids)
             self._kv_ids.extend(ids)
 

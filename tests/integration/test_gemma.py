@@ -19,7 +19,7 @@ from agentspec import Speculator
 from agentspec.bench.prompts import _CODE, _RECORD
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
-from agentspec.tree import tree_attention_mask, tree_position_ids
+from agentspec.target import HFTarget
 from agentspec.types import Draft
 
 from .helpers import CheckingTarget, OracleTreeDrafter, cached_target
@@ -66,13 +66,10 @@ def test_gemma_tree_scoring_past_the_window(gemma):
     assert tree_equals_chains(gemma, prompt_ids, tokens, atol=ATOL) == 12
     # The sliding mask matters: the plain tree mask on every layer gives other logits.
     draft = Draft(tokens, TREE_PARENTS, "test")
-    gemma.start(prompt_ids)
-    kv_len = gemma.kv_len
-    with torch.inference_mode():
-        wrong = gemma.model(input_ids=torch.tensor([[prompt_ids[-1], *tokens]]),
-                            past_key_values=gemma._kv,
-                            attention_mask=tree_attention_mask(TREE_PARENTS, kv_len, gemma.device),
-                            position_ids=tree_position_ids(TREE_PARENTS, kv_len, gemma.device)).logits[0]
+    windowless = HFTarget(gemma.model, gemma.tokenizer, name="windowless", widths=gemma.widths)
+    windowless.sliding_window = None  # the deliberately wrong mask: no window on any layer
+    windowless.start(prompt_ids)
+    wrong = windowless.score(prompt_ids[-1], draft)
     gemma.start(prompt_ids)
     right = gemma.score(prompt_ids[-1], draft)
     assert (wrong - right).abs().max() > 1.0

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from agentspec.config import SamplingParams
-from agentspec.types import Draft, Verdict
 from agentspec.tree import spine_length
+from agentspec.types import Draft, Verdict
 from agentspec.verify import cut_at_spine, verify, walk
 
 TREE = Draft((5, 6, 7, 8, 9), (-1, -1, 0, 0, 1), "t")  # 5->{7,8}, 6->{9}

@@ -1,0 +1,190 @@
+"""The output is a pure function of the request (issue 11): bitwise, in bf16 and fp32, on CPU.
+
+No drafter, memory row (poisoned too), tree shape, draft length or earlier call (prefix reuse)
+changes a single token: every generation below equals plain decoding without prefix reuse,
+greedy and seeded-sampled. And every row of a verification forward equals, bitwise, the same
+row scored alone.
+
+The same file shows that the check can fail: a target whose forwards take the draft's own
+width (``widths`` 1..64, the dynamic shapes of the engine before fixed widths) computes rows
+in other orders, and in bf16 its speculative output differs from its plain output.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+
+from agentspec import SamplingParams, Speculator
+from agentspec.bench.prompts import ALL_PROMPTS
+from agentspec.bench.workload import load_workload
+from agentspec.drafters.policy import DEFAULT_COST
+from agentspec.drafters.prompt_lookup import PromptLookupDrafter
+from agentspec.embedder import HashEmbedder
+from agentspec.memory import CompletionMemory, conversation_key
+from agentspec.protocols import DraftContext
+from agentspec.stores import SQLStore
+from agentspec.target import HFTarget, load_target
+from agentspec.tree import merge_chains
+from agentspec.types import Draft, Verdict
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 10
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _bfcl_prompts(n: int) -> list:
+    from importlib.resources import files
+
+    path = files("agentspec.bench") / "data" / "bfcl.jsonl"
+    items = load_workload(str(path), default_max_new_tokens=MAX_NEW).measure[:n]
+    return [list(item.messages or ()) for item in items]
+
+
+PROMPTS = ALL_PROMPTS[:16] + _bfcl_prompts(4)
+
+
+@functools.cache
+def _model(dtype_name: str) -> HFTarget:
+    return load_target(dtype=DTYPES[dtype_name], device="cpu")
+
+
+def _fresh(dtype_name: str, **kw) -> HFTarget:
+    """A target with a KV of its own (no rows left by other tests)."""
+    base = _model(dtype_name)
+    return HFTarget(base.model, base.tokenizer, name=base.name, **kw)
+
+
+@functools.cache
+def _reference(dtype_name: str) -> tuple[tuple[int, ...], ...]:
+    """Plain decoding, no prefix reuse: the baseline every run must equal."""
+    plain = Speculator(_fresh(dtype_name, reuse_prefix=False), speculate=False, cost=DEFAULT_COST)
+    return tuple(plain.generate(p, MAX_NEW, sampling=_sampling(i)).token_ids
+                 for i, p in enumerate(PROMPTS))
+
+
+def _sampling(i: int) -> SamplingParams:
+    """Every third prompt is sampled (seeded), the others greedy."""
+    return SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i) if i % 3 == 2 else SamplingParams()
+
+
+class ShuffledTreeDrafter:
+    """Untrusted drafts of every kind in one tree: the reference continuation (right), the same
+    with a token flipped (poisoned), random tokens, and prompt lookup's chain, merged in an
+    order shuffled each step (so the spine is sometimes right, sometimes not) and cut to a
+    random length."""
+
+    name = "shuffled"
+
+    def __init__(self, references: dict[tuple[int, ...], tuple[int, ...]], vocab_size: int,
+                 seed: int) -> None:
+        self.references, self.vocab = references, vocab_size
+        self.rng = random.Random(seed)
+        self.lookup = PromptLookupDrafter()
+
+    def begin(self, context: DraftContext) -> None:
+        self.lookup.begin(context)
+
+    def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
+        ref = self.references.get(tuple(context.tokens[: context.prompt_len]), ())
+        done = len(context.tokens) - context.prompt_len
+        right = list(ref[done : done + max_tokens])
+        flipped = list(right)
+        if flipped:
+            at = self.rng.randrange(len(flipped))
+            flipped[at] = (flipped[at] + 1) % self.vocab
+        noise = [self.rng.randrange(self.vocab) for _ in range(self.rng.randint(1, 6))]
+        lookup = list(self.lookup.propose(context, max_tokens=max_tokens).token_ids)
+        chains = [(c[: self.rng.randint(1, max(1, max_tokens))], s)
+                  for c, s in ((right, "right"), (flipped, "poison"), (noise, "random"), (lookup, "lookup")) if c]
+        self.rng.shuffle(chains)
+        ids, parents, sources = merge_chains(chains, max_nodes=self.rng.randint(1, 40))
+        return Draft(tuple(ids), tuple(parents), tuple(sources)) if ids else Draft()
+
+    def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
+        self.lookup.observe(context, draft, verdict)
+
+    def end(self, context: DraftContext) -> None:
+        self.lookup.end(context)
+
+
+def _poisoned_memory(tmp_path, target: HFTarget, refs) -> CompletionMemory:
+    memory = CompletionMemory(SQLStore(f"sqlite:///{tmp_path}/m.db"), embedder=HashEmbedder())
+    rng = random.Random(1)
+    for prompt, ref in zip(PROMPTS, refs, strict=True):
+        key = conversation_key(prompt)
+        flipped = list(ref)
+        flipped[len(ref) // 2] = (flipped[len(ref) // 2] + 1) % target.vocab_size
+        for ids in (flipped, list(ref[:3]) + [rng.randrange(target.vocab_size) for _ in range(20)]):
+            memory.record(scope="s", model=target.fingerprint, request_text=key, key_text=key,
+                          completion_text="poison", completion_ids=ids)
+    return memory
+
+
+def _outputs(spec: Speculator, **kw) -> list[tuple[int, ...]]:
+    return [spec.generate(p, MAX_NEW, sampling=_sampling(i), **kw).token_ids
+            for i, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+def test_no_draft_changes_the_output(dtype_name, tmp_path):
+    refs = _reference(dtype_name)
+    encode = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST).encode
+    by_prompt = {tuple(encode(p)): r for p, r in zip(PROMPTS, refs, strict=True)}
+    target = _fresh(dtype_name)  # prefix reuse on: each run starts on what the last one left
+    runs = {  # the default drafters (memory, suffix, prompt lookup) on a poisoned memory
+        "poisoned memory": Speculator(target, cost=DEFAULT_COST,
+                                      memory=_poisoned_memory(tmp_path, target, refs)),
+        "shuffled trees": Speculator(target, cost=DEFAULT_COST, drafters=[
+            ShuffledTreeDrafter(by_prompt, target.vocab_size, seed=7)]),
+    }
+    for name, spec in runs.items():
+        kw = {"scope": "s", "record": False} if spec.memory is not None else {}
+        outs = _outputs(spec, **kw)
+        differing = [i for i, (o, r) in enumerate(zip(outs, refs, strict=True)) if o != r]
+        assert not differing, f"{name} ({dtype_name}) changed prompts {differing}"
+
+
+def _rows_alone_and_verified(target_kw: dict, dtype_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    spec = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST)
+    prompt = spec.encode(PROMPTS[0])
+    chain = list(_reference(dtype_name)[0][:10])
+    target = _fresh(dtype_name, **target_kw)
+    target._widths_checked = True
+    target.start(prompt)
+    verified = target.score(prompt[-1], Draft.chain(chain, "ref")).clone()  # [11, vocab_size]
+    alone = []
+    for i in range(len(chain) + 1):
+        ids = prompt + chain[:i]
+        target.start(ids)  # prefix reuse: the KV keeps what the last start left that matches
+        alone.append(target.score(ids[-1], Draft())[0].clone())
+    return verified, torch.stack(alone)
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+def test_every_verified_row_equals_the_row_scored_alone(dtype_name):
+    verified, alone = _rows_alone_and_verified({}, dtype_name)
+    assert torch.equal(verified, alone)
+
+
+def test_dynamic_widths_fail_the_row_check_in_bf16():
+    """The deliberately wrong engine: forwards as wide as their draft."""
+    verified, alone = _rows_alone_and_verified({"widths": tuple(range(1, 65))}, "bf16")
+    assert not torch.equal(verified, alone)
+
+
+def test_dynamic_widths_let_drafts_change_bf16_outputs():
+    wrong = _fresh("bf16", widths=tuple(range(1, 65)))
+    wrong._widths_checked = True
+    plain = Speculator(wrong.fork(), speculate=False, cost=DEFAULT_COST)
+    spec = Speculator(wrong, memory=None, cost=DEFAULT_COST)
+    changed = 0
+    for prompt in PROMPTS:
+        changed += plain.generate(prompt, 24).token_ids != spec.generate(prompt, 24).token_ids
+        if changed:
+            break
+    assert changed, "speculation with draft-sized forwards matched plain decoding everywhere"
