@@ -267,7 +267,11 @@ class HFTarget:
             self._forwards[width] = forward
         forward.load(ids, depth, anc, self._kv_len)
         if self.cuda_graphs and forward._graph is None:
-            forward.capture()
+            try:
+                forward.capture()
+            except RuntimeError as exc:  # the same forward still runs eagerly, just slower
+                warn_once(f"{self.name}: CUDA graph capture failed ({exc}); running eagerly")
+                self.cuda_graphs = False
         return forward.run(logits=logits)[:n]
 
     def _reserve(self, rows: int) -> None:

@@ -195,22 +195,27 @@ def _run_and_report(loaded: Any, model: str, config: Any, *, json_out: Path | No
 
 
 def _fail_on_mismatch(summary: dict[str, Any]) -> None:
-    """Exit 1 when an agentspec system's outputs differ from hf-greedy's.
+    """Exit 1 when an agentspec system breaks its promise.
 
-    transformers' own variants (hf-pld, hf-static) are baselines, not agentspec's promise: on
-    a GPU in bf16 their kernels may round differently from hf-greedy's. Their exactness is
-    reported (a warning here, the exact column), not failed on.
+    In fp32 the promise is identity with hf-greedy. In bf16/fp16 transformers' kernels round
+    differently from agentspec's fixed-width forwards, so the promise is identity with
+    ``agentspec-plain`` (the ``same_as_plain`` figure), and hf-greedy's match is reported.
+    transformers' own variants (hf-pld, hf-static) are baselines: reported, never failed on.
     """
     bad = {k: v for k, v in summary["exact_match"].items() if v is not None and v < 1.0}
     bad.update({k: v["p_value"] for k, v in summary.get("distribution_check", {}).items()
                 if not v["ok"]})
-    baselines = {k: v for k, v in bad.items() if k.startswith("hf-")}
-    if baselines:
-        err_console.print(f"warning: transformers baselines differ from hf-greedy: {baselines} "
-                          "(see the report)", markup=False)
-    own = {k: v for k, v in bad.items() if k not in baselines}
+    reduced = summary.get("dtype") not in (None, "fp32", "float32")
+    reported = {k: v for k, v in bad.items()
+                if k.startswith("hf-") or (reduced and k.startswith("agentspec"))}
+    if reported:
+        err_console.print(f"warning: outputs differ from hf-greedy: {reported} (see the report)",
+                          markup=False)
+    own = {k: v for k, v in bad.items() if k not in reported}
+    own.update({f"{k} vs agentspec-plain": v for k, v in summary.get("same_as_plain", {}).items()
+                if v < 1.0})
     if own:
-        fail(f"outputs differ from hf-greedy: {own} (see the report)")
+        fail(f"outputs differ: {own} (see the report)")
 
 
 @bench_app.command("build-bfcl")

@@ -133,7 +133,7 @@ def test_a_baseline_mismatch_is_a_finding_not_a_failure(tmp_path: Path, monkeypa
     res = invoke("--workload", "prompts", "--systems", "hf-greedy,hf-static,agentspec-plain",
                  "--json", str(out), "--report", str(md))
     assert res.exit_code == 0, res.output
-    assert "warning: transformers baselines differ" in res.stderr and "hf-static" in res.stderr
+    assert "warning: outputs differ from hf-greedy" in res.stderr and "hf-static" in res.stderr
     assert res.stderr.count("note: hf-static: torch.compile failed") == 1
     summary = json.loads(out.read_text())
     assert summary["exact_match"] == {"hf-static": 0.0, "agentspec-plain": 1.0}
@@ -146,6 +146,19 @@ def test_a_baseline_mismatch_is_a_finding_not_a_failure(tmp_path: Path, monkeypa
     header = md.read_text().splitlines()[0]
     assert header.startswith("## ") and "on cuda:0, bf16, NVIDIA H100 80GB HBM3," in header
     assert "Note: hf-static: torch.compile failed" in md.read_text()
+
+
+def test_in_bf16_agentspec_must_equal_its_plain_decoding_not_hf_greedy() -> None:
+    from agentspec.bench.cli import _fail_on_mismatch
+    from agentspec.cli_common import CliError
+
+    bf16 = {"dtype": "bf16", "exact_match": {"agentspec-plain": 0.5, "agentspec": 0.5},
+            "same_as_plain": {"agentspec": 1.0}}
+    _fail_on_mismatch(bf16)  # transformers rounds otherwise in bf16: reported, not failed
+    with pytest.raises(CliError):
+        _fail_on_mismatch({**bf16, "same_as_plain": {"agentspec": 0.9}})  # drafts changed outputs
+    with pytest.raises(CliError):
+        _fail_on_mismatch({**bf16, "dtype": "fp32"})  # fp32: identity with transformers
 
 
 TINY = [
