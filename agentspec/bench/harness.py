@@ -16,7 +16,7 @@ Systems (names as on the command line):
   verifies its best chain), in a memory of its own: what trees add.
 
 Per request the systems run one after another, the order rotated by one each request, so
-that a slow or fast phase of a shared machine falls on every system alike (ARCHITECTURE §10).
+that a slow or fast phase of a shared machine falls on every system alike (docs/architecture.md).
 A system's time is wall-clock around tokenisation + generation. Outputs are compared as
 token lists cut before the first stop token id (transformers stops at eos and keeps it).
 """
