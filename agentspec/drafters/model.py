@@ -171,10 +171,14 @@ class ModelDrafter:
         return self._feed(ids[keep:])
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
-        """Append ``ids`` to the draft KV in one forward; logits after the last ``[vocab]``."""
-        chain = Draft.chain(ids[1:], self.name)
-        logits = self.draft.score(ids[0], chain)  # [len(ids), vocab_size]
-        self.draft.commit(chain, Verdict(tuple(range(len(ids) - 1)), tuple(ids[1:]), -1))
+        """Append ``ids`` to the draft KV, one forward per widest width of the draft model;
+        logits after the last ``[vocab]``."""
+        width = self.draft.max_draft_nodes + 1
+        for start in range(0, len(ids), width):
+            piece = ids[start : start + width]
+            chain = Draft.chain(piece[1:], self.name)
+            logits = self.draft.score(piece[0], chain)  # [len(piece), vocab_size]
+            self.draft.commit(chain, Verdict(tuple(range(len(piece) - 1)), tuple(piece[1:]), -1))
         self._fed.extend(ids)
         return logits[-1].float()
 

@@ -26,7 +26,7 @@ DEFAULT_COST_POINTS = ((1, 0.0724), (2, 0.0788), (3, 0.0920), (4, 0.0747), (6, 0
                        (48, 0.2354), (64, 0.2657))
 _TABLE_NODES = 130  # covers the 64-node tree budget and the 64-token depth bound
 # Bumped when the measurement or the engine changes, so older cached curves are measured again.
-COST_CACHE_VERSION = 4  # 4: fixed-width forwards over a static KV
+COST_CACHE_VERSION = 5  # 5: fixed-width forwards, float32 attention, packed CPU linears
 
 
 @dataclass(frozen=True)

@@ -31,3 +31,28 @@ def test_greedy_speculation_matches_plain_decoding_on_cuda(gpu_spec):
     plain = Speculator(gpu_spec.target, speculate=False)
     for prompt in GROUNDED[:4]:
         assert gpu_spec.generate(prompt, 64).token_ids == plain.generate(prompt, 64).token_ids
+
+
+def test_cuda_graph_replays_bitwise_as_the_eager_forward(gpu_spec):
+    from agentspec.target import HFTarget
+    from agentspec.types import Draft
+
+    base = gpu_spec.target
+    prompt = gpu_spec.encode(GROUNDED[0])
+    rows = []
+    for graphs in (True, False):
+        target = HFTarget(base.model, base.tokenizer, cuda_graphs=graphs)
+        target.start(prompt)
+        rows.append(target.score(prompt[-1], Draft.chain(prompt[-8:], "x")).clone())
+    assert torch.equal(rows[0], rows[1])
+
+
+def test_drafts_and_prefix_reuse_leave_bf16_outputs_unchanged_on_cuda(gpu_spec):
+    from agentspec.bench.prompts import ALL_PROMPTS
+    from agentspec.target import HFTarget
+
+    base = gpu_spec.target
+    plain = Speculator(HFTarget(base.model, base.tokenizer, reuse_prefix=False), speculate=False)
+    spec = Speculator(HFTarget(base.model, base.tokenizer), memory=None)
+    for prompt in ALL_PROMPTS:
+        assert spec.generate(prompt, 48).token_ids == plain.generate(prompt, 48).token_ids

@@ -15,15 +15,17 @@ class OracleTreeDrafter:
     """Knows a reference continuation and hides it in the second branch of a small tree.
 
     Tree per step: node0 = a wrong token, node1 = ref[k], node2 = ref[k+1] (child of 1),
-    node3 = a wrong sibling of 2, node4 = ref[k+2] (child of 2). When the reference is right the
-    accepted path is (1, 2, 4): not a prefix of the node order, so the KV gather is exercised.
+    node3 = a wrong sibling of 2, node4 = ref[k+2] (child of 2). The right path is off the
+    spine, so each step's verdict is cut at node 1 (its token is the step's next token).
+    ``right_first`` puts the right path first: after the depth-first reorder it is the spine.
     """
 
     name = "oracle"
 
-    def __init__(self, reference: list[int], vocab_size: int) -> None:
+    def __init__(self, reference: list[int], vocab_size: int, *, right_first: bool = False) -> None:
         self.reference = reference
         self.vocab = vocab_size
+        self.right_first = right_first
 
     def begin(self, context: DraftContext) -> None:
         pass
@@ -34,6 +36,9 @@ class OracleTreeDrafter:
         if len(ref) < 3 or max_tokens < 3:
             return Draft.chain(ref[:max_tokens], self.name)
         wrong = lambda t: (t + 7) % self.vocab  # noqa: E731
+        if self.right_first:  # the right path is the first-child path: the spine
+            return Draft((ref[0], wrong(ref[0]), ref[1], wrong(ref[1]), ref[2]),
+                         (-1, -1, 0, 0, 2), self.name)
         return Draft((wrong(ref[0]), ref[0], ref[1], wrong(ref[1]), ref[2]), (-1, -1, 1, 1, 2), self.name)
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
