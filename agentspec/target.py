@@ -12,6 +12,7 @@ import importlib.util
 import json
 import shutil
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,9 @@ PACKAGED_MODELS = {
         None),
 }
 _MARKER = "agentspec-converted.json"
+# check_widths results per model: one probe per loaded model, not per HFTarget over it.
+_WIDTH_CLASS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[int, ...]]] = (
+    weakref.WeakKeyDictionary())
 
 
 def _packaged_gguf(name: str) -> Path:
@@ -238,6 +242,11 @@ class HFTarget:
         """
         if not self._widths_checked:
             self._widths_checked = True
+            known = _WIDTH_CLASS.setdefault(self.model, {})
+            asked = (self.widths, str(self.device), str(next(self.model.parameters()).dtype))
+            if asked in known:  # probed already on another HFTarget of this model
+                self.widths = known[asked]
+                return self.widths
             gen = torch.Generator().manual_seed(0)
             n = self.widths[0]
             ids = torch.randint(0, self.vocab_size, (n,), generator=gen).tolist()
@@ -248,6 +257,7 @@ class HFTarget:
                 warn_once(f"{self.name}: forward widths {sorted(set(self.widths) - set(same))} "
                           f"compute rows in another order on this {self.device.type}; using {same}")
                 self.widths = same
+            known[asked] = self.widths
         return self.widths
 
     def _forward_rows(self, ids: list[int], depth: list[int], anc: np.ndarray, *,

@@ -33,8 +33,8 @@ class OracleTreeDrafter:
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
         k = len(context.generated)
         ref = self.reference[k : k + 3]
-        if len(ref) < 3 or max_tokens < 3:
-            return Draft.chain(ref[:max_tokens], self.name)
+        if len(ref) < 3 or max_tokens < 3:  # the tail: a chain only where the spine is right
+            return Draft.chain(ref[:max_tokens], self.name) if self.right_first else Draft()
         wrong = lambda t: (t + 7) % self.vocab  # noqa: E731
         if self.right_first:  # the right path is the first-child path: the spine
             return Draft((ref[0], wrong(ref[0]), ref[1], wrong(ref[1]), ref[2]),

@@ -7,6 +7,8 @@ import torch
 
 from agentspec import SamplingParams, Speculator
 from agentspec.bench.prompts import ALL_PROMPTS
+from agentspec.decode import decode
+from agentspec.protocols import DraftContext
 
 from .helpers import OracleTreeDrafter
 
@@ -56,10 +58,15 @@ def test_greedy_identity_with_trees(spec, plain):
     prompt = ALL_PROMPTS[0]
     reference = list(plain.generate(prompt, 48).token_ids)
     vocab = spec.target.vocab_size
-    hidden = Speculator(spec.target, drafters=[OracleTreeDrafter(reference, vocab)])
-    out = hidden.generate(prompt, 48)
-    assert list(out.token_ids) == reference
-    assert out.stats.tokens_per_step <= 1.0 + 1e-9  # off the spine: cut at its first node
+    # The loop itself (no drafter chain, whose policy may prune the tree to one branch).
+    context = DraftContext(tokens=spec.encode(prompt), prompt_len=len(spec.encode(prompt)))
+    steps = list(decode(spec.target, OracleTreeDrafter(reference, vocab), context,
+                        sampling=SamplingParams(), max_new_tokens=48,
+                        stop_token_ids=spec.stop_token_ids))
+    assert [t for s in steps for t in s.new_tokens] == reference
+    trees = [s for s in steps if not s.draft.is_chain]
+    assert len(trees) > 30
+    assert all(len(s.verdict.new_tokens) == 1 for s in trees)  # off the spine: cut at its first node
     first = Speculator(spec.target, drafters=[OracleTreeDrafter(reference, vocab, right_first=True)])
     out = first.generate(prompt, 48)
     assert list(out.token_ids) == reference
