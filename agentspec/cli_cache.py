@@ -17,7 +17,6 @@ from agentspec.cli_common import (
     confirm,
     console,
     embedder_by_name,
-    embedding_groups,
     err_console,
     fail,
     handles_errors,
@@ -177,7 +176,7 @@ def show(ctx: typer.Context, record_id: Annotated[int, typer.Argument(metavar="I
 
 def _pick_embedder(store: Any, scope: str | None, name: str | None) -> tuple[Any, int]:
     """The embedder named by most embedded rows (or ``name``), and rows it cannot search."""
-    groups = embedding_groups(store, scope)
+    groups = store.embedding_groups(scope)
     per_name: dict[str, int] = {}
     for (_, e, _), n in groups.items():
         per_name[e] = per_name.get(e, 0) + n

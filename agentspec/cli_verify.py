@@ -19,7 +19,6 @@ from agentspec.cli_common import (
     confirm,
     console,
     embedder_by_name,
-    embedding_groups,
     err_console,
     handles_errors,
     index_dir,
@@ -27,8 +26,6 @@ from agentspec.cli_common import (
     open_store,
     print_json,
     progress,
-    set_embeddings,
-    unembedded_ids,
     want_json,
 )
 from agentspec.types import Record
@@ -48,7 +45,7 @@ class _IndexOnly:
 
 def _embed_missing(store: Any, name: str | None, yes: bool) -> int:
     """Embed the key text of every row stored without an embedding; returns how many."""
-    missing = unembedded_ids(store)
+    missing = store.unembedded_ids()
     if not missing:
         confirm(f"Rebuild the index files of {store.url}?", yes)
         return 0
@@ -60,8 +57,8 @@ def _embed_missing(store: Any, name: str | None, yes: bool) -> int:
         for i in range(0, len(missing), _CHUNK):
             rows = store.get_many(missing[i : i + _CHUNK])
             vectors = embedder.embed([r.key_text for r in rows])  # [n, dim]
-            set_embeddings(store, [(r.id, v) for r, v in zip(rows, vectors, strict=True)],
-                           embedder.name)
+            store.set_embeddings([(r.id, v) for r, v in zip(rows, vectors, strict=True)],
+                                 embedder.name)
             bar.advance(task, len(rows))
     return len(missing)
 
@@ -82,14 +79,14 @@ def reindex(ctx: typer.Context,
         for f in index_files(store.url):
             f.path.unlink(missing_ok=True)
             f.path.with_suffix(".json").unlink(missing_ok=True)
-        groups = embedding_groups(store)
+        groups = store.embedding_groups()
         with progress() as bar:
             task = bar.add_task("index", total=sum(groups.values()))
             for (scope, name, dim), n in sorted(groups.items()):
                 memory = CompletionMemory(store, embedder=_IndexOnly(name, dim),
                                           index_dir=index_dir(), max_tokens_per_scope=None,
                                           max_tokens_total=None)
-                memory._sync(scope, force=True)  # TODO: a public CompletionMemory.rebuild(scope)
+                memory.rebuild(scope)
                 memory.save()
                 bar.advance(task, n)
     console.print(f"embedded {embedded} row(s); rebuilt {len(groups)} index file(s) with "

@@ -199,6 +199,20 @@ class CompletionMemory:
         """Every record of ``scope`` and ``model`` (None: any), in id order."""
         return self.store.iter(scope=scope, model=model)
 
+    def rebuild(self, scope: str) -> int:
+        """Build the index of ``scope`` afresh from the store's rows (a saved file is ignored,
+        and replaced by the next ``save``); returns how many vectors it holds.
+
+        Raises:
+            StoreError: the store cannot be read.
+        """
+        with self._lock:
+            state = _ScopeIndex(FaissIndex(int(self.embedder.dim)))
+            self._add_rows(state, self.store.ids_after(0, scope=scope, embedder=self.embedder.name))
+            state.synced_at = time.monotonic()
+            self._indexes[(scope, self.embedder.name)] = state
+            return len(state.index)
+
     def save(self) -> None:
         """Write every loaded index to ``index_dir`` (nothing when it is None)."""
         if self.index_dir is None:
