@@ -24,7 +24,7 @@ import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -32,29 +32,10 @@ from agentspec.embedder import MiniLMEmbedder, truncate_middle
 from agentspec.errors import MemoryFaultWarning, StoreError
 from agentspec.memory_guard import StoreGuard
 from agentspec.memory_index import ScopeIndex, load_index, save_index
-from agentspec.protocols import Embedder, RecordStore
+from agentspec.protocols import Embedder, MemoryStore
 from agentspec.stores.faiss_index import FaissIndex
 from agentspec.stores.sql import SQLStore
 from agentspec.types import Record
-
-
-class MemoryStore(RecordStore, Protocol):
-    """A RecordStore with the queries the memory needs (SQLStore and InMemoryStore have them)."""
-
-    def count(self, *, scope: str | None = None, model: str | None = None,
-              embedder: str | None = None) -> int: ...
-
-    def ids(self, *, scope: str | None = None, embedder: str | None = None) -> np.ndarray: ...
-
-    def add_many(self, records: Iterable[Record]) -> int: ...
-
-    def ids_after(self, after_id: int, *, scope: str | None = None, model: str | None = None,
-                  embedder: str | None = None) -> list[tuple[int, np.ndarray]]: ...
-
-    def evict_to_caps(self, max_tokens_per_scope: int | None, max_tokens_total: int | None,
-                      *, scope: str | None = None) -> list[int]: ...
-
-    def stats(self) -> dict[str, Any]: ...
 
 
 class CompletionMemory:
