@@ -1,6 +1,6 @@
 """``agentspec cache``: inspect and maintain the completion memory (SQL store + faiss indexes).
 
-Every command here except ``search`` (and ``reindex``/``verify`` in :mod:`agentspec.cli_cache_io`)
+Every command here except ``search`` (and ``reindex``/``verify`` in :mod:`agentspec.cli.verify`)
 imports neither torch nor transformers, so they answer quickly even on large stores.
 """
 
@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from agentspec.cli_common import (
+from agentspec.cli.common import (
     EXIT_USAGE,
     age,
     confirm,
@@ -287,9 +287,9 @@ def drop_scope(ctx: typer.Context, scope: str, yes: YesOpt = False) -> None:
 
 
 def _register_io() -> None:
-    from agentspec import cli_cache_io
+    from agentspec.cli import cache_io
 
-    cli_cache_io.register(cache_app)
+    cache_io.register(cache_app)
 
 
 _register_io()

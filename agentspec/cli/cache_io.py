@@ -19,7 +19,7 @@ from typing import IO, Annotated, Any
 import numpy as np
 import typer
 
-from agentspec.cli_common import (
+from agentspec.cli.common import (
     EXIT_USAGE,
     confirm,
     console,
@@ -189,7 +189,7 @@ def import_(ctx: typer.Context, file: Annotated[Path, typer.Argument(metavar="FI
 
 def register(app: typer.Typer) -> None:
     """Add these commands to the ``cache`` app."""
-    from agentspec.cli_verify import reindex, verify
+    from agentspec.cli.verify import reindex, verify
 
     app.command("export")(export)
     app.command("import")(import_)

@@ -1,5 +1,9 @@
 """The ``agentspec`` command line: ``cache`` (the completion memory), ``generate``, ``demo``, ``bench``.
 
+The package: this module (the Typer app, ``generate``, ``demo``, ``bench``), ``cache`` (read and
+delete commands), ``cache_io`` (export, import), ``verify`` (reindex, verify) and ``common``
+(options, errors, output). The ``bench`` command mounts :mod:`agentspec.bench.cli`.
+
 Exit codes: 0 success, 1 failure, 2 usage or bad input (one line on stderr, no traceback).
 Global options go before the command: ``agentspec --db URL --json cache stats``. ``--db``
 defaults to ``$AGENTSPEC_DB``, else the SQLite file under ``$AGENTSPEC_HOME``.
@@ -13,8 +17,8 @@ from typing import Annotated, Any
 
 import typer
 
-from agentspec.cli_cache import cache_app
-from agentspec.cli_common import Options, db_url, fail, handles_errors
+from agentspec.cli.cache import cache_app
+from agentspec.cli.common import Options, db_url, fail, handles_errors
 
 app = typer.Typer(
     name="agentspec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
-from agentspec.cli_common import (
+from agentspec.cli.common import (
     EXIT_FAIL,
     confirm,
     console,
