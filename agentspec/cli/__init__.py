@@ -5,8 +5,9 @@ delete commands), ``cache_io`` (export, import), ``verify`` (reindex, verify) an
 (options, errors, output). The ``bench`` command mounts :mod:`agentspec.bench.cli`.
 
 Exit codes: 0 success, 1 failure, 2 usage or bad input (one line on stderr, no traceback).
-Global options go before the command: ``agentspec --db URL --json cache stats``. ``--db``
-defaults to ``$AGENTSPEC_DB``, else the SQLite file under ``$AGENTSPEC_HOME``.
+``--db URL`` and ``--json`` go before the command or after any ``cache`` command
+(``agentspec cache stats --db URL --json``); ``--db`` defaults to ``$AGENTSPEC_DB``, else the
+SQLite file under ``$AGENTSPEC_HOME``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from agentspec.cli.cache import cache_app
-from agentspec.cli.common import Options, db_url, fail, handles_errors
+from agentspec.cli.common import JsonOpt, Options, db_option, db_url, fail, handles_errors
 
 app = typer.Typer(
     name="agentspec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -30,12 +31,8 @@ app.add_typer(cache_app, name="cache")
 
 @app.callback()
 def _root(ctx: typer.Context,
-          db: Annotated[str | None, typer.Option(
-              "--db", metavar="URL", envvar="AGENTSPEC_DB", show_envvar=True,
-              help="Memory database (SQLAlchemy URL); default the SQLite file under "
-                   "AGENTSPEC_HOME.")] = None,
-          json_out: Annotated[bool, typer.Option(
-              "--json", help="Machine-readable JSON from read commands.")] = False) -> None:
+          db: Annotated[str | None, db_option(envvar="AGENTSPEC_DB", show_envvar=True)] = None,
+          json_out: JsonOpt = False) -> None:
     ctx.obj = Options(db=db, json=json_out)
 
 

@@ -7,6 +7,7 @@ input. Errors print one line on stderr, never a traceback. Nothing here imports 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import re
 import struct
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -69,7 +70,7 @@ def handles_errors(fn: F) -> F:
 
 @dataclass
 class Options:
-    """The global options, kept in ``ctx.obj``."""
+    """``--db`` and ``--json``, kept in the root ``ctx.obj``; the last one given wins."""
 
     db: str | None = None
     json: bool = False
@@ -82,14 +83,57 @@ def options(ctx: typer.Context) -> Options:
     return root.obj
 
 
+# The one definition of --db and --json. They are taken before the command (with the
+# AGENTSPEC_DB fallback there only), after ``cache`` and after every cache subcommand.
+DB_HELP = "Memory database (SQLAlchemy URL); default the SQLite file under AGENTSPEC_HOME."
+
+
+def db_option(**extra: Any) -> Any:
+    return typer.Option("--db", metavar="URL", help=DB_HELP, **extra)
+
+
+DbOpt = Annotated[str | None, db_option()]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+
+
+def set_options(ctx: typer.Context, db: str | None, json_out: bool) -> None:
+    opts = options(ctx)
+    if db is not None:
+        opts.db = db
+    opts.json = opts.json or json_out
+
+
+def cache_command(fn: F) -> F:
+    """A ``cache`` subcommand: one-line errors (:func:`handles_errors`) and the shared ``--db``
+    and ``--json`` after it too; ``fn`` takes ``ctx`` and reads them with :func:`db_url`
+    and :func:`want_json`."""
+    handled = handles_errors(fn)
+    sig = inspect.signature(fn, eval_str=True)
+    if "ctx" not in sig.parameters:
+        raise TypeError(f"{fn.__name__} needs a ctx: typer.Context parameter")
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, db: str | None = None, json_out: bool = False, **kwargs: Any) -> Any:
+        set_options(kwargs["ctx"], db, json_out)
+        return handled(*args, **kwargs)
+
+    shared = [inspect.Parameter("db", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                annotation=DbOpt),
+              inspect.Parameter("json_out", inspect.Parameter.KEYWORD_ONLY, default=False,
+                                annotation=JsonOpt)]
+    wrapper.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[*sig.parameters.values(), *shared])
+    return wrapper  # type: ignore[return-value]
+
+
 def db_url(ctx: typer.Context) -> str:
     from agentspec.home import default_db_url
 
     return options(ctx).db or default_db_url()
 
 
-def want_json(ctx: typer.Context, flag: bool) -> bool:
-    return flag or options(ctx).json
+def want_json(ctx: typer.Context) -> bool:
+    return options(ctx).json
 
 
 def sqlite_path(url: str) -> Path | None:
@@ -126,6 +170,14 @@ def open_store(ctx: typer.Context, *, create: bool = False) -> Iterator[Any]:
 
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
+
+
+def report(ctx: typer.Context, summary: dict[str, Any], text: str) -> None:
+    """What a write command did: ``summary`` as JSON on stdout with ``--json``, else ``text``."""
+    if want_json(ctx):
+        print_json(summary)
+    else:
+        console.print(text, markup=False)
 
 
 def stdin_is_tty() -> bool:

@@ -16,16 +16,17 @@ import typer
 
 from agentspec.cli.common import (
     EXIT_FAIL,
+    cache_command,
     confirm,
     console,
     embedder_by_name,
     err_console,
-    handles_errors,
     index_dir,
     index_files,
     open_store,
     print_json,
     progress,
+    report,
     want_json,
 )
 from agentspec.types import Record
@@ -63,7 +64,7 @@ def _embed_missing(store: Any, name: str | None, yes: bool) -> int:
     return len(missing)
 
 
-@handles_errors
+@cache_command
 def reindex(ctx: typer.Context,
             embedder: Annotated[str | None, typer.Option(
                 "--embedder", hidden=True, help="Embedder for rows without embeddings.")] = None,
@@ -89,8 +90,11 @@ def reindex(ctx: typer.Context,
                 memory.rebuild(scope)
                 memory.save()
                 bar.advance(task, n)
-    console.print(f"embedded {embedded} row(s); rebuilt {len(groups)} index file(s) with "
-                  f"{sum(groups.values())} vector(s) in {index_dir()}")
+    vectors = sum(groups.values())
+    report(ctx, {"embedded": embedded, "index_files": len(groups), "vectors": vectors,
+                 "index_dir": str(index_dir())},
+           f"embedded {embedded} row(s); rebuilt {len(groups)} index file(s) with {vectors} "
+           f"vector(s) in {index_dir()}")
 
 
 def _model_vocab(model: str, fallback: int | None) -> int:
@@ -187,12 +191,11 @@ def _scan(store: Any, vocab_of: Callable[[str], int], problems: list[str]) -> in
     return len(ids)
 
 
-@handles_errors
+@cache_command
 def verify(ctx: typer.Context,
            vocab_size: Annotated[int | None, typer.Option(
                "--vocab-size", min=1, help="Token ids must be below this when the model's "
-               "files are not at hand (default 2**31).")] = None,
-           json_out: Annotated[bool, typer.Option("--json", help="JSON on stdout.")] = False) -> None:
+               "files are not at hand (default 2**31).")] = None) -> None:
     """Check rows (decode, token ids, embeddings) and index files against SQL; exit 1 if bad.
 
     Every row must decode, its token ids lie in the model's vocabulary, its embedding have the
@@ -212,7 +215,7 @@ def verify(ctx: typer.Context,
         rows = _scan(store, vocab_of, problems)
         n_index = _check_indexes(store, problems)
         url = store.url
-    if want_json(ctx, json_out):
+    if want_json(ctx):
         print_json({"database": url, "rows": rows, "index_files": n_index, "vocab_sizes": vocabs,
                     "ok": not problems, "problems": problems})
     else:
