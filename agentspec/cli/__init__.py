@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import time
 from typing import Annotated, Any
 
 import typer
@@ -46,6 +47,15 @@ def _summary(stats: Any) -> str:
             f"tokens ({rate})" + (f" [{by_source}]" if by_source else ""))
 
 
+def _warm(spec: Any) -> None:
+    """The one-time work before the first call: the forward cost calibration and the embedder
+    (``Speculator.warmup``), and the check of the forward widths."""
+    spec.warmup()
+    check_widths = getattr(spec.target, "check_widths", None)
+    if check_widths is not None:
+        check_widths()
+
+
 def _load(model: str, url: str) -> Any:
     from agentspec.speculator import Speculator
 
@@ -69,6 +79,9 @@ def generate(ctx: typer.Context, prompt: str,
                                "chat template.")] = False) -> None:
     """Generate a completion: text on stdout, a speed/acceptance summary on stderr.
 
+    The summary gives the load (model conversion or loading, the memory) and the warmup
+    (forward cost calibration, the embedder) apart from the generation time and speed.
+
     Example: agentspec generate "Write a haiku about caches" --max-new-tokens 64
     """
     from agentspec.config import SamplingParams
@@ -76,7 +89,13 @@ def generate(ctx: typer.Context, prompt: str,
 
     sampling = SamplingParams(temperature=temperature)
     request: Any = prompt if raw else [{"role": "user", "content": prompt}]
+    started = time.perf_counter()
     spec = _load(model, db_url(ctx))
+    loaded = time.perf_counter()
+    _warm(spec)
+    warmed = time.perf_counter()
+    print(f"load {loaded - started:.2f} s, warmup {warmed - loaded:.2f} s (not counted in the "
+          f"generation time below)", file=sys.stderr, flush=True)
     if no_stream:
         gen = spec.generate(request, max_new_tokens, sampling=sampling, scope=scope)
         sys.stdout.write(gen.text + "\n")
