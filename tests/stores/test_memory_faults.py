@@ -1,8 +1,8 @@
 """Memory faults degrade, never fail: the memory is an accelerator, drafts are verified exactly.
 
 Faults: the database down and back (PostgreSQL stopped and restarted in a private cluster;
-SQLite's folder removed and restored), a write lock held, a read-only database, a full disk,
-corrupt index files. In each: no call raises, the failure is warned about once (naming the
+SQLite's folder removed and restored), a write lock held, a read-only database, a full disk
+(corrupt index files: test_index_faults.py). In each: no call raises, the failure is warned about once (naming the
 database and the fix), completions recorded meanwhile wait in a bounded queue and are written
 when the store is back; what the bound drops is counted in ``stats()["faults"]``. The real
 model's greedy output stays that of plain decoding throughout.
@@ -27,7 +27,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 from sqlalchemy import event
 
@@ -219,8 +218,16 @@ def test_breaker_leaves_a_failed_store_alone_until_the_retry_interval(sqlite_fol
     memory.close()
 
 
-def test_queued_records_survive_close_when_the_store_is_back_and_are_said_lost_when_not(
-        sqlite_folder: Outage) -> None:
+def test_close_writes_the_queue_or_says_how_many_are_lost(sqlite_folder: Outage) -> None:
+    memory = CompletionMemory.open(sqlite_folder.url, embedder=HashEmbedder(),
+                                   retry_interval_s=3600)
+    with catching():
+        sqlite_folder.down()
+        rec(memory, "queued")
+        sqlite_folder.up()
+        memory.close()  # tries now, whatever the retry interval
+    with SQLStore(sqlite_folder.url) as store:
+        assert keys_in(store) == ["queued"]
     memory = CompletionMemory.open(sqlite_folder.url, embedder=HashEmbedder(), retry_interval_s=0)
     with catching() as caught:
         sqlite_folder.down()
@@ -383,80 +390,6 @@ def test_write_lock_held_too_long_queues_and_reads_go_on(tmp_path: Path) -> None
     assert len(said) == 1 and "locked" in said[0] and "write lock" in said[0]
     assert keys_in(memory.store) == ["known", "while locked", "unlocked"]
     memory.store.close()
-
-
-# --- corrupt index files ---------------------------------------------------------------------
-def _truncate(faiss: Path, meta: Path) -> None:
-    faiss.write_bytes(faiss.read_bytes()[:100])
-
-
-def _empty(faiss: Path, meta: Path) -> None:
-    faiss.write_bytes(b"")
-
-
-def _garbage(faiss: Path, meta: Path) -> None:
-    faiss.write_bytes(np.random.default_rng(0).bytes(len(faiss.read_bytes())))
-
-
-def _huge_count(faiss: Path, meta: Path) -> None:
-    data = bytearray(faiss.read_bytes())
-    data[8:16] = (2**40).to_bytes(8, "little")  # ntotal in the IndexIDMap2 header
-    faiss.write_bytes(bytes(data))
-
-
-def _bad_meta(faiss: Path, meta: Path) -> None:
-    meta.write_text("{not json")
-
-
-def _other_dim(faiss: Path, meta: Path) -> None:
-    from agentspec.stores import FaissIndex
-
-    FaissIndex(8).save(faiss)
-
-
-def _watermark_ahead(faiss: Path, meta: Path) -> None:
-    import json
-
-    from agentspec.stores import FaissIndex
-
-    FaissIndex(HashEmbedder().dim).save(faiss)  # empty, but the note claims every id was seen
-    note = json.loads(meta.read_text())
-    meta.write_text(json.dumps({**note, "watermark": 10**9}))
-
-
-@pytest.mark.parametrize("damage", [_truncate, _empty, _garbage, _huge_count, _bad_meta,
-                                    _other_dim, _watermark_ahead], ids=lambda f: f.__name__[1:])
-def test_corrupt_index_file_is_rebuilt_from_sql(tmp_path: Path, damage: Callable) -> None:
-    url, index_dir = f"sqlite:///{tmp_path / 'm.db'}", tmp_path / "index"
-    with CompletionMemory.open(url, embedder=HashEmbedder(), index_dir=index_dir) as memory:
-        ids = [rec(memory, f"key {i}") for i in range(6)]
-    damage(next(index_dir.glob("*.faiss")), next(index_dir.glob("*.json")))
-    with catching() as caught:
-        memory = CompletionMemory.open(url, embedder=HashEmbedder(), index_dir=index_dir)
-        hits = memory.lookup("key 4", scope="s", model="m", k=1)
-    assert hits[0][0].id == ids[4] and memory.stats()["indexes"] == {"s": 6}
-    said = fault_warnings(caught)
-    if damage is _watermark_ahead:  # a sound file that disagrees with SQL: reconciled quietly
-        assert said == []
-    else:
-        assert len(said) == 1 and "rebuilding it from the store" in said[0]
-    memory.close()
-    with catching() as caught:  # the rebuilt index was saved: no warning the next time
-        with CompletionMemory.open(url, embedder=HashEmbedder(), index_dir=index_dir) as again:
-            assert again.lookup("key 2", scope="s", model="m", k=1)[0][0].id == ids[2]
-    assert fault_warnings(caught) == []
-
-
-def test_index_files_that_cannot_be_saved_are_warned_about(tmp_path: Path) -> None:
-    blocker = tmp_path / "index"
-    blocker.write_text("a file where the index folder should be")
-    memory = CompletionMemory.open(f"sqlite:///{tmp_path / 'm.db'}", embedder=HashEmbedder(),
-                                   index_dir=blocker)
-    rec(memory, "key")
-    with catching() as caught:
-        memory.close()
-    said = fault_warnings(caught)
-    assert len(said) == 1 and "not saved" in said[0]
 
 
 def test_bad_fault_options_are_refused() -> None:
