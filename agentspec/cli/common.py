@@ -85,7 +85,8 @@ def options(ctx: typer.Context) -> Options:
 
 # The one definition of --db and --json. They are taken before the command (with the
 # AGENTSPEC_DB fallback there only), after ``cache`` and after every cache subcommand.
-DB_HELP = "Memory database (SQLAlchemy URL); default the SQLite file under AGENTSPEC_HOME."
+DB_HELP = ("Memory database (SQLAlchemy URL); default AGENTSPEC_DB, else the SQLite file under "
+           "AGENTSPEC_HOME. The last --db given wins.")
 
 
 def db_option(**extra: Any) -> Any:
