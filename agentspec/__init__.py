@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from agentspec.config import SamplingParams, SpecConfig
 from agentspec.errors import (
     AgentSpecError,
+    MemoryFaultWarning,
     ModelNotAvailableError,
     StoreError,
     UnsupportedModelError,
@@ -39,6 +40,7 @@ __all__ = [
     "Generation",
     "GenerationStats",
     "HFTarget",
+    "MemoryFaultWarning",
     "ModelNotAvailableError",
     "Record",
     "SamplingParams",

@@ -15,3 +15,7 @@ class UnsupportedModelError(AgentSpecError):
 
 class StoreError(AgentSpecError):
     """The completion memory's database cannot be opened, read or written."""
+
+
+class MemoryFaultWarning(RuntimeWarning):
+    """The completion memory's database failed; generation goes on without it (said once)."""

@@ -7,56 +7,35 @@ and when the store's row count for the scope disagrees with the index size it re
 two id sets, dropping ids that were deleted (evicted or pruned elsewhere) and adding missed
 ones. A wrong or stale hit only costs speed: drafts are verified exactly.
 
+The memory is an accelerator, so its database failing must not fail a generation: ``lookup``,
+``completions``, ``record`` and ``credit`` never raise StoreError. A failure is warned about
+once, lookups answer nothing while it lasts, and recorded completions wait in a bounded queue
+until writes succeed again (see :mod:`agentspec.memory_guard`). A corrupt index file is
+rebuilt from the store. ``search``, ``rebuild`` and ``records`` raise: they serve the CLI.
+
 Importing this module does not import torch; the default embedder loads it on first use.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from agentspec.embedder import MiniLMEmbedder, truncate_middle
-from agentspec.errors import StoreError
-from agentspec.protocols import Embedder, RecordStore
+from agentspec.errors import MemoryFaultWarning, StoreError
+from agentspec.memory_guard import StoreGuard
+from agentspec.memory_index import ScopeIndex, load_index, save_index
+from agentspec.protocols import Embedder, MemoryStore
 from agentspec.stores.faiss_index import FaissIndex
 from agentspec.stores.sql import SQLStore
 from agentspec.types import Record
-
-
-class MemoryStore(RecordStore, Protocol):
-    """A RecordStore with the queries the memory needs (SQLStore and InMemoryStore have them)."""
-
-    def count(self, *, scope: str | None = None, model: str | None = None,
-              embedder: str | None = None) -> int: ...
-
-    def ids(self, *, scope: str | None = None, embedder: str | None = None) -> np.ndarray: ...
-
-    def ids_after(self, after_id: int, *, scope: str | None = None, model: str | None = None,
-                  embedder: str | None = None) -> list[tuple[int, np.ndarray]]: ...
-
-    def evict_to_caps(self, max_tokens_per_scope: int | None, max_tokens_total: int | None,
-                      *, scope: str | None = None) -> list[int]: ...
-
-    def stats(self) -> dict[str, Any]: ...
-
-
-@dataclass
-class _ScopeIndex:
-    """The in-process index of one (scope, embedder): mutable, owned by the memory."""
-
-    index: FaissIndex
-    watermark: int = 0  # every store id <= watermark has been seen
-    synced_at: float = float("-inf")  # time.monotonic() of the last sync
 
 
 class CompletionMemory:
@@ -70,11 +49,14 @@ class CompletionMemory:
         max_tokens_per_scope: cap on completion tokens per scope (``None``: no cap).
         max_tokens_total: cap on completion tokens in the store (``None``: no cap).
         sync_interval_s: least time between two checks for rows written by other processes.
+        max_pending: completions kept while the store cannot be written (0: none kept).
+        retry_interval_s: least time between two attempts on a store that failed.
     """
 
     def __init__(self, store: MemoryStore, *, embedder: Embedder | None = None,
                  index_dir: Path | None = None, max_tokens_per_scope: int | None = 2_000_000,
-                 max_tokens_total: int | None = 20_000_000, sync_interval_s: float = 0.25) -> None:
+                 max_tokens_total: int | None = 20_000_000, sync_interval_s: float = 0.25,
+                 max_pending: int = 1000, retry_interval_s: float = 5.0) -> None:
         for name, cap in (("max_tokens_per_scope", max_tokens_per_scope),
                           ("max_tokens_total", max_tokens_total)):
             if cap is not None and cap < 0:
@@ -87,13 +69,19 @@ class CompletionMemory:
         self.max_tokens_per_scope = max_tokens_per_scope
         self.max_tokens_total = max_tokens_total
         self.sync_interval_s = sync_interval_s
-        self._indexes: dict[tuple[str, str], _ScopeIndex] = {}
+        self._indexes: dict[tuple[str, str], ScopeIndex] = {}
         self._lock = threading.RLock()
         self._owns_store = False
+        self._guard = StoreGuard(max_pending=max_pending, retry_interval_s=retry_interval_s)
 
     @classmethod
     def open(cls, url: str | None = None, **kw: Any) -> CompletionMemory:
-        """A memory on ``SQLStore(url)`` (``None``: the default SQLite file); ``kw`` as above."""
+        """A memory on ``SQLStore(url)`` (``None``: the default SQLite file); ``kw`` as above.
+
+        Raises:
+            StoreError: the database cannot be opened now. Only later failures are outages
+                that the memory rides out; one at the start is a setting to fix.
+        """
         memory = cls(SQLStore(url), **kw)
         memory._owns_store = True
         return memory
@@ -105,8 +93,17 @@ class CompletionMemory:
         return self._embedder
 
     def close(self) -> None:
-        """Save the indexes (when ``index_dir`` is set) and close a store opened by ``open``."""
-        self.save()
+        """Write the queued completions, save the indexes (when ``index_dir`` is set) and close
+        a store opened by ``open``; what cannot be written is warned about, not raised."""
+        left = self.flush()
+        if left:
+            warnings.warn(f"{left} queued completion(s) could not be written to "
+                          f"{self._store_id()} and are lost", MemoryFaultWarning, stacklevel=2)
+        try:
+            self.save()
+        except (OSError, RuntimeError) as e:  # derived data: rebuilt from the store next time
+            warnings.warn(f"memory index files not saved in {self.index_dir} ({e}); they are "
+                          f"rebuilt from the store next time", MemoryFaultWarning, stacklevel=2)
         if self._owns_store:
             self.store.close()  # type: ignore[attr-defined]
 
@@ -122,6 +119,7 @@ class CompletionMemory:
 
         Returns:
             ``(record, similarity)`` pairs; similarity is the inner product of unit vectors.
+            Empty while the store fails (never raises StoreError).
         """
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
@@ -129,16 +127,41 @@ class CompletionMemory:
             return []
         query = self._embed(key_text)
         with self._lock:
-            state = self._sync(scope)
-            size = len(state.index)
-            fetch = min(size, 2 * k)  # over-fetch a little: other models may share the scope
-            while True:
-                hits = state.index.search(query, fetch)
-                found = {r.id: r for r in self.store.get_many([i for i, _ in hits])}
-                out = [(found[i], s) for i, s in hits if i in found and found[i].model == model]
-                if len(out) >= k or fetch >= size:  # other models crowd the top: look deeper
-                    return out[:k]
-                fetch = min(size, fetch * 4)
+            self._flush()
+            if self._guard.due("read"):
+                try:
+                    out = self._nearest(query, scope, model, k)
+                except StoreError as e:
+                    self._guard.failed("read", e)
+                else:
+                    self._guard.succeeded("read")
+                    return out
+            self._guard.counts["lookups_skipped"] += 1
+            return []
+
+    def _nearest(self, query: np.ndarray, scope: str, model: str,
+                 k: int) -> list[tuple[Record, float]]:
+        state = self._sync(scope)
+        size = len(state.index)
+        fetch = min(size, 2 * k)  # over-fetch a little: other models may share the scope
+        while True:
+            hits = state.index.search(query, fetch)
+            found = {r.id: r for r in self.store.get_many([i for i, _ in hits])}
+            out = [(found[i], s) for i, s in hits if i in found and found[i].model == model]
+            if len(out) >= k or fetch >= size:  # other models crowd the top: look deeper
+                return out[:k]
+            fetch = min(size, fetch * 4)
+
+    def completions(self, *, scope: str, model: str, after_id: int = 0) -> Iterator[Record]:
+        """Records of ``scope`` and ``model`` with ``id > after_id``, in id order, for drafters:
+        when the store fails the iteration ends early (never raises StoreError)."""
+        if not self._guard.due("read"):
+            return
+        try:
+            yield from self.store.iter(scope=scope, model=model, after_id=after_id)
+        except StoreError as e:
+            with self._lock:
+                self._guard.failed("read", e)
 
     def record(self, *, scope: str, model: str, request_text: str, key_text: str,
                completion_text: str, completion_ids: Sequence[int]) -> int:
@@ -147,8 +170,9 @@ class CompletionMemory:
 
         Returns:
             The record id (an exact duplicate returns the existing id and bumps its hits), or
-            ``-1`` when ``completion_ids`` is empty: an empty completion drafts nothing, so it
-            is not stored.
+            ``-1`` when ``completion_ids`` is empty (an empty completion drafts nothing, so it
+            is not stored) or when the store cannot be written now: the record then waits in
+            a bounded queue (never raises StoreError).
         """
         if len(completion_ids) == 0:
             return -1
@@ -156,20 +180,69 @@ class CompletionMemory:
         record = Record(scope=scope, model=model, request_text=request_text, key_text=key_text,
                         completion_text=completion_text,
                         completion_ids=tuple(int(t) for t in completion_ids),
-                        embedding=vector, embedder=self.embedder.name)
-        rid, _created = self.store.add(record)
+                        embedding=vector, embedder=self.embedder.name, created_at=time.time())
         with self._lock:
-            self._sync(scope, force=True)
-            evicted = self.store.evict_to_caps(self.max_tokens_per_scope, self.max_tokens_total,
-                                               scope=scope)
-            if evicted:
-                for state in self._indexes.values():
-                    state.index.remove(evicted)
+            self._flush()
+            if self._guard.pending or not self._guard.due("write"):  # keep the order
+                self._guard.queue(record)
+                return -1
+            try:
+                rid, _created = self.store.add(record)
+            except StoreError as e:
+                self._guard.failed("write", e)
+                self._guard.queue(record)
+                return -1
+            self._guard.succeeded("write")
+            self._upkeep([scope])
         return rid
 
+    def flush(self) -> int:
+        """Try to write the queued completions now; returns how many are still queued."""
+        with self._lock:
+            self._flush(force=True)
+            return len(self._guard.pending)
+
+    def _flush(self, *, force: bool = False) -> None:
+        """Write the queue, oldest first, in one transaction (when writes are due)."""
+        guard = self._guard
+        if not guard.pending or not (force or guard.due("write")):
+            return
+        batch = list(guard.pending)
+        try:
+            self.store.add_many(batch)  # one transaction: all or none
+        except StoreError as e:
+            guard.failed("write", e)
+            return
+        guard.pending.clear()
+        guard.counts["records_flushed"] += len(batch)
+        guard.succeeded("write")
+        self._upkeep(sorted({r.scope for r in batch}))
+
+    def _upkeep(self, scopes: Sequence[str]) -> None:
+        """After a write: bring the scopes' indexes up to date, evict above the caps."""
+        try:
+            for scope in scopes:
+                self._sync(scope, force=True)
+                evicted = self.store.evict_to_caps(self.max_tokens_per_scope,
+                                                   self.max_tokens_total, scope=scope)
+                for state in self._indexes.values() if evicted else ():
+                    state.index.remove(evicted)
+        except StoreError as e:  # the row is stored: the next sync catches up
+            self._guard.failed("write", e)
+
     def credit(self, record_id: int, accepted_tokens: int) -> None:
-        """Note that a draft from ``record_id`` had ``accepted_tokens`` accepted (LRU + stats)."""
-        self.store.touch(record_id, accepted_tokens=accepted_tokens)
+        """Note that a draft from ``record_id`` had ``accepted_tokens`` accepted (LRU + stats);
+        dropped (and counted) while the store cannot be written."""
+        with self._lock:
+            if self._guard.due("write"):
+                try:
+                    self.store.touch(record_id, accepted_tokens=accepted_tokens)
+                except StoreError as e:
+                    self._guard.failed("write", e)
+                else:
+                    self._guard.succeeded("write")
+                    return
+            self._guard.counts["credits_dropped"] += 1
 
     def search(self, text: str, k: int = 5, scope: str | None = None) -> list[tuple[Record, float]]:
         """Up to ``k`` records most similar to ``text``, any model, in ``scope`` (None: all)."""
@@ -188,16 +261,38 @@ class CompletionMemory:
         return [(found[i], s) for i, s in hits if i in found]
 
     def stats(self) -> dict[str, Any]:
-        """The store's ``stats()`` plus ``embedder`` and ``indexes`` (vectors per loaded scope)."""
-        out = self.store.stats()
+        """The store's ``stats()`` plus ``embedder``, ``indexes`` (vectors per loaded scope),
+        ``faults`` (:meth:`StoreGuard.stats`: queued, dropped and flushed completions, skipped
+        lookups, the last errors) and ``store_error`` (None, or why the store's totals are
+        missing: it cannot be read)."""
+        try:
+            out = self.store.stats()
+            out["store_error"] = None
+        except StoreError as e:
+            out = {"store_error": str(e)}
         out["embedder"] = self.embedder.name
         with self._lock:
             out["indexes"] = {s: len(st.index) for (s, _), st in self._indexes.items()}
+            out["faults"] = self._guard.stats()
         return out
 
     def records(self, scope: str | None = None, model: str | None = None) -> Iterator[Record]:
         """Every record of ``scope`` and ``model`` (None: any), in id order."""
         return self.store.iter(scope=scope, model=model)
+
+    def rebuild(self, scope: str) -> int:
+        """Build the index of ``scope`` afresh from the store's rows (a saved file is ignored,
+        and replaced by the next ``save``); returns how many vectors it holds.
+
+        Raises:
+            StoreError: the store cannot be read.
+        """
+        with self._lock:
+            state = ScopeIndex(FaissIndex(int(self.embedder.dim)))
+            self._add_rows(state, self.store.ids_after(0, scope=scope, embedder=self.embedder.name))
+            state.synced_at = time.monotonic()
+            self._indexes[(scope, self.embedder.name)] = state
+            return len(state.index)
 
     def save(self) -> None:
         """Write every loaded index to ``index_dir`` (nothing when it is None)."""
@@ -205,19 +300,20 @@ class CompletionMemory:
             return
         with self._lock:
             for (scope, _), state in self._indexes.items():
-                self._save(scope, state)
+                save_index(self.index_dir, scope, self.embedder.name, self._store_id(), state)
 
     # --- index upkeep ------------------------------------------------------------------------
     def _embed(self, text: str) -> np.ndarray:
         vectors = self.embedder.embed([text])  # [1, dim]
         return np.ascontiguousarray(vectors[0], np.float32)
 
-    def _sync(self, scope: str, *, force: bool = False) -> _ScopeIndex:
+    def _sync(self, scope: str, *, force: bool = False) -> ScopeIndex:
         """The index of ``scope``, brought up to date with the store when due."""
         key = (scope, self.embedder.name)
         state = self._indexes.get(key)
         if state is None:
-            state = self._indexes[key] = self._load(scope)
+            state = self._indexes[key] = load_index(self.index_dir, scope, self.embedder.name,
+                                                    int(self.embedder.dim), self._store_id())
             force = True
         now = time.monotonic()
         if not force and now - state.synced_at < self.sync_interval_s:
@@ -231,7 +327,7 @@ class CompletionMemory:
         state.synced_at = now
         return state
 
-    def _add_rows(self, state: _ScopeIndex, rows: Iterable[tuple[int, np.ndarray]]) -> None:
+    def _add_rows(self, state: ScopeIndex, rows: Iterable[tuple[int, np.ndarray]]) -> None:
         dim = state.index.dim
         rows = [(i, v) for i, v in rows if v.shape == (dim,)]
         if rows:
@@ -239,7 +335,7 @@ class CompletionMemory:
             state.index.add(ids, np.stack([v for _, v in rows]))  # [n, dim]
             state.watermark = max(state.watermark, max(ids))
 
-    def _reconcile(self, scope: str, state: _ScopeIndex) -> None:
+    def _reconcile(self, scope: str, state: ScopeIndex) -> None:
         """Make the index hold exactly the store's embedded ids of ``scope``."""
         in_store = self.store.ids(scope=scope, embedder=self.embedder.name)
         in_index = state.index.ids()
@@ -250,46 +346,8 @@ class CompletionMemory:
                     if r.embedding is not None]
             self._add_rows(state, rows)  # type: ignore[arg-type]
 
-    def _paths(self, scope: str) -> tuple[Path, Path]:
-        assert self.index_dir is not None
-        digest = hashlib.sha256(scope.encode("utf-8")).hexdigest()[:16]
-        stem = f"{digest}-{re.sub(r'[^A-Za-z0-9._-]', '_', self.embedder.name)}"
-        return self.index_dir / f"{stem}.faiss", self.index_dir / f"{stem}.json"
-
     def _store_id(self) -> str:
         return str(getattr(self.store, "url", type(self.store).__name__))
-
-    def _load(self, scope: str) -> _ScopeIndex:
-        """The saved index of ``scope`` when there is a sound one, else an empty index."""
-        dim = int(self.embedder.dim)
-        if self.index_dir is None:
-            return _ScopeIndex(FaissIndex(dim))
-        index_path, meta_path = self._paths(scope)
-        if not index_path.exists():
-            return _ScopeIndex(FaissIndex(dim))
-        try:
-            meta: Mapping[str, Any] = json.loads(meta_path.read_text())
-            index = FaissIndex.load(index_path)
-            expected = (scope, self.embedder.name, dim, self._store_id())
-            found = (meta["scope"], meta["embedder"], index.dim, meta["store"])
-            if found != expected:
-                raise StoreError(f"{index_path} was built for {found}, not {expected}")
-            return _ScopeIndex(index, watermark=int(meta["watermark"]))
-        except (StoreError, OSError, ValueError, KeyError, TypeError) as e:
-            warnings.warn(f"memory index {index_path} is unusable ({e}); rebuilding it from "
-                          f"the store", RuntimeWarning, stacklevel=4)
-            return _ScopeIndex(FaissIndex(dim))
-
-    def _save(self, scope: str, state: _ScopeIndex) -> None:
-        assert self.index_dir is not None
-        self.index_dir.mkdir(parents=True, exist_ok=True)
-        index_path, meta_path = self._paths(scope)
-        state.index.save(index_path)
-        meta = {"scope": scope, "embedder": self.embedder.name, "store": self._store_id(),
-                "watermark": state.watermark}
-        tmp = meta_path.with_name(f".{meta_path.name}.tmp")
-        tmp.write_text(json.dumps(meta))
-        tmp.replace(meta_path)
 
 
 def _render(message: Mapping[str, Any], i: int) -> str:

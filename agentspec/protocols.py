@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -88,6 +88,25 @@ class RecordStore(Protocol):
     def max_id(self) -> int: ...
 
     def __len__(self) -> int: ...
+
+
+class MemoryStore(RecordStore, Protocol):
+    """A RecordStore with the queries the memory needs (SQLStore and InMemoryStore have them)."""
+
+    def count(self, *, scope: str | None = None, model: str | None = None,
+              embedder: str | None = None) -> int: ...
+
+    def ids(self, *, scope: str | None = None, embedder: str | None = None) -> np.ndarray: ...
+
+    def add_many(self, records: Iterable[Record]) -> int: ...
+
+    def ids_after(self, after_id: int, *, scope: str | None = None, model: str | None = None,
+                  embedder: str | None = None) -> list[tuple[int, np.ndarray]]: ...
+
+    def evict_to_caps(self, max_tokens_per_scope: int | None, max_tokens_total: int | None,
+                      *, scope: str | None = None) -> list[int]: ...
+
+    def stats(self) -> dict[str, Any]: ...
 
 
 @runtime_checkable

@@ -142,6 +142,14 @@ class InMemoryStore:
         self._by_hash[h] = rid
         return rid, True
 
+    def add_many(self, records: Iterable[Record]) -> int:
+        """Insert many records; duplicates are skipped (hits unchanged). Returns how many were
+        inserted. All are checked before any is inserted."""
+        batch = list(records)
+        for r in batch:
+            check_record(r)
+        return sum(self.add(r)[1] for r in batch if content_hash(r) not in self._by_hash)
+
     def get(self, record_id: int) -> Record | None:
         return self._rows.get(int(record_id))
 

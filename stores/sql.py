@@ -1,26 +1,22 @@
 """SQLStore: the completion memory's source of truth, on SQLAlchemy 2 (SQLite or PostgreSQL).
 
-SQLite (the default, a file under ``AGENTSPEC_HOME``) runs in WAL mode with a busy timeout;
-every write transaction starts with ``BEGIN IMMEDIATE`` so that writers from several processes
-queue for the lock instead of failing on a stale read snapshot. PostgreSQL is reached through
-psycopg 3 (``postgresql+psycopg://user:pass@host/db``). The unique ``content_hash`` column makes
-``add`` race-safe across processes. No torch or transformers here: the CLI stays fast.
+SQLite is the default (a file under ``AGENTSPEC_HOME``); PostgreSQL is reached through psycopg 3
+(``postgresql+psycopg://user:pass@host/db``); engines and error mapping live in
+:mod:`agentspec.stores.sql_engine`. The unique ``content_hash`` column makes ``add`` race-safe
+across processes. Every database failure is raised as ``StoreError``. No torch or transformers
+here: the CLI stays fast.
 """
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from sqlalchemy import Connection, create_engine, delete, event, func, insert, select, update
-from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
-from sqlalchemy.pool import StaticPool
+from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from agentspec.errors import StoreError
 from agentspec.home import default_db_url
@@ -33,6 +29,7 @@ from agentspec.stores.memory_store import (
     empty_stats,
     lru_victims,
 )
+from agentspec.stores.sql_engine import dialect_insert, make_engine, mask_url, store_errors
 from agentspec.stores.sql_schema import (
     SCHEMA_VERSION,
     prepare,
@@ -49,76 +46,34 @@ _SORT_COLUMNS = {"recent": records.c.last_used_at, "hits": records.c.hits,
                  "size": records.c.num_tokens, "accepted": records.c.accepted_tokens}
 
 
-def mask_url(url: str) -> str:
-    """``url`` with its password replaced by ``***``."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except SQLAlchemyError:
-        return re.sub(r"(//[^:/@]*:)[^@]*@", r"\1***@", url)
-
-
-def _sqlite_engine(url: str) -> Engine:
-    database = make_url(url).database
-    if database and database != ":memory:" and not database.startswith("file:"):
-        Path(database).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url)
-    else:
-        engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
-
-    @event.listens_for(engine, "connect")
-    def _connect(dbapi_conn: Any, _record: Any) -> None:
-        dbapi_conn.isolation_level = None  # the "begin" hook below issues BEGIN itself
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA busy_timeout = 30000")
-        cur.execute("PRAGMA journal_mode = WAL")
-        cur.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL survives a killed process
-        cur.close()
-
-    @event.listens_for(engine, "begin")
-    def _begin(conn: Connection) -> None:
-        write = conn.get_execution_options().get("agentspec_write", False)
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
-
-    return engine
-
-
-def _dialect_insert(dialect: str) -> Any:
-    """``insert`` with ``on_conflict_do_nothing`` for SQLite or PostgreSQL."""
-    if dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-        return sqlite_insert
-    from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-    return pg_insert
-
-
 class SQLStore:
     """A RecordStore on SQLite or PostgreSQL, plus the queries the memory and the CLI need.
 
     Args:
         url: a SQLAlchemy URL; ``None`` means ``agentspec.home.default_db_url()`` (a SQLite
             file whose folder is created).
+        busy_timeout_s: SQLite only: how long a write waits for another process's lock.
 
     Raises:
         StoreError: the database cannot be opened or reached (names the URL, password masked),
-            or its schema is newer than this agentspec.
+            or its schema is newer than this agentspec. A read-only database opens when its
+            schema is current (writes then raise StoreError).
     """
 
-    def __init__(self, url: str | None = None) -> None:
+    def __init__(self, url: str | None = None, *, busy_timeout_s: float = 30.0) -> None:
+        if not busy_timeout_s >= 0:
+            raise ValueError(f"busy_timeout_s must be >= 0, got {busy_timeout_s}")
         self._url = default_db_url() if url is None else url
         self.url = mask_url(self._url)
         try:
-            backend = make_url(self._url).get_backend_name()
-            if backend == "sqlite":
-                self._engine = _sqlite_engine(self._url)
-            else:
-                args = {"connect_timeout": 10} if backend == "postgresql" else {}
-                self._engine = create_engine(self._url, pool_pre_ping=True, connect_args=args)
-            with self._write() as conn:
-                if backend == "postgresql":
-                    conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_LOCK})")
-                prepare(conn, self.url)
+            self._engine = make_engine(self._url, busy_timeout_s=busy_timeout_s)
+            with self._read("open") as conn:
+                current = read_version(conn) == SCHEMA_VERSION
+            if not current:  # new or older: set up under the write lock (re-read there)
+                with self._write("open") as conn:
+                    if self._engine.dialect.name == "postgresql":
+                        conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_LOCK})")
+                    prepare(conn, self.url)
         except (SQLAlchemyError, OSError, ImportError, ValueError) as e:
             raise StoreError(f"cannot open the memory database {self.url}: {e}") from e
 
@@ -136,22 +91,16 @@ class SQLStore:
         self.close()
 
     @contextmanager
-    def _read(self) -> Iterator[Connection]:
-        try:
-            with self._engine.connect() as conn, conn.begin():
-                yield conn
-        except OperationalError as e:
-            raise StoreError(f"cannot read the memory database {self.url}: {e.orig}") from e
+    def _read(self, action: str = "read") -> Iterator[Connection]:
+        with store_errors(action, self.url), self._engine.connect() as conn, conn.begin():
+            yield conn
 
     @contextmanager
-    def _write(self) -> Iterator[Connection]:
-        try:
-            with self._engine.connect() as conn:
-                conn.execution_options(agentspec_write=True)
-                with conn.begin():
-                    yield conn
-        except OperationalError as e:
-            raise StoreError(f"cannot write the memory database {self.url}: {e.orig}") from e
+    def _write(self, action: str = "write") -> Iterator[Connection]:
+        with store_errors(action, self.url), self._engine.connect() as conn:
+            conn.execution_options(agentspec_write=True)
+            with conn.begin():
+                yield conn
 
     def schema_version(self) -> int:
         with self._read() as conn:
@@ -196,7 +145,7 @@ class SQLStore:
                 rows.append(row_values(r, now))
         if not rows:
             return 0
-        stmt = _dialect_insert(self._engine.dialect.name)(records).on_conflict_do_nothing(index_elements=["content_hash"])
+        stmt = dialect_insert(self._engine.dialect.name)(records).on_conflict_do_nothing(index_elements=["content_hash"])
         with self._write() as conn:
             before = conn.execute(select(func.count()).select_from(records)).scalar_one()
             conn.execute(stmt, rows)
@@ -310,6 +259,38 @@ class SQLStore:
             for scope, model, *values in conn.execute(stmt):
                 add_stats_row(out, scope, model, *values)
         return out
+
+    def embedding_groups(self, scope: str | None = None) -> dict[tuple[str, str, int], int]:
+        """Embedded rows per ``(scope, embedder, dim)`` (of ``scope`` only, unless None)."""
+        c = records.c
+        stmt = (select(c.scope, c.embedder, c.dim, func.count()).where(c.dim > 0, *self._filters(scope))
+                .group_by(c.scope, c.embedder, c.dim))
+        with self._read() as conn:
+            return {(s, e, int(d)): int(n) for s, e, d, n in conn.execute(stmt)}
+
+    def unembedded_ids(self) -> list[int]:
+        """Ids of rows stored without an embedding, in id order."""
+        stmt = select(records.c.id).where(records.c.dim == 0).order_by(records.c.id)
+        with self._read() as conn:
+            return [int(i) for i in conn.execute(stmt).scalars()]
+
+    def set_embeddings(self, rows: Sequence[tuple[int, np.ndarray]], embedder: str) -> int:
+        """Store each ``(id, float32 [dim] vector)`` as the embedding of a row that has none,
+        in one transaction; ids stay the same. Returns how many rows took one."""
+        c = records.c
+        stmt = (update(records).where(c.id == bindparam("rid"), c.dim == 0)
+                .values(embedding=bindparam("emb"), embedder=embedder, dim=bindparam("d"),
+                        num_bytes=c.num_bytes + 4 * bindparam("d")))
+        params = []
+        for rid, vector in rows:
+            vec = np.asarray(vector, "<f4").reshape(-1)
+            if not vec.size:
+                raise ValueError(f"row {rid}: an embedding needs at least one value")
+            params.append({"rid": int(rid), "emb": vec.tobytes(), "d": int(vec.size)})
+        if not params:
+            return 0
+        with self._write() as conn:
+            return int(conn.execute(stmt, params).rowcount)
 
     def list_records(self, scope: str | None = None, model: str | None = None,
                      sort: str = "recent", limit: int = 20) -> list[Record]:

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 import typer
 
-from agentspec.cli_common import EXIT_USAGE, console, err_console, fail, handles_errors, progress
+from agentspec.cli.common import EXIT_USAGE, console, err_console, fail, handles_errors, progress
 
 bench_app = typer.Typer(
     name="bench", add_completion=False, pretty_exceptions_enable=False,

@@ -31,7 +31,8 @@ class SuffixDrafter:
     """Frequency-ordered continuations of the longest suffix match over a scope's completions.
 
     Args:
-        memory: a :class:`agentspec.memory.CompletionMemory` (its store is read by id watermark).
+        memory: a :class:`agentspec.memory.CompletionMemory` (read by id watermark through
+            its ``completions``).
         model: the target's fingerprint.
         n_min / n_max: suffix match lengths.
         max_occurrences: continuations kept per n-gram (the most recent).
@@ -55,7 +56,9 @@ class SuffixDrafter:
 
     def begin(self, context: DraftContext) -> None:
         state = self._scopes.setdefault(context.scope, _ScopeText())
-        for rec in self.memory.store.iter(scope=context.scope, model=self.model, after_id=state.watermark):
+        # ends early (never raises) while the memory's store fails
+        for rec in self.memory.completions(scope=context.scope, model=self.model,
+                                           after_id=state.watermark):
             self._append(state, list(rec.completion_ids))
             state.watermark = max(state.watermark, rec.id or 0)
         if len(state.tokens) > self.max_scope_tokens:  # keep the most recent completions

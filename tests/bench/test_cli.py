@@ -150,7 +150,7 @@ def test_a_baseline_mismatch_is_a_finding_not_a_failure(tmp_path: Path, monkeypa
 
 def test_in_bf16_agentspec_must_equal_its_plain_decoding_not_hf_greedy() -> None:
     from agentspec.bench.cli import _fail_on_mismatch
-    from agentspec.cli_common import CliError
+    from agentspec.cli.common import CliError
 
     bf16 = {"dtype": "bf16", "exact_match": {"agentspec-plain": 0.5, "agentspec": 0.5},
             "same_as_plain": {"agentspec": 1.0}}

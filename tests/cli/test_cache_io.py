@@ -53,7 +53,7 @@ def test_export_to_stdout(cli: Invoke) -> None:
 
 
 def test_import_reports_bad_lines_and_keeps_good_ones(empty_url: str, tmp_path: Path) -> None:
-    from agentspec.cli_cache_io import to_line
+    from agentspec.cli.cache_io import to_line
 
     good = [json.loads(to_line(r)) for r in make_records(3)]
     listed = dict(good[2], embedding=good[2]["embedding_b64"] and

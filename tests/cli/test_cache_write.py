@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from agentspec.cli_common import CliError, parse_duration
+from agentspec.cli.common import CliError, parse_duration
 from agentspec.stores import SQLStore
 from tests.cli.conftest import Invoke
 
@@ -31,7 +31,7 @@ def test_rm_unknown_id_deletes_nothing(cli: Invoke) -> None:
 
 
 def test_confirm_on_a_terminal(cli: Invoke, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("agentspec.cli_common.stdin_is_tty", lambda: True)
+    monkeypatch.setattr("agentspec.cli.common.stdin_is_tty", lambda: True)
     no = cli("cache", "rm", "5", input="n\n")
     assert no.exit_code == 1 and _rows(cli) == 30
     yes = cli("cache", "rm", "5", input="y\n")

@@ -5,14 +5,17 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from agentspec.cli import app
+from agentspec.types import Generation, GenerationStats
 
 # Runs the CLI in this interpreter, then reports which heavy modules got imported.
 _WRAPPER = """
@@ -81,6 +84,43 @@ def test_generate_bad_input() -> None:
     assert CliRunner().invoke(app, ["generate", "hi", "--temperature", "-1"]).exit_code == 2
 
 
+class _SlowToStart:
+    """A speculator whose load and warmup take time and whose generation takes none."""
+
+    def __init__(self, events: list[str]) -> None:
+        time.sleep(0.3)
+        self.events = events
+        self.target = self
+
+    def warmup(self) -> None:
+        time.sleep(0.2)
+        self.events.append("warmup")
+
+    def check_widths(self) -> None:
+        self.events.append("widths")
+
+    def generate(self, request: object, max_new_tokens: int, **kw: object) -> Generation:
+        self.events.append("generate")
+        return Generation("hello", (1, 2, 3, 4),
+                          GenerationStats(steps=2, new_tokens=4, prompt_tokens=5, seconds=0.01,
+                                          drafted={"memory": 3}, accepted={"memory": 2}),
+                          "length")
+
+
+def test_generate_reports_load_and_warmup_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading and calibrating used to count as generation ("8 tokens in 46.59 s")."""
+    events: list[str] = []
+    monkeypatch.setattr("agentspec.cli._load", lambda model, url: _SlowToStart(events))
+    res = CliRunner().invoke(app, ["generate", "hi", "--no-stream"])
+    assert res.exit_code == 0, res.output
+    assert events == ["warmup", "widths", "generate"]  # calibrated before the call
+    setup, summary = res.stderr.strip().splitlines()[-2:]
+    load, warm = (float(x) for x in re.findall(r"(?:load|warmup) (\d+\.\d+) s", setup))
+    assert load >= 0.3 and warm >= 0.2
+    assert summary.startswith("4 tokens in 0.01 s (400.0 tok/s), 2 steps")
+    assert res.stdout == "hello\n"
+
+
 @pytest.mark.slow
 def test_generate_real_model(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from agentspec.home import model_dir
@@ -93,5 +133,6 @@ def test_generate_real_model(home: Path, monkeypatch: pytest.MonkeyPatch) -> Non
                                        *extra])
         assert res.exit_code == 0, res.output
         assert res.stdout.strip()
-        summary = res.stderr.strip().splitlines()[-1]
+        setup, summary = res.stderr.strip().splitlines()[-2:]
         assert " tokens in " in summary and "tok/s" in summary and "accepted" in summary
+        assert re.match(r"load \d+\.\d+ s, warmup \d+\.\d+ s", setup), setup

@@ -115,6 +115,19 @@ def test_index_files_are_saved_loaded_and_rebuilt_when_corrupt(tmp_path):
         assert hits[0][0].id == ids[4] and memory.stats()["indexes"] == {"s": 6}
 
 
+def test_rebuild_ignores_a_stale_index_file(tmp_path):
+    url, index_dir = f"sqlite:///{tmp_path / 'm.db'}", tmp_path / "indexes"
+    with CompletionMemory.open(url, embedder=HashEmbedder(), index_dir=index_dir) as memory:
+        ids = [rec(memory, f"key {i}") for i in range(4)]
+        rec(memory, "other scope", scope="t")
+    memory = CompletionMemory.open(url, embedder=HashEmbedder(), index_dir=index_dir)
+    memory.store.delete([ids[0]])
+    assert memory.rebuild("s") == 3 and memory.stats()["indexes"] == {"s": 3}
+    assert memory.lookup("key 1", scope="s", model="m", k=1)[0][0].id == ids[1]
+    assert memory.rebuild("nothing here") == 0
+    memory.close()
+
+
 def test_search_spans_scopes(memory):
     a = rec(memory, "deploy the service", scope="a")
     b = rec(memory, "deploy the service now", scope="b", model="x")

@@ -53,6 +53,19 @@ def test_exact_duplicate_bumps_hits(store):
     assert len(store) == 4
 
 
+def test_add_many_inserts_in_order_and_skips_duplicates(store):
+    store.add(make_record(1))
+    batch = [make_record(2, created_at=123.5), make_record(1), make_record(3), make_record(2)]
+    assert store.add_many(batch) == 2
+    assert [r.key_text for r in store.iter()] == ["key 1", "key 2", "key 3"]
+    assert store.get(1).hits == 0  # a skipped duplicate leaves its row as it was
+    assert [r.created_at for r in store.iter() if r.key_text == "key 2"] == [123.5]
+    assert store.add_many([]) == 0
+    with pytest.raises(ValueError):  # one bad record: none of the batch is inserted
+        store.add_many([make_record(4), make_record(5, scope="")])
+    assert len(store) == 3
+
+
 def test_get_many_iter_delete(store):
     ids = fill(store, [make_record(i, scope="a" if i % 2 else "b") for i in range(1, 11)])
     assert ids == sorted(ids) and len(set(ids)) == 10

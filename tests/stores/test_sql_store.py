@@ -152,3 +152,66 @@ def test_kill_9_during_a_write_burst_leaves_no_partial_rows(tmp_path):
     assert memory.stats()["indexes"] == {"burst": n}
     assert store.add(make_record(1))[1]  # and the store still takes writes
     store.close()
+
+
+def test_embedding_queries_the_cli_uses(db_url):
+    with SQLStore(db_url) as store:
+        store.add_many([make_record(i, scope="ab"[i % 2]) for i in range(5)]
+                       + [make_record(9, embedding=None), make_record(10, embedding=None)])
+        assert store.embedding_groups() == {("a", "e", 8): 3, ("b", "e", 8): 2}
+        assert store.embedding_groups("b") == {("b", "e", 8): 2}
+        bare = store.unembedded_ids()
+        assert len(bare) == 2 and bare == sorted(bare)
+        vec = np.ones(4, np.float32) / 2
+        assert store.set_embeddings([(bare[0], vec)], "x") == 1
+        assert store.set_embeddings([(bare[0], vec)], "x") == 0  # only rows without one
+        assert store.unembedded_ids() == bare[1:]
+        assert store.embedding_groups("s") == {("s", "x", 4): 1}
+        got = store.get(bare[0])
+        assert got.embedder == "x" and np.array_equal(got.embedding, vec)
+        with pytest.raises(ValueError, match="at least one value"):
+            store.set_embeddings([(bare[1], np.zeros(0, np.float32))], "x")
+
+
+def test_read_only_sqlite_opens_reads_and_refuses_writes(tmp_path):
+    path = tmp_path / "m.db"
+    with SQLStore(f"sqlite:///{path}") as store:
+        store.add(make_record(1))
+    with SQLStore(f"sqlite:///file:{path}?mode=ro&uri=true") as ro:
+        assert len(ro) == 1 and ro.get(1).key_text == "key 1"
+        with pytest.raises(StoreError, match="cannot write .*readonly"):
+            ro.add(make_record(2))
+
+
+def test_driver_errors_are_store_errors_and_duplicates_still_bump(tmp_path):
+    """A DatabaseError that is not an OperationalError (a corrupt page) is a StoreError too;
+    the IntegrityError that ``add`` relies on for duplicates is not swallowed by the mapping."""
+    from sqlalchemy import event
+
+    store = SQLStore(f"sqlite:///{tmp_path / 'm.db'}")
+    assert store.add(make_record(1)) == (1, True)
+    assert store.add(make_record(1)) == (1, False) and store.get(1).hits == 1
+
+    def corrupt(conn, cursor, statement, *args):
+        import sqlite3
+
+        raise sqlite3.DatabaseError("database disk image is malformed")
+
+    event.listen(store._engine, "before_cursor_execute", corrupt)
+    with pytest.raises(StoreError, match="cannot read .* malformed"):
+        store.get(1)
+    store.close()
+
+
+def test_a_removed_sqlite_folder_is_noticed_and_its_return_too(tmp_path):
+    """A pooled connection would go on writing into the unlinked file: the store refuses
+    instead, and uses the file again once it is back."""
+    folder = tmp_path / "db"
+    store = SQLStore(f"sqlite:///{folder / 'm.db'}")
+    store.add(make_record(1))
+    folder.rename(tmp_path / "away")
+    with pytest.raises(StoreError, match="was removed|unable to open"):
+        store.add(make_record(2))
+    (tmp_path / "away").rename(folder)
+    assert store.add(make_record(3))[1] and len(store) == 2
+    store.close()

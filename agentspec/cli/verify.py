@@ -14,21 +14,19 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
-from agentspec.cli_common import (
+from agentspec.cli.common import (
     EXIT_FAIL,
+    cache_command,
     confirm,
     console,
     embedder_by_name,
-    embedding_groups,
     err_console,
-    handles_errors,
     index_dir,
     index_files,
     open_store,
     print_json,
     progress,
-    set_embeddings,
-    unembedded_ids,
+    report,
     want_json,
 )
 from agentspec.types import Record
@@ -48,7 +46,7 @@ class _IndexOnly:
 
 def _embed_missing(store: Any, name: str | None, yes: bool) -> int:
     """Embed the key text of every row stored without an embedding; returns how many."""
-    missing = unembedded_ids(store)
+    missing = store.unembedded_ids()
     if not missing:
         confirm(f"Rebuild the index files of {store.url}?", yes)
         return 0
@@ -60,13 +58,13 @@ def _embed_missing(store: Any, name: str | None, yes: bool) -> int:
         for i in range(0, len(missing), _CHUNK):
             rows = store.get_many(missing[i : i + _CHUNK])
             vectors = embedder.embed([r.key_text for r in rows])  # [n, dim]
-            set_embeddings(store, [(r.id, v) for r, v in zip(rows, vectors, strict=True)],
-                           embedder.name)
+            store.set_embeddings([(r.id, v) for r, v in zip(rows, vectors, strict=True)],
+                                 embedder.name)
             bar.advance(task, len(rows))
     return len(missing)
 
 
-@handles_errors
+@cache_command
 def reindex(ctx: typer.Context,
             embedder: Annotated[str | None, typer.Option(
                 "--embedder", hidden=True, help="Embedder for rows without embeddings.")] = None,
@@ -82,18 +80,21 @@ def reindex(ctx: typer.Context,
         for f in index_files(store.url):
             f.path.unlink(missing_ok=True)
             f.path.with_suffix(".json").unlink(missing_ok=True)
-        groups = embedding_groups(store)
+        groups = store.embedding_groups()
         with progress() as bar:
             task = bar.add_task("index", total=sum(groups.values()))
             for (scope, name, dim), n in sorted(groups.items()):
                 memory = CompletionMemory(store, embedder=_IndexOnly(name, dim),
                                           index_dir=index_dir(), max_tokens_per_scope=None,
                                           max_tokens_total=None)
-                memory._sync(scope, force=True)  # TODO: a public CompletionMemory.rebuild(scope)
+                memory.rebuild(scope)
                 memory.save()
                 bar.advance(task, n)
-    console.print(f"embedded {embedded} row(s); rebuilt {len(groups)} index file(s) with "
-                  f"{sum(groups.values())} vector(s) in {index_dir()}")
+    vectors = sum(groups.values())
+    report(ctx, {"embedded": embedded, "index_files": len(groups), "vectors": vectors,
+                 "index_dir": str(index_dir())},
+           f"embedded {embedded} row(s); rebuilt {len(groups)} index file(s) with {vectors} "
+           f"vector(s) in {index_dir()}")
 
 
 def _model_vocab(model: str, fallback: int | None) -> int:
@@ -190,12 +191,11 @@ def _scan(store: Any, vocab_of: Callable[[str], int], problems: list[str]) -> in
     return len(ids)
 
 
-@handles_errors
+@cache_command
 def verify(ctx: typer.Context,
            vocab_size: Annotated[int | None, typer.Option(
                "--vocab-size", min=1, help="Token ids must be below this when the model's "
-               "files are not at hand (default 2**31).")] = None,
-           json_out: Annotated[bool, typer.Option("--json", help="JSON on stdout.")] = False) -> None:
+               "files are not at hand (default 2**31).")] = None) -> None:
     """Check rows (decode, token ids, embeddings) and index files against SQL; exit 1 if bad.
 
     Every row must decode, its token ids lie in the model's vocabulary, its embedding have the
@@ -215,7 +215,7 @@ def verify(ctx: typer.Context,
         rows = _scan(store, vocab_of, problems)
         n_index = _check_indexes(store, problems)
         url = store.url
-    if want_json(ctx, json_out):
+    if want_json(ctx):
         print_json({"database": url, "rows": rows, "index_files": n_index, "vocab_sizes": vocabs,
                     "ok": not problems, "problems": problems})
     else:

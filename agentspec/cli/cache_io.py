@@ -19,15 +19,17 @@ from typing import IO, Annotated, Any
 import numpy as np
 import typer
 
-from agentspec.cli_common import (
+from agentspec.cli.common import (
     EXIT_USAGE,
+    cache_command,
     confirm,
-    console,
     err_console,
     fail,
-    handles_errors,
     open_store,
+    print_json,
     progress,
+    report,
+    want_json,
 )
 from agentspec.types import Record
 
@@ -123,11 +125,14 @@ def _output(file: str) -> Iterator[IO[str]]:
         fail(f"cannot write {file}: {e.strerror}")
 
 
-@handles_errors
+@cache_command
 def export(ctx: typer.Context, file: Annotated[str, typer.Argument(
         metavar="FILE.jsonl", help="Output file; - for stdout.")],
         scope: Annotated[str | None, typer.Option("--scope", help="Only this scope.")] = None) -> None:
     """Write every record (all fields, token ids, embeddings) as JSON Lines.
+
+    With --json the summary is a JSON object: on stdout, or on stderr when FILE is - (stdout
+    then holds the records).
 
     Example: agentspec cache export backup.jsonl
     """
@@ -138,7 +143,13 @@ def export(ctx: typer.Context, file: Annotated[str, typer.Argument(
             out.write(to_line(r) + "\n")
             n += 1
             bar.advance(task)
-    err_console.print(f"exported {n} record(s) to {file}")
+    summary = {"exported": n, "file": file}
+    if not want_json(ctx):
+        err_console.print(f"exported {n} record(s) to {file}", markup=False)
+    elif file == "-":  # stdout holds the records
+        sys.stderr.write(json.dumps(summary) + "\n")
+    else:
+        print_json(summary)
 
 
 def _read_lines(file: Path) -> tuple[list[Record], list[tuple[int, str]]]:
@@ -157,7 +168,7 @@ def _read_lines(file: Path) -> tuple[list[Record], list[tuple[int, str]]]:
     return good, bad
 
 
-@handles_errors
+@cache_command
 def import_(ctx: typer.Context, file: Annotated[Path, typer.Argument(metavar="FILE.jsonl")],
             yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False) -> None:
     """Add the records of an exported file; bad lines are reported by number and skipped.
@@ -181,15 +192,17 @@ def import_(ctx: typer.Context, file: Annotated[Path, typer.Argument(metavar="FI
                 for i in range(0, len(good), _BATCH):
                     added += store.add_many(good[i : i + _BATCH])
                     bar.advance(task, len(good[i : i + _BATCH]))
-    console.print(f"imported {added} record(s), {len(good) - added} already present, "
-                  f"{len(bad)} bad line(s)")
+    report(ctx, {"imported": added, "already_present": len(good) - added,
+                 "bad_lines": [{"line": n, "error": e} for n, e in bad]},
+           f"imported {added} record(s), {len(good) - added} already present, "
+           f"{len(bad)} bad line(s)")
     if bad:
         raise typer.Exit(EXIT_USAGE)
 
 
 def register(app: typer.Typer) -> None:
     """Add these commands to the ``cache`` app."""
-    from agentspec.cli_verify import reindex, verify
+    from agentspec.cli.verify import reindex, verify
 
     app.command("export")(export)
     app.command("import")(import_)

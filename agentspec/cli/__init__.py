@@ -1,20 +1,26 @@
 """The ``agentspec`` command line: ``cache`` (the completion memory), ``generate``, ``demo``, ``bench``.
 
+The package: this module (the Typer app, ``generate``, ``demo``, ``bench``), ``cache`` (read and
+delete commands), ``cache_io`` (export, import), ``verify`` (reindex, verify) and ``common``
+(options, errors, output). The ``bench`` command mounts :mod:`agentspec.bench.cli`.
+
 Exit codes: 0 success, 1 failure, 2 usage or bad input (one line on stderr, no traceback).
-Global options go before the command: ``agentspec --db URL --json cache stats``. ``--db``
-defaults to ``$AGENTSPEC_DB``, else the SQLite file under ``$AGENTSPEC_HOME``.
+``--db URL`` and ``--json`` go before the command or after any ``cache`` command
+(``agentspec cache stats --db URL --json``); ``--db`` defaults to ``$AGENTSPEC_DB``, else the
+SQLite file under ``$AGENTSPEC_HOME``.
 """
 
 from __future__ import annotations
 
 import inspect
 import sys
+import time
 from typing import Annotated, Any
 
 import typer
 
-from agentspec.cli_cache import cache_app
-from agentspec.cli_common import Options, db_url, fail, handles_errors
+from agentspec.cli.cache import cache_app
+from agentspec.cli.common import JsonOpt, Options, db_option, db_url, fail, handles_errors
 
 app = typer.Typer(
     name="agentspec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -26,12 +32,8 @@ app.add_typer(cache_app, name="cache")
 
 @app.callback()
 def _root(ctx: typer.Context,
-          db: Annotated[str | None, typer.Option(
-              "--db", metavar="URL", envvar="AGENTSPEC_DB", show_envvar=True,
-              help="Memory database (SQLAlchemy URL); default the SQLite file under "
-                   "AGENTSPEC_HOME.")] = None,
-          json_out: Annotated[bool, typer.Option(
-              "--json", help="Machine-readable JSON from read commands.")] = False) -> None:
+          db: Annotated[str | None, db_option(envvar="AGENTSPEC_DB", show_envvar=True)] = None,
+          json_out: JsonOpt = False) -> None:
     ctx.obj = Options(db=db, json=json_out)
 
 
@@ -43,6 +45,15 @@ def _summary(stats: Any) -> str:
             f"({stats.tokens_per_second:.1f} tok/s), {stats.steps} steps "
             f"({stats.tokens_per_step:.2f} tokens/step), accepted {accepted}/{drafted} draft "
             f"tokens ({rate})" + (f" [{by_source}]" if by_source else ""))
+
+
+def _warm(spec: Any) -> None:
+    """The one-time work before the first call: the forward cost calibration and the embedder
+    (``Speculator.warmup``), and the check of the forward widths."""
+    spec.warmup()
+    check_widths = getattr(spec.target, "check_widths", None)
+    if check_widths is not None:
+        check_widths()
 
 
 def _load(model: str, url: str) -> Any:
@@ -68,6 +79,9 @@ def generate(ctx: typer.Context, prompt: str,
                                "chat template.")] = False) -> None:
     """Generate a completion: text on stdout, a speed/acceptance summary on stderr.
 
+    The summary gives the load (model conversion or loading, the memory) and the warmup
+    (forward cost calibration, the embedder) apart from the generation time and speed.
+
     Example: agentspec generate "Write a haiku about caches" --max-new-tokens 64
     """
     from agentspec.config import SamplingParams
@@ -75,7 +89,13 @@ def generate(ctx: typer.Context, prompt: str,
 
     sampling = SamplingParams(temperature=temperature)
     request: Any = prompt if raw else [{"role": "user", "content": prompt}]
+    started = time.perf_counter()
     spec = _load(model, db_url(ctx))
+    loaded = time.perf_counter()
+    _warm(spec)
+    warmed = time.perf_counter()
+    print(f"load {loaded - started:.2f} s, warmup {warmed - loaded:.2f} s (not counted in the "
+          f"generation time below)", file=sys.stderr, flush=True)
     if no_stream:
         gen = spec.generate(request, max_new_tokens, sampling=sampling, scope=scope)
         sys.stdout.write(gen.text + "\n")

@@ -1,6 +1,6 @@
 """``agentspec cache``: inspect and maintain the completion memory (SQL store + faiss indexes).
 
-Every command here except ``search`` (and ``reindex``/``verify`` in :mod:`agentspec.cli_cache_io`)
+Every command here except ``search`` (and ``reindex``/``verify`` in :mod:`agentspec.cli.verify`)
 imports neither torch nor transformers, so they answer quickly even on large stores.
 """
 
@@ -11,37 +11,36 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from agentspec.cli_common import (
+from agentspec.cli.common import (
     EXIT_USAGE,
+    DbOpt,
+    JsonOpt,
     age,
+    cache_command,
     confirm,
     console,
     embedder_by_name,
-    embedding_groups,
     err_console,
     fail,
-    handles_errors,
     index_files,
     open_store,
-    options,
     parse_duration,
     print_json,
+    report,
+    set_options,
     short,
     want_json,
 )
 
 cache_app = typer.Typer(help="Inspect and maintain the completion memory.", no_args_is_help=True)
 
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 ScopeOpt = Annotated[str | None, typer.Option("--scope", help="Only this scope.")]
 
 
 @cache_app.callback()
-def _cache(ctx: typer.Context, db: Annotated[str | None, typer.Option(
-        "--db", metavar="URL", help="Database URL (overrides the global --db).")] = None) -> None:
-    if db is not None:
-        options(ctx).db = db
+def _cache(ctx: typer.Context, db: DbOpt = None, json_out: JsonOpt = False) -> None:
+    set_options(ctx, db, json_out)
 
 
 def _totals_table(title: str, rows: dict[str, dict[str, int]], key: str) -> Table:
@@ -69,8 +68,8 @@ def _index_health(store: Any) -> dict[str, Any]:
 
 
 @cache_app.command("stats")
-@handles_errors
-def stats(ctx: typer.Context, json_out: JsonOpt = False) -> None:
+@cache_command
+def stats(ctx: typer.Context) -> None:
     """Rows, tokens, bytes, hits and accepted tokens per scope and model; index health.
 
     Example: agentspec cache stats --json
@@ -79,7 +78,7 @@ def stats(ctx: typer.Context, json_out: JsonOpt = False) -> None:
         out = store.stats()
         out["database"] = store.url
         out["index"] = _index_health(store)
-    if want_json(ctx, json_out):
+    if want_json(ctx):
         print_json(out)
         return
     console.print(f"[bold]{out['database']}[/]: {out['rows']:,} rows, {out['tokens']:,} tokens, "
@@ -114,12 +113,11 @@ def record_json(r: Any, *, ids: bool = True) -> dict[str, Any]:
 
 
 @cache_app.command("ls")
-@handles_errors
+@cache_command
 def ls(ctx: typer.Context, scope: ScopeOpt = None,
        model: Annotated[str | None, typer.Option("--model", help="Only this model fingerprint.")] = None,
        sort: Annotated[str, typer.Option("--sort", help="hits, recent, size or accepted.")] = "recent",
-       limit: Annotated[int, typer.Option("--limit", "-n", min=0, help="At most this many.")] = 20,
-       json_out: JsonOpt = False) -> None:
+       limit: Annotated[int, typer.Option("--limit", "-n", min=0, help="At most this many.")] = 20) -> None:
     """List records, best first by --sort.
 
     Example: agentspec cache ls --scope support --sort hits --limit 10
@@ -128,7 +126,7 @@ def ls(ctx: typer.Context, scope: ScopeOpt = None,
         fail(f"--sort must be hits, recent, size or accepted, got {sort!r}", EXIT_USAGE)
     with open_store(ctx) as store:
         rows = store.list_records(scope=scope, model=model, sort=sort, limit=limit)
-    if want_json(ctx, json_out):
+    if want_json(ctx):
         print_json([record_json(r, ids=False) for r in rows])
         return
     table = Table()
@@ -141,9 +139,8 @@ def ls(ctx: typer.Context, scope: ScopeOpt = None,
 
 
 @cache_app.command("show")
-@handles_errors
-def show(ctx: typer.Context, record_id: Annotated[int, typer.Argument(metavar="ID")],
-         json_out: JsonOpt = False) -> None:
+@cache_command
+def show(ctx: typer.Context, record_id: Annotated[int, typer.Argument(metavar="ID")]) -> None:
     """Show one record: request, completion, token ids, hits, accepted tokens, times.
 
     Example: agentspec cache show 42
@@ -152,7 +149,7 @@ def show(ctx: typer.Context, record_id: Annotated[int, typer.Argument(metavar="I
         r = store.get(record_id)
     if r is None:
         fail(f"no record with id {record_id}", EXIT_USAGE)
-    if want_json(ctx, json_out):
+    if want_json(ctx):
         print_json(record_json(r))
         return
     import datetime as dt
@@ -177,7 +174,7 @@ def show(ctx: typer.Context, record_id: Annotated[int, typer.Argument(metavar="I
 
 def _pick_embedder(store: Any, scope: str | None, name: str | None) -> tuple[Any, int]:
     """The embedder named by most embedded rows (or ``name``), and rows it cannot search."""
-    groups = embedding_groups(store, scope)
+    groups = store.embedding_groups(scope)
     per_name: dict[str, int] = {}
     for (_, e, _), n in groups.items():
         per_name[e] = per_name.get(e, 0) + n
@@ -190,10 +187,10 @@ def _pick_embedder(store: Any, scope: str | None, name: str | None) -> tuple[Any
 
 
 @cache_app.command("search")
-@handles_errors
+@cache_command
 def search(ctx: typer.Context, text: str,
            k: Annotated[int, typer.Option("-k", min=1, help="How many results.")] = 5,
-           scope: ScopeOpt = None, json_out: JsonOpt = False,
+           scope: ScopeOpt = None,
            embedder: Annotated[str | None, typer.Option(hidden=True)] = None) -> None:
     """Semantic search: the records whose conversation key is most similar to TEXT.
 
@@ -211,7 +208,7 @@ def search(ctx: typer.Context, text: str,
         memory = CompletionMemory(store, embedder=emb, max_tokens_per_scope=None,
                                   max_tokens_total=None)
         hits = memory.search(text, k=k, scope=scope)
-    if want_json(ctx, json_out):
+    if want_json(ctx):
         print_json([{"similarity": s, **record_json(r, ids=False)} for r, s in hits])
         return
     table = Table()
@@ -224,7 +221,7 @@ def search(ctx: typer.Context, text: str,
 
 
 @cache_app.command("rm")
-@handles_errors
+@cache_command
 def rm(ctx: typer.Context, ids: Annotated[list[int], typer.Argument(metavar="ID...")],
        yes: YesOpt = False) -> None:
     """Delete records by id (indexes drop them on their next sync).
@@ -239,11 +236,11 @@ def rm(ctx: typer.Context, ids: Annotated[list[int], typer.Argument(metavar="ID.
                                                       if len(missing) > 1 else ""), EXIT_USAGE)
         confirm(f"Delete {len(found)} record(s) from {store.url}?", yes)
         n = store.delete(sorted(found))
-    console.print(f"deleted {n} record(s)")
+    report(ctx, {"deleted": n, "ids": sorted(found)}, f"deleted {n} record(s)")
 
 
 @cache_app.command("prune")
-@handles_errors
+@cache_command
 def prune(ctx: typer.Context,
           older_than: Annotated[str | None, typer.Option(
               "--older-than", metavar="DURATION", help="Unused for this long: 30s, 15m, 12h, 7d, 2w.")] = None,
@@ -262,16 +259,17 @@ def prune(ctx: typer.Context,
     with open_store(ctx) as store:
         victims = store.prune(seconds, scope=scope, max_tokens=max_tokens, dry_run=True)
         if dry_run or not victims:
-            console.print(f"would delete {len(victims)} record(s)" if dry_run
-                          else "nothing to prune")
+            report(ctx, {"dry_run": dry_run, "deleted": 0, "ids": victims},
+                   f"would delete {len(victims)} record(s)" if dry_run else "nothing to prune")
             return
         confirm(f"Delete {len(victims)} record(s) from {store.url}?", yes)
         deleted = store.prune(seconds, scope=scope, max_tokens=max_tokens)
-    console.print(f"deleted {len(deleted)} record(s)")
+    report(ctx, {"dry_run": False, "deleted": len(deleted), "ids": deleted},
+           f"deleted {len(deleted)} record(s)")
 
 
 @cache_app.command("drop-scope")
-@handles_errors
+@cache_command
 def drop_scope(ctx: typer.Context, scope: str, yes: YesOpt = False) -> None:
     """Delete every record of SCOPE.
 
@@ -284,13 +282,14 @@ def drop_scope(ctx: typer.Context, scope: str, yes: YesOpt = False) -> None:
             fail(f"no records in scope {scope!r} (scopes: {known})", EXIT_USAGE)
         confirm(f"Delete all {n} record(s) of scope {scope!r} from {store.url}?", yes)
         deleted = store.drop_scope(scope)
-    console.print(f"deleted {deleted} record(s) of scope {scope!r}")
+    report(ctx, {"scope": scope, "deleted": deleted},
+           f"deleted {deleted} record(s) of scope {scope!r}")
 
 
 def _register_io() -> None:
-    from agentspec import cli_cache_io
+    from agentspec.cli import cache_io
 
-    cli_cache_io.register(cache_app)
+    cache_io.register(cache_app)
 
 
 _register_io()

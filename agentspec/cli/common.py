@@ -7,6 +7,7 @@ input. Errors print one line on stderr, never a traceback. Nothing here imports 
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import re
 import struct
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -69,7 +70,7 @@ def handles_errors(fn: F) -> F:
 
 @dataclass
 class Options:
-    """The global options, kept in ``ctx.obj``."""
+    """``--db`` and ``--json``, kept in the root ``ctx.obj``; the last one given wins."""
 
     db: str | None = None
     json: bool = False
@@ -82,14 +83,58 @@ def options(ctx: typer.Context) -> Options:
     return root.obj
 
 
+# The one definition of --db and --json. They are taken before the command (with the
+# AGENTSPEC_DB fallback there only), after ``cache`` and after every cache subcommand.
+DB_HELP = ("Memory database (SQLAlchemy URL); default AGENTSPEC_DB, else the SQLite file under "
+           "AGENTSPEC_HOME. The last --db given wins.")
+
+
+def db_option(**extra: Any) -> Any:
+    return typer.Option("--db", metavar="URL", help=DB_HELP, **extra)
+
+
+DbOpt = Annotated[str | None, db_option()]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+
+
+def set_options(ctx: typer.Context, db: str | None, json_out: bool) -> None:
+    opts = options(ctx)
+    if db is not None:
+        opts.db = db
+    opts.json = opts.json or json_out
+
+
+def cache_command(fn: F) -> F:
+    """A ``cache`` subcommand: one-line errors (:func:`handles_errors`) and the shared ``--db``
+    and ``--json`` after it too; ``fn`` takes ``ctx`` and reads them with :func:`db_url`
+    and :func:`want_json`."""
+    handled = handles_errors(fn)
+    sig = inspect.signature(fn, eval_str=True)
+    if "ctx" not in sig.parameters:
+        raise TypeError(f"{fn.__name__} needs a ctx: typer.Context parameter")
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, db: str | None = None, json_out: bool = False, **kwargs: Any) -> Any:
+        set_options(kwargs["ctx"], db, json_out)
+        return handled(*args, **kwargs)
+
+    shared = [inspect.Parameter("db", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                annotation=DbOpt),
+              inspect.Parameter("json_out", inspect.Parameter.KEYWORD_ONLY, default=False,
+                                annotation=JsonOpt)]
+    wrapper.__signature__ = sig.replace(  # type: ignore[attr-defined]
+        parameters=[*sig.parameters.values(), *shared])
+    return wrapper  # type: ignore[return-value]
+
+
 def db_url(ctx: typer.Context) -> str:
     from agentspec.home import default_db_url
 
     return options(ctx).db or default_db_url()
 
 
-def want_json(ctx: typer.Context, flag: bool) -> bool:
-    return flag or options(ctx).json
+def want_json(ctx: typer.Context) -> bool:
+    return options(ctx).json
 
 
 def sqlite_path(url: str) -> Path | None:
@@ -126,6 +171,14 @@ def open_store(ctx: typer.Context, *, create: bool = False) -> Iterator[Any]:
 
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
+
+
+def report(ctx: typer.Context, summary: dict[str, Any], text: str) -> None:
+    """What a write command did: ``summary`` as JSON on stdout with ``--json``, else ``text``."""
+    if want_json(ctx):
+        print_json(summary)
+    else:
+        console.print(text, markup=False)
 
 
 def stdin_is_tty() -> bool:
@@ -234,51 +287,3 @@ def embedder_by_name(name: str) -> Any:
         return HashEmbedder(int(m.group(1) or 64))
     fail(f"cannot embed with embedder {name!r}: known are {MiniLMEmbedder.name!r} and "
          f"'hash-trigram-N'", EXIT_USAGE)
-
-
-# --- queries SQLStore lacks (kept here until stores/sql.py has room for them) ----------------
-def embedding_groups(store: Any, scope: str | None = None) -> dict[tuple[str, str, int], int]:
-    """Embedded rows per ``(scope, embedder, dim)``, from the (scope, embedder, dim) index."""
-    from sqlalchemy import func, select
-
-    from agentspec.stores.sql_schema import records
-
-    c = records.c
-    stmt = select(c.scope, c.embedder, c.dim, func.count()).where(c.dim > 0)
-    if scope is not None:
-        stmt = stmt.where(c.scope == scope)
-    stmt = stmt.group_by(c.scope, c.embedder, c.dim)
-    with store._read() as conn:
-        return {(s, e, int(d)): int(n) for s, e, d, n in conn.execute(stmt)}
-
-
-def unembedded_ids(store: Any) -> list[int]:
-    """Ids of rows stored without an embedding, in id order."""
-    from sqlalchemy import select
-
-    from agentspec.stores.sql_schema import records
-
-    stmt = select(records.c.id).where(records.c.dim == 0).order_by(records.c.id)
-    with store._read() as conn:
-        return [int(i) for i in conn.execute(stmt).scalars()]
-
-
-def set_embeddings(store: Any, rows: list[tuple[int, Any]], embedder: str) -> None:
-    """Store each ``(id, float32 [dim] vector)`` as the embedding of a row that had none, in one
-    transaction; ids stay the same."""
-    import numpy as np
-    from sqlalchemy import bindparam, update
-
-    from agentspec.stores.sql_schema import records
-
-    c = records.c
-    stmt = (update(records).where(c.id == bindparam("rid"), c.dim == 0)
-            .values(embedding=bindparam("emb"), embedder=embedder, dim=bindparam("d"),
-                    num_bytes=c.num_bytes + 4 * bindparam("d")))
-    params = []
-    for rid, vector in rows:
-        vec = np.asarray(vector, "<f4").reshape(-1)
-        params.append({"rid": int(rid), "emb": vec.tobytes(), "d": int(vec.size)})
-    if params:
-        with store._write() as conn:
-            conn.execute(stmt, params)
