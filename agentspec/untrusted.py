@@ -79,7 +79,7 @@ def sanitize(draft: object, *, vocab_size: int | None, room: int, max_nodes: int
                   tuple(-1 if rep[parents[i]] < 0 else position[rep[parents[i]]]  # type: ignore[index]
                         for i in kept),
                   sources if isinstance(sources, str) else tuple(sources[i] for i in kept),
-                  None if probs is None else probs[kept])
+                  None if probs is None else probs if len(kept) == len(probs) else probs[kept])
     out = sub_draft(dense, preorder(dense.parents)[:max_nodes])
     return out if out.draft_probs is None or out.is_chain else replace(out, draft_probs=None)
 
