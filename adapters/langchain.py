@@ -2,8 +2,8 @@
 ``AgentSpecLLM`` (text completion). Needs ``pip install 'agentspec[langchain]'``.
 
 Streaming yields one chunk per committed step (one text delta of ``Speculator.stream``);
-``invoke`` concatenates the same chunks. Async runs the sync stream in ONE worker thread: the
-Speculator's lock is held by the thread running a generation, so a stream must not hop threads.
+``invoke`` concatenates the same chunks. Async runs the sync stream in one worker thread per
+call (the Speculator's turns are per step, so calls interleave and none blocks the event loop).
 
 Tools are rendered through the chat template's own tool support when it has one, else as a
 JSON-schema system block; the model answers a call as ``{"name": ..., "arguments": {...}}``.
@@ -40,7 +40,6 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("agentspec.adapters.langchain needs: pip install 'agentspec[langchain]'") from exc
 
 from agentspec.config import SamplingParams
-from agentspec.session import observed_calls
 from agentspec.types import Generation as SpecGeneration
 
 T = TypeVar("T")
@@ -55,11 +54,11 @@ _TOOL_BLOCK = ("You can call these tools (JSON schemas):\n{tools}\n\nTo call a t
 def _speculate(spec: Any, prompt: Any, max_new_tokens: int, *, sampling: SamplingParams,
                stop: Sequence[str], scope: str | None) -> Iterator[str | SpecGeneration]:
     """Text deltas of one call, then its finished Generation as the last item."""
-    with observed_calls(spec) as finished:
-        yield from spec.stream(prompt, max_new_tokens, sampling=sampling, stop=list(stop),
-                               scope=scope)
-    assert finished, "the Speculator reported no finished generation"
-    yield finished[-1]
+    stream = spec.stream(prompt, max_new_tokens, sampling=sampling, stop=list(stop), scope=scope)
+    yield from stream
+    if stream.generation is None:
+        raise RuntimeError("the Speculator's stream ended without its Generation")
+    yield stream.generation
 
 
 async def _in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:

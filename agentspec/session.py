@@ -83,8 +83,9 @@ def current_session(speculator: Any) -> Session | None:
 def observed_calls(speculator: Any) -> Iterator[list[Generation]]:
     """Collect the Generations of the calls on ``speculator`` made in this context.
 
-    For callers that consume ``Speculator.stream`` (text deltas only) but need the finished
-    Generation's statistics, such as the LangChain adapter. Outside any session the calls run
+    Superseded for streams: ``Speculator.stream`` returns a :class:`~agentspec.stream.Stream`
+    whose ``generation`` attribute is the finished Generation; use that. Kept for callers
+    that still collect Generations this way. Outside any session the calls run
     in a throwaway one-call session with scope ``"default"``, which drafts and scopes exactly
     as no session does; inside a session, that session is used and sees the calls as usual.
 
@@ -164,15 +165,10 @@ def record(memory: Any, *, scope: str = "default", speculator: Any = None,
 def _record_call(memory: Any, tokenizer: Any, prompt: Any, completion: str, *, scope: str,
                  model: str) -> int:
     """One memory row for one call: keyed by the whole conversation, ids by ``tokenizer``."""
-    from agentspec.memory import conversation_key
-    from agentspec.text import validate_prompt
+    from agentspec.text import conversation_key, render_chat, validate_prompt
 
     validate_prompt(prompt)
-    if isinstance(prompt, str):
-        request_text = prompt
-    else:
-        request_text = tokenizer.apply_chat_template([dict(m) for m in prompt], tokenize=False,
-                                                     add_generation_prompt=True)
+    request_text = prompt if isinstance(prompt, str) else render_chat(tokenizer, prompt)
     ids = tokenizer(completion, add_special_tokens=False)["input_ids"] if completion else []
     return int(memory.record(scope=scope, model=model, request_text=request_text,
                              key_text=conversation_key(prompt), completion_text=completion,

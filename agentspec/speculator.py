@@ -1,11 +1,17 @@
-"""The facade users hold: ``Speculator.generate``, ``stream`` and ``session``."""
+"""The facade users hold: ``Speculator.generate``, ``stream`` and ``session``.
+
+Calls from several threads (or asyncio tasks in worker threads) share the one target through
+:class:`~agentspec.turns.Turns`: ``generate`` takes one turn for the whole call, a
+:class:`Stream` one turn per step, given back before its text reaches the caller. A stream
+that is abandoned, closed early or raised into therefore holds nothing; a step that follows
+another call's restores its own KV first (:func:`~agentspec.decode.decode`), so outputs do not
+depend on how calls interleave.
+"""
 
 from __future__ import annotations
 
-import json
-import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,12 +20,21 @@ from agentspec.decode import NoDrafter, Step, decode
 from agentspec.drafters.chain import DrafterChain
 from agentspec.drafters.policy import CostModel, measure_cost
 from agentspec.home import agentspec_home
-from agentspec.memory import conversation_key
 from agentspec.protocols import DraftContext, Drafter
 from agentspec.sampling import make_generator
 from agentspec.session import Session, current_session
+from agentspec.stream import Stream
 from agentspec.target import HFTarget, load_target
-from agentspec.text import Prompt, StopStrings, TextDeltas, encode_prompt, validate_prompt
+from agentspec.text import (
+    Prompt,
+    StopStrings,
+    TextDeltas,
+    conversation_key,
+    encode_prompt,
+    request_text,
+    validate_prompt,
+)
+from agentspec.turns import Turns
 from agentspec.types import Generation, GenerationStats
 
 
@@ -35,7 +50,6 @@ class _Run:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = "length"
-    generation: Generation | None = None
 
     def count(self, step: Step) -> None:
         self.steps += 1
@@ -57,10 +71,14 @@ class _Run:
 class Speculator:
     """Exact speculative decoding on one target model with draftless drafters.
 
+    Thread-safe: calls from several threads take turns on the target, first come first
+    served, and each output is what the call would give alone (see the module docstring).
+
     Args:
         target: the loaded model (see :func:`agentspec.load_target`).
         memory: a :class:`agentspec.memory.CompletionMemory` to draft from and record into;
-            None drafts from the prompt only.
+            a string opens one (``"default"``: the SQLite file under ``$AGENTSPEC_HOME``, or a
+            SQLAlchemy URL, as :func:`open_memory`); None drafts from the prompt only.
         drafters: draft sources, overriding the default (memory, suffix, prompt lookup).
         config: draft-size limits.
         speculate: False runs plain decoding through the same loop (the baseline).
@@ -69,14 +87,19 @@ class Speculator:
         draft_model: a small causal LM (a loaded ``HFTarget``, or a name for ``load_target``)
             added last to the default drafters as the fallback
             (:class:`~agentspec.drafters.model.ModelDrafter`); ignored when ``drafters`` is given.
+
+    Raises:
+        TypeError: an argument of the wrong type (the message names it and its value).
+        ValueError: ``cost`` is a string other than ``"measure"``.
     """
 
     def __init__(self, target: HFTarget, *, memory: Any = None,
                  drafters: Sequence[Drafter] | None = None, config: SpecConfig | None = None,
                  speculate: bool = True, cost: CostModel | str = "measure",
                  draft_model: str | HFTarget | None = None) -> None:
+        _check_arguments(target, memory, drafters, config, speculate, cost, draft_model)
         self.target = target
-        self.memory = memory
+        self.memory = open_memory(memory)
         self.config = config or SpecConfig()
         self.speculate = speculate
         self.stop_token_ids = _stop_ids(target)
@@ -84,8 +107,8 @@ class Speculator:
         self.drafters = list(drafters) if drafters is not None else self._default_drafters()
         self._cost = cost
         self._chain: DrafterChain | None = None
-        # One model, one KV: calls from several threads take turns (batch size 1 per call).
-        self._lock = threading.RLock()
+        # One model, one KV: calls take turns, first come first served (batch size 1 per call).
+        self._turns = Turns()
 
     @classmethod
     def from_pretrained(cls, name: str = "smollm2-135m-instruct", *, speculate: bool = True,
@@ -101,13 +124,14 @@ class Speculator:
             draft_model: a small model drafting when nothing better does (see ``__init__``).
         """
         target = load_target(name, device=device)
-        return cls(target, memory=open_memory(memory), config=config, speculate=speculate,
+        return cls(target, memory=memory, config=config, speculate=speculate,
                    cost=cost, draft_model=draft_model)
 
     def warmup(self) -> None:
         """Do the one-time work now rather than inside the first call: measure the target's
         forward cost (cached per model and device) and load the memory's embedder."""
-        self._drafter()
+        with self._turns:
+            self._drafter()
         if self.memory is not None:
             self.memory.embedder.embed(["warm up"])
 
@@ -159,41 +183,43 @@ class Speculator:
                 session's scope, else ``"default"``.
             record: add the completion to the memory (when there is one).
         """
-        run = self._new_run(prompt, max_new_tokens)
-        for _ in self._run(run, prompt, max_new_tokens, sampling, stop, scope, record):
-            pass
-        assert run.generation is not None
-        return run.generation
+        stream = self.stream(prompt, max_new_tokens, sampling=sampling, stop=stop, scope=scope,
+                             record=record)
+        # One turn for the whole call: no caller code runs before it ends, and consecutive
+        # steps keep the KV (a stream's steps may interleave with other calls').
+        with self._turns:
+            for _ in stream:
+                pass
+        assert stream.generation is not None
+        return stream.generation
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, *,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (),
-               scope: str | None = None, record: bool = True) -> Iterator[str]:
-        """Like :meth:`generate`, yielding text deltas as steps commit them."""
-        run = self._new_run(prompt, max_new_tokens)
-        yield from self._run(run, prompt, max_new_tokens, sampling, stop, scope, record)
+               scope: str | None = None, record: bool = True) -> Stream:
+        """Like :meth:`generate`, yielding text deltas as steps commit them.
 
-    def _new_run(self, prompt: Prompt, max_new_tokens: int) -> _Run:
+        Returns:
+            A :class:`Stream` of text deltas; its ``generation`` attribute is the finished
+            :class:`~agentspec.types.Generation` once the stream is exhausted. Bad arguments
+            raise here, before the first delta is asked for; the call belongs to the session
+            active here.
+        """
         validate_prompt(prompt)
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        return _Run(prompt_len=0)
-
-    def _run(self, run: _Run, prompt: Prompt, max_new_tokens: int,
-             sampling: SamplingParams | None, stop: Sequence[str],
-             scope: str | None, record: bool) -> Iterator[str]:
-        with self._lock:
-            yield from self._run_locked(run, prompt, max_new_tokens, sampling, stop, scope, record)
-
-    def _run_locked(self, run: _Run, prompt: Prompt, max_new_tokens: int,
-                    sampling: SamplingParams | None, stop: Sequence[str],
-                    scope: str | None, record: bool) -> Iterator[str]:
-        session = current_session(self)
-        scope = scope or (session.scope if session else "default")
-        sampling = sampling or SamplingParams()
         stops = StopStrings(stop)
         prompt_ids = self.encode(prompt)
-        run.prompt_len = len(prompt_ids)
         self.target.check_length(len(prompt_ids) + max_new_tokens)
+        return Stream(self._run(prompt, prompt_ids, max_new_tokens, sampling=sampling,
+                                stops=stops, scope=scope, record=record,
+                                session=current_session(self)))
+
+    def _run(self, prompt: Prompt, prompt_ids: list[int], max_new_tokens: int, *,
+             sampling: SamplingParams | None, stops: StopStrings, scope: str | None,
+             record: bool, session: Session | None) -> Generator[str, None, Generation]:
+        scope = scope or (session.scope if session else "default")
+        sampling = sampling or SamplingParams()
+        run = _Run(prompt_len=len(prompt_ids))
         key_text = conversation_key(prompt) if self.memory is not None else ""
         generator = make_generator(sampling.seed, self.target.device)
         context = DraftContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), scope=scope,
@@ -201,31 +227,44 @@ class Speculator:
                                extra_sources=tuple(session.sources) if session else (),
                                sampling=sampling, generator=generator)
         deltas = TextDeltas(self.tokenizer, stops)
-        steps = decode(self.target, self._drafter(), context, sampling=sampling,
+        with self._turns:
+            drafter = self._drafter()
+        steps = decode(self.target, drafter, context, sampling=sampling,
                        max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids,
                        generator=generator)
-        for step in steps:
-            run.count(step)
-            run.token_ids.extend(step.new_tokens)
-            delta, hit_stop = deltas.push(step.new_tokens)
-            if delta:
-                yield delta
-            if step.stopped or hit_stop:
-                run.finish_reason = "stop"
-                if hit_stop:
-                    run.token_ids[:] = run.token_ids[: deltas.kept_tokens]
-                break
+        try:
+            while (step := self._step(steps)) is not None:
+                run.count(step)
+                run.token_ids.extend(step.new_tokens)
+                delta, hit_stop = deltas.push(step.new_tokens)
+                if delta:
+                    yield delta  # a stream holds no turn here
+                if step.stopped or hit_stop:
+                    run.finish_reason = "stop"
+                    if hit_stop:
+                        run.token_ids[:] = run.token_ids[: deltas.kept_tokens]
+                    break
+        finally:
+            # Ends the drafters' request (decode's own cleanup) holding a turn, without waiting
+            # for one: this may run in a finaliser of an abandoned stream.
+            self._turns.run_soon(steps.close)
         tail = deltas.flush()
         if tail:
             yield tail
         run.text = deltas.text
-        run.generation = Generation(run.text, tuple(run.token_ids), run.stats(), run.finish_reason)
+        generation = Generation(run.text, tuple(run.token_ids), run.stats(), run.finish_reason)
         if session is not None:
-            session.observe(run.generation)
+            session.observe(generation)
         if record and self.memory is not None and run.token_ids:
             self.memory.record(scope=scope, model=self.target.fingerprint,
-                               request_text=_request_text(prompt), key_text=key_text,
+                               request_text=request_text(prompt), key_text=key_text,
                                completion_text=run.text, completion_ids=list(run.token_ids))
+        return generation
+
+    def _step(self, steps: Generator[Step, None, None]) -> Step | None:
+        """The next step of a generation, computed holding a turn."""
+        with self._turns:
+            return next(steps, None)
 
     def session(self, name: str, *, scope: str = "default") -> Session:
         """A context manager grouping the calls of one agent task; see :mod:`agentspec.session`."""
@@ -258,14 +297,12 @@ def open_memory(memory: Any) -> Any:
     """``"default"`` | URL | CompletionMemory | None -> a CompletionMemory or None."""
     if memory is None or not isinstance(memory, str):
         return memory
+    if not memory:
+        raise ValueError("memory must be 'default', a SQLAlchemy URL, a CompletionMemory or None, got ''")
     from agentspec.memory import CompletionMemory
 
     url = None if memory == "default" else memory
     return CompletionMemory.open(url, index_dir=agentspec_home() / "index")
-
-
-def _request_text(prompt: Prompt) -> str:
-    return prompt if isinstance(prompt, str) else json.dumps([dict(m) for m in prompt])
 
 
 def _stop_ids(target: HFTarget) -> frozenset[int]:
@@ -276,3 +313,39 @@ def _stop_ids(target: HFTarget) -> frozenset[int]:
         elif source:
             ids.update(int(i) for i in source)
     return frozenset(ids)
+
+
+_MEMORY_METHODS = ("lookup", "record", "credit")
+_DRAFTER_METHODS = ("begin", "propose", "observe", "end")
+
+
+def _check_arguments(target: Any, memory: Any, drafters: Any, config: Any, speculate: Any,
+                     cost: Any, draft_model: Any) -> None:
+    """Refuse bad constructor arguments now, naming them, rather than fail mid-call later."""
+    def bad(name: str, expected: str, value: Any) -> TypeError:
+        return TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r:.80}")
+
+    if not isinstance(target, HFTarget):
+        raise bad("target", "an HFTarget (agentspec.load_target(...))", target)
+    if not (memory is None or isinstance(memory, str)
+            or all(callable(getattr(memory, m, None)) for m in _MEMORY_METHODS)):
+        raise bad("memory", "a CompletionMemory, a URL string, 'default' or None", memory)
+    if drafters is not None:
+        if isinstance(drafters, (str, bytes)) or not isinstance(drafters, Sequence):
+            raise bad("drafters", "a list of drafters or None", drafters)
+        for i, d in enumerate(drafters):
+            if not isinstance(getattr(d, "name", None), str) or not all(
+                    callable(getattr(d, m, None)) for m in _DRAFTER_METHODS):
+                raise bad(f"drafters[{i}]", "a Drafter (a str name and begin, propose, observe, "
+                          "end methods)", d)
+    if config is not None and not isinstance(config, SpecConfig):
+        raise bad("config", "a SpecConfig or None", config)
+    if not isinstance(speculate, bool):
+        raise bad("speculate", "a bool", speculate)
+    if isinstance(cost, str):
+        if cost != "measure":
+            raise ValueError(f"cost must be a CostModel or 'measure', got {cost!r}")
+    elif not isinstance(cost, CostModel):
+        raise bad("cost", "a CostModel or 'measure'", cost)
+    if not (draft_model is None or isinstance(draft_model, (str, HFTarget))):
+        raise bad("draft_model", "a model name, an HFTarget or None", draft_model)

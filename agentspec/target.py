@@ -24,7 +24,7 @@ from agentspec._fixed import FixedForward
 from agentspec._kv import FixedKV
 from agentspec.errors import ModelNotAvailableError, UnsupportedModelError
 from agentspec.home import model_dir
-from agentspec.tree import ancestor_matrix, depths
+from agentspec.tree import ancestor_matrix, common_prefix_len, depths
 from agentspec.types import Draft, Verdict
 
 
@@ -311,7 +311,7 @@ class HFTarget:
         """
         self.check_widths()
         wanted = list(prompt_ids[:-1])
-        keep = _common_prefix_len(self._kv_ids, wanted) if self.reuse_prefix else 0
+        keep = common_prefix_len(self._kv_ids, wanted) if self.reuse_prefix else 0
         self._kv_len, self._kv_ids = keep, wanted[:keep]
         chunk = self.widths[-1]
         causal = np.tril(np.ones((chunk, chunk), dtype=bool))
@@ -321,6 +321,11 @@ class HFTarget:
                                logits=False)
             self._kv_len += len(ids)
             self._kv_ids.extend(ids)
+
+    def holds(self, tokens: list[int]) -> bool:
+        """Whether the KV holds exactly ``tokens`` but the last one (the decode loop's
+        invariant); False after another generation used this target."""
+        return len(self._kv_ids) == len(tokens) - 1 and self._kv_ids == tokens[:-1]
 
     def fork(self) -> HFTarget:
         """Another target on the same weights with a KV of its own (cheap: no copy)."""
@@ -376,14 +381,6 @@ class HFTarget:
     @property
     def kv_len(self) -> int:
         return self._kv_len
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 def _takes_mask_dict(model: Any) -> bool:

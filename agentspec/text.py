@@ -1,7 +1,14 @@
-"""Prompts in, text out: chat templates, input validation, incremental detokenization, stops."""
+"""Prompts in, text out: the ONE place a prompt becomes text, and generated tokens become text.
+
+Renderings of a prompt: :func:`render_chat` (the chat template: what the model reads),
+:func:`conversation_key` (what the completion memory is keyed on), :func:`request_text` (what
+a memory record shows as its request). Then input validation, incremental detokenization,
+stop strings and stop tokens.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,17 +37,89 @@ def validate_prompt(prompt: Prompt) -> None:
             raise ValueError(f"message {i} content must be a str, got {msg.get('content')!r}")
 
 
+def render_chat(tokenizer: Any, messages: Sequence[Message]) -> str:
+    """Messages through the chat template, the generation prompt added: the text the model reads."""
+    return str(tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
+                                             add_generation_prompt=True))
+
+
 def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
     """Token ids: messages go through the chat template with the generation prompt added."""
     if isinstance(prompt, str):
         ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
     else:
-        text = tokenizer.apply_chat_template([dict(m) for m in prompt], tokenize=False,
-                                             add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = tokenizer(render_chat(tokenizer, prompt), add_special_tokens=False)["input_ids"]
     if not ids:
         raise ValueError(f"prompt {prompt!r} encodes to no tokens")
     return list(ids)
+
+
+def request_text(prompt: Prompt) -> str:
+    """The request a memory record shows: a str prompt as is, messages as their JSON."""
+    return prompt if isinstance(prompt, str) else json.dumps([dict(m) for m in prompt])
+
+
+def truncate_middle(text: str, max_chars: int, *, head_fraction: float = 0.25) -> str:
+    """``text`` cut to at most ``max_chars`` characters by removing its middle.
+
+    The head (``head_fraction`` of the budget: a system prompt, tool docs) and the tail (the
+    rest: the latest turns) are kept, joined by ``" … "``.
+    """
+    if max_chars <= 0:
+        raise ValueError(f"max_chars must be > 0, got {max_chars}")
+    if not 0.0 <= head_fraction <= 1.0:
+        raise ValueError(f"head_fraction must be in [0, 1], got {head_fraction}")
+    if len(text) <= max_chars:
+        return text
+    sep = " … " if max_chars > 3 else ""
+    budget = max_chars - len(sep)
+    head = int(budget * head_fraction)
+    tail = budget - head
+    return text[:head] + sep + (text[-tail:] if tail else "")
+
+
+def _render_message(message: Mapping[str, Any], i: int) -> str:
+    if not isinstance(message, Mapping) or "role" not in message:
+        raise ValueError(f"messages[{i}] must be a dict with a 'role', got {message!r:.80}")
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI-style parts: keep the text ones
+        content = "\n".join(str(p.get("text", "")) if isinstance(p, Mapping) else str(p)
+                            for p in content)
+    text = f"{message['role']}: {'' if content is None else content}"
+    if message.get("tool_calls"):
+        text += "\n" + json.dumps(message["tool_calls"], sort_keys=True, default=str)
+    return text
+
+
+def conversation_key(messages_or_prompt: str | Sequence[Mapping[str, Any]], *,
+                     max_chars: int = 2000) -> str:
+    """The text a request is remembered under: the whole conversation, not its last message.
+
+    Each message becomes ``"role: content"`` (plus its tool calls), one per line, so the system
+    prompt with its tool docs and every turn count: "how old is he?" asked after two different
+    questions gives two different keys. A str prompt is used as is. Longer than ``max_chars``,
+    the middle is cut: the head (system prompt, tool docs) and the tail (latest turns) stay.
+
+    Args:
+        messages_or_prompt: ``[{"role": ..., "content": ...}, ...]`` or a prompt string.
+        max_chars: longest key returned.
+    """
+    if isinstance(messages_or_prompt, str):
+        text = messages_or_prompt
+    elif isinstance(messages_or_prompt, Sequence):
+        messages: Sequence[Any] = messages_or_prompt
+        text = "\n".join(_render_message(m, i) for i, m in enumerate(messages))
+    else:
+        raise TypeError(f"expected messages or a str prompt, got {type(messages_or_prompt).__name__}")
+    return truncate_middle(text, max_chars)
+
+
+def cut_at_stop(tokens: Sequence[int], stop_ids: frozenset[int]) -> tuple[tuple[int, ...], bool]:
+    """``tokens`` cut before the first stop token, and whether one was there."""
+    for i, tok in enumerate(tokens):
+        if tok in stop_ids:
+            return tuple(tokens[:i]), True
+    return tuple(tokens), False
 
 
 class StopStrings:

@@ -1,4 +1,5 @@
-"""Parent-pointer token trees: children, depths, the 4-D tree attention mask, positions.
+"""Parent-pointer token trees: children, depths, the 4-D tree attention mask, positions,
+sub-drafts, and the common prefix of two token paths.
 
 A draft of ``num_nodes`` nodes is scored together with the last committed token (the root,
 row 0). Node ``i`` sits in row ``i + 1`` and attends to the whole committed past, the root,
@@ -11,6 +12,30 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from agentspec.types import Draft
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (the depth at which two paths part)."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def sub_draft(draft: Draft, keep: Sequence[int]) -> Draft:
+    """The draft of the nodes ``keep``, in that order, each one's parent kept before it;
+    parents, per-node sources and ``draft_probs`` rows follow the nodes to their new indices."""
+    keep = list(keep)
+    if keep == list(range(draft.num_nodes)):
+        return draft
+    remap = {old: new for new, old in enumerate(keep)}
+    parents = tuple(-1 if draft.parents[i] < 0 else remap[draft.parents[i]] for i in keep)
+    source = draft.source if isinstance(draft.source, str) else tuple(draft.source[i] for i in keep)
+    probs = None if draft.draft_probs is None else draft.draft_probs[keep]
+    return Draft(tuple(draft.token_ids[i] for i in keep), parents, source, probs)
 
 
 def depths(parents: Sequence[int]) -> list[int]:

@@ -109,7 +109,9 @@ def verify_ratio(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
         raise ValueError("verify_ratio needs a chain draft with draft_probs")
     n = draft.num_nodes
     p = logits_to_probs(logits, sampling)  # [n + 1, vocab_size]
-    q = draft.draft_probs.to(p.device, torch.float32)  # [n, vocab_size]
+    # [n, vocab_size]; a drafter's bad values (NaN, negative) must not crash the step
+    q = torch.nan_to_num(draft.draft_probs.to(p.device, torch.float32), nan=0.0, posinf=0.0,
+                         neginf=0.0).clamp_min(0)
     x = torch.tensor(draft.token_ids, device=p.device)  # [n]
     rows = torch.arange(n, device=p.device)
     p_x, q_x = p[rows, x], q[rows, x]  # [n]

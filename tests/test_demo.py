@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from agentspec.bench.demo import CallResult, DemoConfig, _cut, _task_ids, summarize
+from agentspec.bench.demo import CallResult, DemoConfig, _task_ids, summarize
 from agentspec.cli import app
+from agentspec.text import cut_at_stop
 
 
 def test_bad_input_exits_2_before_loading() -> None:
@@ -31,8 +32,8 @@ def test_help_is_the_demo_options() -> None:
 
 def test_task_ids_and_cut() -> None:
     assert _task_ids("26, multi_turn_base_12,") == ("multi_turn_base_26", "multi_turn_base_12")
-    assert _cut([5, 6, 2, 7], frozenset({2})) == (5, 6)
-    assert _cut([5, 6], frozenset({2})) == (5, 6)
+    assert cut_at_stop([5, 6, 2, 7], frozenset({2}))[0] == (5, 6)
+    assert cut_at_stop([5, 6], frozenset({2}))[0] == (5, 6)
 
 
 def test_summarize_speedups() -> None:

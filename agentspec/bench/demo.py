@@ -33,6 +33,7 @@ from rich.table import Table
 
 from agentspec.bench import bfcl
 from agentspec.bench.toolcalls import ToolCall, ToolEnvironment, parse_tool_calls
+from agentspec.text import cut_at_stop
 
 MODEL = "smollm2-135m-instruct"
 # Two file-system tasks of 3 user turns, using mostly the documented tools. Each call prefills
@@ -155,7 +156,7 @@ class SideBySide:
         result = CallResult(
             pass_name, task_id, self._turn, self._call, len(plain.token_ids), plain_s, spec_s,
             spec.stats.steps, dict(spec.stats.accepted_by_source),
-            _cut(plain.token_ids, stop_ids) == _cut(spec.token_ids, stop_ids))
+            cut_at_stop(plain.token_ids, stop_ids) == cut_at_stop(spec.token_ids, stop_ids))
         self.results.append(result)
         self.on_call(result, plain.text)
         return str(plain.text)
@@ -167,14 +168,6 @@ class SideBySide:
         else:
             gen = self.spec.generate(messages, self.max_new_tokens, scope=self._where[2])
         return gen, time.perf_counter() - started
-
-
-def _cut(token_ids: Sequence[int], stop_ids: frozenset[int]) -> tuple[int, ...]:
-    """Token ids up to, not including, the first stop token."""
-    for i, token in enumerate(token_ids):
-        if token in stop_ids:
-            return tuple(token_ids[:i])
-    return tuple(token_ids)
 
 
 class _EchoEnvironment(ToolEnvironment):

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from agentspec.bench.workload import Workload, WorkloadItem
+from agentspec.text import cut_at_stop
 
 # Systems with a completion memory: the warmup lines run through them.
 MEMORY_SYSTEMS = ("agentspec", "agentspec-chain")
@@ -132,14 +133,6 @@ class BenchResult:
     notes: tuple[str, ...] = ()
 
 
-def cut_at_stop(token_ids: Sequence[int], stop_ids: frozenset[int]) -> tuple[int, ...]:
-    """The tokens before the first stop token id."""
-    for i, t in enumerate(token_ids):
-        if t in stop_ids:
-            return tuple(int(x) for x in token_ids[:i])
-    return tuple(int(x) for x in token_ids)
-
-
 def prompt_of(item: WorkloadItem) -> Any:
     """The item's chat messages (as fresh dicts) or raw prompt, as the systems take it."""
     return [dict(m) for m in item.messages] if item.messages is not None else item.prompt
@@ -163,7 +156,7 @@ class SpecSystem:
         gen = self.spec.generate(prompt_of(item), max_new_tokens, **kwargs)
         seconds = time.perf_counter() - started
         stats = gen.stats
-        return Outcome(cut_at_stop(gen.token_ids, self.spec.stop_token_ids), seconds,
+        return Outcome(cut_at_stop(gen.token_ids, self.spec.stop_token_ids)[0], seconds,
                        stats.steps, dict(stats.drafted_by_source), dict(stats.accepted_by_source))
 
 

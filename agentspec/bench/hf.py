@@ -18,8 +18,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from agentspec.bench.harness import Outcome, cut_at_stop, prompt_of
+from agentspec.bench.harness import Outcome, prompt_of
 from agentspec.bench.workload import WorkloadItem
+from agentspec.text import cut_at_stop
 
 PLD_TOKENS = 10
 # What transformers' generate sets on the model with a static KV (generation/utils.py,
@@ -42,7 +43,7 @@ class HFSystem:
         ids = self.spec.encode(prompt_of(item))
         new = self._generate(ids, kwargs)
         seconds = time.perf_counter() - started
-        return Outcome(cut_at_stop(new, self.spec.stop_token_ids), seconds)
+        return Outcome(cut_at_stop(new, self.spec.stop_token_ids)[0], seconds)
 
     def _kwargs(self, max_new_tokens: int, seed: int | None) -> dict[str, Any]:
         import torch

@@ -35,9 +35,10 @@ from pathlib import Path
 from typing import Any
 
 from agentspec.config import SamplingParams, SpecConfig
-from agentspec.drafters.chain import DrafterChain, keep_nodes
+from agentspec.drafters.chain import DrafterChain
 from agentspec.drafters.policy import DEFAULT_COST, CostModel
 from agentspec.protocols import DraftContext, Drafter
+from agentspec.tree import sub_draft
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
 _STOP = -1  # stands for the stop token that ended an output (no draft proposes it)
@@ -126,7 +127,7 @@ class Hindsight:
             return EMPTY_DRAFT
         path = accepted_path(best, todo)
         keep = sorted(set(path) | {c for c, p in enumerate(best.parents) if p == path[-1]})
-        return keep_nodes(best, keep[: len(path) + 1])
+        return sub_draft(best, keep[: len(path) + 1])
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         for d in self.drafters:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from agentspec.drafters.policy import (
     DEFAULT_COST,
@@ -22,8 +23,9 @@ from agentspec.drafters.policy import (
     expected_tokens,
 )
 from agentspec.protocols import DraftContext, Drafter
-from agentspec.tree import depths
+from agentspec.tree import depths, sub_draft
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
+from agentspec.untrusted import MAX_SCAN, Guarded, sanitize
 
 # Per-token acceptance before any evidence: remembered completions are usually right, and one
 # that has matched every generated token so far ("memory/follow") almost always.
@@ -60,18 +62,7 @@ def trim_to_depth(draft: Draft, depth: int) -> Draft:
     d = depths(draft.parents)
     if max(d) <= depth:
         return draft
-    return keep_nodes(draft, [i for i in range(draft.num_nodes) if d[i] <= depth])
-
-
-def keep_nodes(draft: Draft, keep: list[int]) -> Draft:
-    """The sub-draft of the nodes ``keep`` (ascending, each one's parent kept too)."""
-    if len(keep) == draft.num_nodes:
-        return draft
-    remap = {old: new for new, old in enumerate(keep)}
-    parents = tuple(-1 if draft.parents[i] < 0 else remap[draft.parents[i]] for i in keep)
-    source = draft.source if isinstance(draft.source, str) else tuple(draft.source[i] for i in keep)
-    probs = None if draft.draft_probs is None else draft.draft_probs[keep]
-    return Draft(tuple(draft.token_ids[i] for i in keep), parents, source, probs)
+    return sub_draft(draft, [i for i in range(draft.num_nodes) if d[i] <= depth])
 
 
 def first_path(draft: Draft) -> Draft:
@@ -84,6 +75,17 @@ def first_path(draft: Draft) -> Draft:
     source = draft.source if isinstance(draft.source, str) else draft.source[path[0]]
     probs = None if draft.draft_probs is None else draft.draft_probs[path]
     return Draft.chain([draft.token_ids[i] for i in path], source, probs)
+
+
+@dataclass
+class _Request:
+    """One request's view of the chain: its sources (each guarded: one that raises is skipped
+    for the rest of the request), which have not been timed yet, and the acceptance class of
+    the draft its last ``propose`` returned."""
+
+    sources: list[Guarded]
+    untimed: set[str] = field(default_factory=set)
+    chosen_key: str = ""
 
 
 class DrafterChain:
@@ -111,22 +113,27 @@ class DrafterChain:
         self.alternatives = {d.name: Acceptance(ALTERNATIVE_PRIOR) for d in self.drafters}
         # Seconds a drafter takes to propose (running mean; lookups ~1e-4, a model ~a forward).
         self.propose_seconds = {d.name: 0.0 for d in self.drafters}
-        self._untimed: set[str] = set()
         self._skipped = {d.name: 0 for d in self.drafters}
-        self._chosen_key = ""  # the acceptance class of the draft the last propose returned
+
+    def _request(self, context: DraftContext) -> _Request:
+        return context.state(self, lambda: _Request([Guarded(d) for d in self.drafters]))
 
     def begin(self, context: DraftContext) -> None:
+        req = self._request(context)
         # A request's first proposal does lazy per-request work (indexing the prompt, a draft
         # model's prefill): it is not timed as the drafter's cost.
-        self._untimed = {d.name for d in self.drafters}
-        for d in self.drafters:
+        req.untimed = {d.name for d in req.sources}
+        for d in req.sources:
             d.begin(context)
 
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
+        req = self._request(context)
         best, best_rate = EMPTY_DRAFT, 1.0 / self.cost.seconds(0)
-        self._chosen_key = ""
+        req.chosen_key = ""
         max_tokens = min(max_tokens, self.max_depth)
-        for drafter in self.drafters:
+        for drafter in req.sources:
+            if drafter.failed:
+                continue
             alpha = self.acceptance[drafter.name].alpha
             spent = self.propose_seconds[drafter.name]
             slow = spent > 0.1 * self.cost.seconds(0)
@@ -139,21 +146,24 @@ class DrafterChain:
                     continue
             self._skipped[drafter.name] = 0
             started = time.perf_counter()
-            draft = drafter.propose(context, max_tokens=max_tokens)
-            spent = self._timed(drafter.name, time.perf_counter() - started)
+            proposal = drafter.propose(context, max_tokens=max_tokens)
+            spent = self._timed(req, drafter.name, time.perf_counter() - started)
+            # Untrusted: the policy below needs a well-formed tree (ids are checked at decode).
+            draft = sanitize(proposal, vocab_size=None, room=max_tokens, max_nodes=MAX_SCAN)
             if draft.num_nodes == 0:
                 continue
             # A drafter may name a finer acceptance class for this proposal (the memory: a
             # candidate that has matched every generated token so far).
-            key = getattr(drafter, "acceptance_key", None) or drafter.name
+            key = getattr(drafter.drafter, "acceptance_key", None)
+            key = key if isinstance(key, str) and key else drafter.name
             alpha = self._acceptance(key).alpha
             if not self.trees and not draft.is_chain:
                 draft = first_path(draft)
             keep, rate = best_subtree(draft.parents, alpha, self.cost, spent,
                                       self.alternatives[drafter.name].alpha)
             if keep and rate > best_rate:
-                best, best_rate = keep_nodes(draft, keep), rate
-                self._chosen_key = key
+                best, best_rate = sub_draft(draft, keep), rate
+                req.chosen_key = key
         return best
 
     def _acceptance(self, key: str) -> Acceptance:
@@ -167,9 +177,9 @@ class DrafterChain:
         length = best_length(alpha, max_tokens, self.cost, spent)
         return expected_tokens(alpha, length) / (self.cost.seconds(length) + spent)
 
-    def _timed(self, name: str, seconds: float) -> float:
-        if name in self._untimed:
-            self._untimed.discard(name)
+    def _timed(self, req: _Request, name: str, seconds: float) -> float:
+        if name in req.untimed:
+            req.untimed.discard(name)
             return self.propose_seconds[name]
         old = self.propose_seconds[name]
         # A running mean; a re-probe replaces a larger estimate outright (it was a hiccup, or
@@ -179,18 +189,19 @@ class DrafterChain:
         return self.propose_seconds[name]
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
+        req = self._request(context)
         if draft.num_nodes:
             name = draft.source_of(0)
             if name in self.alternatives:
                 depth = max(depths(draft.parents))
-                self._acceptance(self._chosen_key or name).update(depth, len(verdict.path))
+                self._acceptance(req.chosen_key or name).update(depth, len(verdict.path))
                 tried, right = alternatives_tried(draft.parents, verdict.path)
                 if tried:
                     self.alternatives[name].update(tried, right)
-        for d in self.drafters:
+        for d in req.sources:
             d.observe(context, draft, verdict)
 
     def end(self, context: DraftContext) -> None:
-        for d in self.drafters:
+        for d in self._request(context).sources:
             d.end(context)
 

@@ -16,12 +16,24 @@ from typing import Any
 
 from agentspec.drafters.ngram import NgramIndex
 from agentspec.protocols import DraftContext
-from agentspec.tree import merge_chains
+from agentspec.tree import child_index, merge_chains
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
 # Match strength of a candidate that has matched every generated token so far (n-gram
 # realignments score their match length, at most 8).
 _FOLLOWING = 100
+
+
+@dataclass
+class _Request:
+    """One request's candidates, the owner of each node of its last draft, and its credits."""
+
+    cands: list[_Candidate] = field(default_factory=list)
+    # The last draft's (parent node, token) -> node, and each node's candidate (into cands):
+    # the verified draft may be a reordered subset of it, so accepted tokens are matched by path.
+    children: dict[tuple[int, int], int] = field(default_factory=dict)
+    owners: list[int] = field(default_factory=list)
+    credits: Counter[int] = field(default_factory=Counter)
 
 
 @dataclass
@@ -52,26 +64,27 @@ class MemoryDrafter:
             raise ValueError(f"k must be >= 1, got {k}")
         self.memory, self.model, self.k = memory, model, k
         self.min_similarity, self.max_nodes = min_similarity, max_nodes
-        self._cands: list[_Candidate] = []
-        self._owners: list[int] = []  # per node of the last draft: index into _cands
-        self._credits: Counter[int] = Counter()
         # The acceptance class of the last proposal, for the drafter chain: "memory/follow"
-        # when its best candidate has matched every generated token so far.
+        # when its best candidate has matched every generated token so far. Read right after
+        # ``propose``, within the same step.
         self.acceptance_key = self.name
 
+    def _request(self, context: DraftContext) -> _Request:
+        return context.state(self, _Request)
+
     def begin(self, context: DraftContext) -> None:
-        self._credits = Counter()
-        self._cands = []
+        req = self._request(context)
         if not context.key_text:
             return
         hits = self.memory.lookup(context.key_text, scope=context.scope, model=self.model, k=self.k)
-        self._cands = [_Candidate(rec.id, list(rec.completion_ids), sim)
-                       for rec, sim in hits if sim >= self.min_similarity and rec.completion_ids]
+        req.cands = [_Candidate(rec.id, list(rec.completion_ids), sim)
+                     for rec, sim in hits if sim >= self.min_similarity and rec.completion_ids]
 
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
+        req = self._request(context)
         chains: list[tuple[tuple[int, float], list[int], int]] = []
         tail = context.tokens[-8:]
-        for i, cand in enumerate(self._cands):
+        for i, cand in enumerate(req.cands):
             if cand.follow >= 0:
                 start, strength = cand.follow, _FOLLOWING
             else:
@@ -80,26 +93,33 @@ class MemoryDrafter:
             if cont:
                 chains.append(((strength, cand.similarity), cont, i))
         if not chains:
-            self._owners = []
+            req.children, req.owners = {}, []
             return EMPTY_DRAFT
         chains.sort(key=lambda c: c[0], reverse=True)
         self.acceptance_key = "memory/follow" if chains[0][0][0] == _FOLLOWING else self.name
         tokens, parents, owners = merge_chains([(c[1], str(c[2])) for c in chains],
                                                min(self.max_nodes, max(max_tokens, 1) * len(chains)))
-        self._owners = [int(o) for o in owners]
+        req.owners = [int(o) for o in owners]
+        req.children = child_index(tokens, parents)
         return Draft(tuple(tokens), tuple(parents), self.name)
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
+        req = self._request(context)
         if draft.source == self.name:
-            for node in verdict.path:
-                self._credits[self._cands[self._owners[node]].record_id] += 1
+            node = -1
+            for tok in verdict.accepted:
+                node = req.children.get((node, tok), -1)
+                if node < 0:
+                    break
+                req.credits[req.cands[req.owners[node]].record_id] += 1
         new = verdict.new_tokens
-        for cand in self._cands:
+        for cand in req.cands:
             if cand.follow >= 0:
                 end = cand.follow + len(new)
                 cand.follow = end if cand.ids[cand.follow : end] == list(new) else -1
 
     def end(self, context: DraftContext) -> None:
-        for record_id, accepted in self._credits.items():
+        req = self._request(context)
+        for record_id, accepted in req.credits.items():
             self.memory.credit(record_id, accepted)
-        self._credits = Counter()
+        req.credits = Counter()

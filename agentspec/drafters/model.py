@@ -25,6 +25,7 @@ import torch
 from agentspec.protocols import DraftContext
 from agentspec.sampling import logits_to_probs
 from agentspec.target import HFTarget
+from agentspec.tree import common_prefix_len
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
 _TAIL_TOKENS = 4  # target tokens re-encoded with the drafted text, to align token boundaries
@@ -64,15 +65,21 @@ class ModelDrafter:
         self.sampling_aware = sampling_aware
         self.same_tokenizer = same_vocabulary(draft_target.tokenizer, target_tokenizer)
         self.target_vocab = len(target_tokenizer)
-        self._fed: list[int] = []  # draft-model token ids whose rows are in its KV
-        self._prompt_ids: list[int] = []  # cross-tokenizer: the prompt in draft-model ids
+        # The draft-model token ids whose rows are in its KV: the draft KV is shared by the
+        # requests (each proposal syncs it to its own context), so this is too.
+        self._fed: list[int] = []
 
     def begin(self, context: DraftContext) -> None:
-        self._fed = []
-        self.draft.start([])  # an empty KV; the first proposal feeds the whole prompt at once
-        if not self.same_tokenizer:
-            text = self.target_tokenizer.decode(context.tokens[: context.prompt_len])
-            self._prompt_ids = self._encode_draft(text)
+        self._prompt_ids(context)
+
+    def _prompt_ids(self, context: DraftContext) -> list[int]:
+        """Cross-tokenizer: this request's prompt in draft-model ids (per request)."""
+        def make() -> list[int]:
+            if self.same_tokenizer:
+                return []
+            return self._encode_draft(self.target_tokenizer.decode(context.tokens[: context.prompt_len]))
+
+        return context.state(self, make)
 
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
         n = min(max_tokens, self.max_draft)
@@ -86,7 +93,7 @@ class ModelDrafter:
         pass  # the KV is cropped to the committed prefix on the next proposal
 
     def end(self, context: DraftContext) -> None:
-        self._fed = []
+        pass  # the draft KV stays: the next request keeps the prefix it shares
 
     # -- same tokenizer -------------------------------------------------------------------
 
@@ -128,7 +135,7 @@ class ModelDrafter:
 
     def _propose_text(self, context: DraftContext, n: int) -> Draft:
         generated = self.target_tokenizer.decode(context.generated)
-        logits = self._sync(self._prompt_ids + self._encode_draft(generated))
+        logits = self._sync(self._prompt_ids(context) + self._encode_draft(generated))
         drafted: list[int] = []
         # The draft model's tokens are usually shorter than the target's: draft a few more.
         for _ in range(n + 2):
@@ -160,12 +167,7 @@ class ModelDrafter:
         """Bring the draft KV to exactly ``ids`` and return the logits after them ``[vocab]``.
 
         Keeps the longest shared prefix (at least one token is fed, for its logits)."""
-        keep = 0
-        for a, b in zip(self._fed, ids, strict=False):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(ids) - 1)
+        keep = min(common_prefix_len(self._fed, ids), len(ids) - 1, self.draft.kv_len)
         self.draft.crop(keep)
         self._fed = self._fed[:keep]
         return self._feed(ids[keep:])

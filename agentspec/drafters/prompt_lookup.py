@@ -7,10 +7,20 @@ among equal lengths, the request itself, whose most recent occurrence is preferr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from agentspec.config import SpecConfig
 from agentspec.drafters.ngram import NgramIndex
 from agentspec.protocols import DraftContext
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
+
+
+@dataclass
+class _Indexes:
+    """One request's n-gram indexes: over its own tokens, and per extra source."""
+
+    own: NgramIndex
+    extra: list[tuple[list[int], NgramIndex]]
 
 
 class PromptLookupDrafter:
@@ -20,22 +30,25 @@ class PromptLookupDrafter:
 
     def __init__(self, config: SpecConfig | None = None) -> None:
         self.config = config or SpecConfig()
-        self._index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-        self._extra: list[tuple[list[int], NgramIndex]] = []
+
+    def _indexes(self, context: DraftContext) -> _Indexes:
+        def make() -> _Indexes:
+            lo, hi = self.config.ngram_min, self.config.ngram_max
+            return _Indexes(NgramIndex(lo, hi),
+                            [(list(seq), NgramIndex(lo, hi)) for seq in context.extra_sources])
+
+        return context.state(self, make)
 
     def begin(self, context: DraftContext) -> None:
-        self._index = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-        self._extra = []
-        for seq in context.extra_sources:
-            idx = NgramIndex(self.config.ngram_min, self.config.ngram_max)
-            self._extra.append((list(seq), idx))
+        self._indexes(context)
 
     def best_match(self, context: DraftContext) -> tuple[int, list[int], int]:
         """``(match length, source tokens, continuation start)`` of the best match."""
         tokens = context.tokens
-        n, start = self._index.match(tokens)
+        indexes = self._indexes(context)
+        n, start = indexes.own.match(tokens)
         best: tuple[int, list[int], int] = (n, tokens, start)
-        for seq, idx in self._extra:
+        for seq, idx in indexes.extra:
             m, s = idx.match(seq, tokens[-self.config.ngram_max :])
             if m > best[0]:
                 best = (m, seq, s)

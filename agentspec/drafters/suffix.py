@@ -51,8 +51,7 @@ class SuffixDrafter:
         self.n_min, self.n_max = n_min, n_max
         self.max_occurrences, self.max_branches = max_occurrences, max_branches
         self.max_scope_tokens = max_scope_tokens
-        self._scopes: dict[str, _ScopeText] = {}
-        self._current: _ScopeText | None = None
+        self._scopes: dict[str, _ScopeText] = {}  # shared by all requests of a scope
 
     def begin(self, context: DraftContext) -> None:
         state = self._scopes.setdefault(context.scope, _ScopeText())
@@ -66,7 +65,7 @@ class SuffixDrafter:
             kept = state.tokens[-self.max_scope_tokens // 2 :]
             self._append(fresh, [t for t in kept if t != _SEP])
             state = self._scopes[context.scope] = fresh
-        self._current = state
+        self._scope_text(context).append(state)  # this request's scope text
 
     def _append(self, state: _ScopeText, ids: list[int]) -> None:
         base = len(state.tokens)
@@ -79,8 +78,13 @@ class SuffixDrafter:
                 if len(occ) > self.max_occurrences:
                     del occ[0]
 
+    def _scope_text(self, context: DraftContext) -> list[_ScopeText]:
+        """This request's scope text (a list of at most one: empty before ``begin``)."""
+        return context.state(self, list[_ScopeText])
+
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
-        state = self._current
+        current = self._scope_text(context)
+        state = current[-1] if current else None
         if state is None or not state.tokens:
             return EMPTY_DRAFT
         tail = context.tokens[-self.n_max :]
@@ -116,4 +120,4 @@ class SuffixDrafter:
         pass
 
     def end(self, context: DraftContext) -> None:
-        self._current = None
+        self._scope_text(context).clear()

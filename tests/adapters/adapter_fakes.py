@@ -4,10 +4,11 @@ Speculator per test process (module-level cache) for the checks that need the re
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from agentspec.session import Session, current_session
+from agentspec.stream import Stream
 from agentspec.types import Generation, GenerationStats
 
 _REAL: list[Any] = []
@@ -53,8 +54,12 @@ class FakeSpeculator:
         return Session(self, name, scope=scope)
 
     def stream(self, prompt: Any, max_new_tokens: int = 128, *, sampling: Any = None,
-               stop: Sequence[str] = (), scope: str | None = None) -> Iterator[str]:
-        session = current_session(self)
+               stop: Sequence[str] = (), scope: str | None = None) -> Stream:
+        return Stream(self._deltas(prompt, max_new_tokens, stop=stop, scope=scope,
+                                   session=current_session(self)))
+
+    def _deltas(self, prompt: Any, max_new_tokens: int, *, stop: Sequence[str],
+                scope: str | None, session: Session | None) -> Generator[str, None, Generation]:
         scope = scope or (session.scope if session else "default")
         text = self.reply(prompt) if callable(self.reply) else self.reply
         text = text[:max_new_tokens]
@@ -71,6 +76,7 @@ class FakeSpeculator:
         gen = Generation(text, ids, stats, "stop" if cuts else "length")
         if session is not None:
             session.observe(gen)
+        return gen
 
     def generate(self, prompt: Any, max_new_tokens: int = 128, **kw: Any) -> Generation:
         text = "".join(self.stream(prompt, max_new_tokens, **kw))

@@ -110,8 +110,10 @@ def test_distribution_check_flags_a_biased_system(tmp_path: Path) -> None:
 
 
 def test_cut_at_stop() -> None:
-    assert harness.cut_at_stop([5, 6, 2, 7], frozenset({2})) == (5, 6)
-    assert harness.cut_at_stop([5, 6], frozenset({2})) == (5, 6)
+    from agentspec.text import cut_at_stop
+
+    assert cut_at_stop([5, 6, 2, 7], frozenset({2})) == ((5, 6), True)
+    assert cut_at_stop([5, 6], frozenset({2})) == ((5, 6), False)
 
 
 def test_shipped_prompts_workload_is_the_bundled_prompts() -> None:

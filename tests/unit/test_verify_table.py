@@ -57,7 +57,10 @@ def test_draft_rejects_malformed_trees():
 
 
 def test_untrusted_drafts_are_pruned_not_trusted():
-    from agentspec.decode import _sanitize
+    from agentspec.untrusted import sanitize
+
+    def _sanitize(draft, vocab, room, nodes):
+        return sanitize(draft, vocab_size=vocab, room=room, max_nodes=nodes)
 
     tree = Draft((1, 99, 3, 4, 5), (-1, 0, 1, 0, -1), "m")  # 99 is out of a 10-token vocabulary
     assert _sanitize(tree, 10, 8, 63) == Draft((1, 4, 5), (-1, 0, -1), "m")
@@ -67,7 +70,10 @@ def test_untrusted_drafts_are_pruned_not_trusted():
 
 
 def test_sanitize_orders_nodes_depth_first_so_first_children_form_the_spine():
-    from agentspec.decode import _sanitize
+    from agentspec.untrusted import sanitize
+
+    def _sanitize(draft, vocab, room, nodes):
+        return sanitize(draft, vocab_size=vocab, room=room, max_nodes=nodes)
 
     # Breadth-first: a, b under the root; a's child c; b's child d; c's child e.
     tree = Draft((1, 2, 3, 4, 5), (-1, -1, 0, 1, 2), ("a", "b", "c", "d", "e"))

@@ -1,0 +1,190 @@
+"""Untrusted drafters and their drafts: what reaches the verifier is well formed, and a drafter
+that raises costs its drafts for the rest of the call, never the call.
+
+Drafts are heuristics (a stale memory row, a spurious n-gram, a user's plug-in): they may be
+wrong, malformed or missing, and the output must not change. :func:`sanitize` turns whatever a
+drafter returned into a valid :class:`~agentspec.types.Draft` (possibly empty);
+:class:`Guarded` calls a drafter's ``begin``/``propose``/``observe``/``end`` and, the first
+time one raises, logs it (once per drafter, on the ``agentspec`` logger) and skips that drafter
+for the rest of the call. The decode loop guards its drafter; the drafter chain guards each
+source, so one failing source leaves the others drafting.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import weakref
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from agentspec.protocols import DraftContext, Drafter
+from agentspec.tree import preorder, sub_draft
+from agentspec.types import EMPTY_DRAFT, Draft, Verdict
+
+logger = logging.getLogger("agentspec")
+
+# Nodes of one proposal looked at; a forward verifies at most its width (64) anyway, and this
+# bounds the host work a huge draft can cost.
+MAX_SCAN = 4096
+UNNAMED = "untrusted"  # the source of nodes whose drafter gave no usable name
+
+
+def sanitize(draft: object, *, vocab_size: int | None, room: int, max_nodes: int) -> Draft:
+    """A valid draft made of what is usable in ``draft``; never raises.
+
+    Keeps the nodes whose token id is an int in ``[0, vocab_size)`` (any non-negative int when
+    ``vocab_size`` is None), whose parent is an earlier kept node (or -1) and whose depth is at
+    most ``room``. A node whose parent already has a child with its token is merged into that
+    child (its subtree joins the child's), so sibling token ids are distinct. The nodes are put
+    in depth-first order (first children form the spine, :func:`~agentspec.tree.preorder`) and
+    cut to ``max_nodes``. Fields that do not fit are dropped: token ids and parents of unequal
+    lengths are cut to the shorter, a per-node ``source`` of the wrong length becomes one name,
+    and ``draft_probs`` is kept only as a float ``[num_nodes, vocab_size]`` tensor on a chain
+    (otherwise the draft is verified as point masses, which is exact whatever its tokens).
+    Anything that is not a :class:`Draft` is an empty draft.
+    """
+    if not isinstance(draft, Draft) or room <= 0 or max_nodes <= 0:
+        return EMPTY_DRAFT
+    ids = _ints(draft.token_ids, MAX_SCAN)
+    parents = _ints(draft.parents, len(ids))
+    ids = ids[: len(parents)]
+    total = _length(draft.token_ids)
+    sources = _sources(draft.source, total)
+    probs = _probs(draft.draft_probs, total, _length(draft.parents), vocab_size)
+    rep: dict[int, int] = {-1: -1}  # node -> the kept node it is, or was merged into
+    depth = {-1: 0}
+    child: dict[tuple[int, int], int] = {}  # (kept parent, token) -> kept node
+    kept: list[int] = []
+    for i, (tok, par) in enumerate(zip(ids, parents, strict=True)):
+        if tok is None or tok < 0 or (vocab_size is not None and tok >= vocab_size):
+            continue
+        if par is None or par not in rep or depth[rep[par]] >= room:  # rep holds earlier nodes
+            continue
+        parent = rep[par]
+        twin = child.get((parent, tok))
+        if twin is not None:
+            rep[i] = twin
+            continue
+        child[(parent, tok)] = rep[i] = i
+        depth[i] = depth[parent] + 1
+        kept.append(i)
+    if not kept:
+        return EMPTY_DRAFT
+    position = {old: new for new, old in enumerate(kept)}
+    dense = Draft(tuple(ids[i] for i in kept),  # type: ignore[misc]  # kept ids are ints
+                  tuple(-1 if rep[parents[i]] < 0 else position[rep[parents[i]]]  # type: ignore[index]
+                        for i in kept),
+                  sources if isinstance(sources, str) else tuple(sources[i] for i in kept),
+                  None if probs is None else probs if len(kept) == len(probs) else probs[kept])
+    out = sub_draft(dense, preorder(dense.parents)[:max_nodes])
+    return out if out.draft_probs is None or out.is_chain else replace(out, draft_probs=None)
+
+
+def _length(seq: object) -> int:
+    try:
+        return len(seq)  # type: ignore[arg-type]
+    except TypeError:
+        return 0
+
+
+def _ints(seq: object, limit: int) -> list[int | None]:
+    """The first ``limit`` items of ``seq`` as ints (None where an item is not an integer)."""
+    if not isinstance(seq, Iterable) or isinstance(seq, (str, bytes)):
+        return []
+    out: list[int | None] = []
+    try:
+        for item in seq:
+            if len(out) == limit:
+                break
+            try:
+                out.append(None if isinstance(item, bool) else operator.index(item))
+            except TypeError:
+                out.append(None)
+    except Exception:  # noqa: BLE001 - an iterable that fails midway: keep what came
+        pass
+    return out
+
+
+def _sources(source: object, nodes: int) -> str | list[str]:
+    if isinstance(source, str):
+        return source
+    if isinstance(source, tuple) and len(source) == nodes and all(isinstance(s, str) for s in source):
+        return list(source)
+    return UNNAMED
+
+
+def _probs(probs: object, nodes: int, parents: int, vocab_size: int | None) -> torch.Tensor | None:
+    ok = (isinstance(probs, torch.Tensor) and probs.is_floating_point() and probs.dim() == 2
+          and probs.shape[0] == nodes == parents
+          and (vocab_size is None or probs.shape[1] == vocab_size))
+    return probs if ok else None  # type: ignore[return-value]
+
+
+def report(drafter: object, method: str, exc: BaseException) -> None:
+    """Log a drafter's failure, once per drafter."""
+    if _reported(drafter):
+        return
+    logger.warning("drafter %r raised in %s (%s: %s); it is skipped for the rest of the call. "
+                   "Outputs are unaffected. Logged once per drafter.", _name(drafter), method,
+                   type(exc).__name__, exc, exc_info=exc)
+
+
+_SEEN: weakref.WeakSet[Any] = weakref.WeakSet()
+_SEEN_IDS: set[int] = set()  # drafters that cannot be weakly referenced
+
+
+def _reported(drafter: object) -> bool:
+    try:
+        if drafter in _SEEN:
+            return True
+        _SEEN.add(drafter)
+    except TypeError:
+        if id(drafter) in _SEEN_IDS:
+            return True
+        _SEEN_IDS.add(id(drafter))
+    return False
+
+
+def _name(drafter: object) -> str:
+    name = getattr(drafter, "name", None)
+    return name if isinstance(name, str) else type(drafter).__name__
+
+
+class Guarded:
+    """One drafter for one call: after it raises once, the call goes on without it.
+
+    ``propose`` returns the drafter's proposal unchecked (see :func:`sanitize`), or an empty
+    draft once the drafter has failed. Only ``Exception`` is caught: an interrupt still stops.
+    """
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+        self.failed = False
+        self.name = _name(drafter)
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self.failed:
+            return None
+        try:
+            return getattr(self.drafter, method)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - untrusted code: logged, then skipped
+            self.failed = True
+            report(self.drafter, method, exc)
+            return None
+
+    def begin(self, context: DraftContext) -> None:
+        self._call("begin", context)
+
+    def propose(self, context: DraftContext, *, max_tokens: int) -> object:
+        out = self._call("propose", context, max_tokens=max_tokens)
+        return EMPTY_DRAFT if out is None else out
+
+    def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
+        self._call("observe", context, draft, verdict)
+
+    def end(self, context: DraftContext) -> None:
+        self._call("end", context)

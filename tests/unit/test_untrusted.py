@@ -1,0 +1,104 @@
+"""The sanitiser and the guard on untrusted drafts and drafters (no model)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from agentspec.protocols import DraftContext
+from agentspec.types import EMPTY_DRAFT, Draft
+from agentspec.untrusted import MAX_SCAN, Guarded, sanitize
+
+
+def _raw(token_ids, parents, source="m", probs=None) -> Draft:
+    draft = object.__new__(Draft)
+    for name, value in (("token_ids", token_ids), ("parents", parents), ("source", source),
+                        ("draft_probs", probs)):
+        object.__setattr__(draft, name, value)
+    return draft
+
+
+def clean(draft, vocab=10, room=8, nodes=63) -> Draft:
+    return sanitize(draft, vocab_size=vocab, room=room, max_nodes=nodes)
+
+
+def test_duplicate_siblings_merge_into_the_first_with_their_subtrees():
+    # Two children 5 of the root (nodes 0 and 1); node 1's children move under node 0, where
+    # its own duplicate child 6 (node 3) merges into node 2.
+    tree = _raw((5, 5, 6, 6, 7, 8), (-1, -1, 0, 1, 1, 3))
+    assert clean(tree) == Draft((5, 6, 8, 7), (-1, 0, 1, 0), "m")
+    # Per-node sources follow the kept (first) nodes.
+    tree = _raw((5, 5, 6), (-1, -1, 1), ("a", "b", "c"))
+    assert clean(tree) == Draft((5, 6), (-1, 0), ("a", "c"))
+
+
+def test_duplicates_no_longer_stop_the_walk():
+    from agentspec.verify import walk
+
+    draft = clean(_raw((1, 1, 2), (-1, -1, 1)))
+    assert walk(draft, [1, 2, 0, 0]).accepted == (1, 2)
+
+
+def test_malformed_fields_are_dropped_not_raised():
+    assert clean(_raw((1, 2, 3), (-1, 0))) == Draft((1, 2), (-1, 0), "m")  # unequal lengths
+    assert clean(_raw((1, 2.5, "3", None, True), (-1, 0, 0, 0, 0))) == Draft((1,), (-1,), "m")
+    assert clean(_raw(np.array([1, 2]), [-1, 0])) == Draft((1, 2), (-1, 0), "m")  # numpy ids
+    assert clean(_raw(torch.tensor([1, 2]), (-1, 0))) == Draft((1, 2), (-1, 0), "m")
+    assert clean(_raw((1, 2), (-1, 5))) == Draft((1,), (-1,), "m")  # a forward parent
+    assert clean(_raw((1, 2), (-1, -3))) == Draft((1,), (-1,), "m")  # a parent below -1
+    assert clean(_raw((1, 2), (-1, 0), source=("only one",))).source == "untrusted"
+    assert clean(_raw((1, 2), (-1, 0), source=None)).source == "untrusted"
+    for junk in (None, "draft", [1, 2], 42, _raw(None, None), _raw(7, 8)):
+        assert clean(junk) == EMPTY_DRAFT
+
+
+def test_draft_probs_kept_only_in_the_right_shape_on_a_chain():
+    q = torch.full((2, 10), 0.1)
+    assert clean(_raw((1, 2), (-1, 0), probs=q)).draft_probs is q
+    for bad in (torch.full((3, 10), 0.1), torch.full((2, 7), 0.1), torch.ones(2, 10, dtype=torch.long),
+                "q", torch.ones(2)):
+        assert clean(_raw((1, 2), (-1, 0), probs=bad)).draft_probs is None
+    tree = clean(_raw((1, 2), (-1, -1), probs=q))  # a tree: verified as point masses
+    assert tree.num_nodes == 2 and tree.draft_probs is None
+    cut = clean(_raw((1, 99, 3), (-1, 0, 0), probs=torch.full((3, 10), 0.1)))  # rows follow nodes
+    assert cut == Draft((1, 3), (-1, 0), "m") and cut.draft_probs.shape == (2, 10)
+
+
+def test_huge_drafts_are_scanned_up_to_a_bound():
+    n = MAX_SCAN + 1000
+    out = sanitize(_raw(tuple(range(n)), tuple(range(-1, n - 1))), vocab_size=None, room=10**6,
+                   max_nodes=10**6)
+    assert out.num_nodes == MAX_SCAN
+
+
+def test_guard_skips_a_drafter_for_the_rest_of_the_call_and_logs_once(caplog):
+    class Flaky:
+        name = "flaky"
+        calls = 0
+
+        def begin(self, context): pass
+
+        def propose(self, context, *, max_tokens):
+            self.calls += 1
+            raise ValueError("bad day")
+
+        def observe(self, context, draft, verdict):
+            raise AssertionError("never called once failed")
+
+        def end(self, context):
+            raise AssertionError("never called once failed")
+
+    caplog.set_level(logging.WARNING, logger="agentspec")
+    flaky = Flaky()
+    for _ in range(2):  # two calls
+        ctx = DraftContext(tokens=[1, 2, 3], prompt_len=3)
+        guard = Guarded(flaky)
+        guard.begin(ctx)
+        assert guard.propose(ctx, max_tokens=4) == EMPTY_DRAFT
+        assert guard.propose(ctx, max_tokens=4) == EMPTY_DRAFT
+        guard.observe(ctx, EMPTY_DRAFT, None)  # type: ignore[arg-type]
+        guard.end(ctx)
+    assert flaky.calls == 2  # once per call
+    assert len([r for r in caplog.records if "flaky" in r.getMessage()]) == 1
