@@ -18,23 +18,23 @@ Importing this module does not import torch; the default embedder loads it on fi
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from agentspec.embedder import MiniLMEmbedder, truncate_middle
+from agentspec.embedder import MiniLMEmbedder
 from agentspec.errors import MemoryFaultWarning, StoreError
 from agentspec.memory_guard import StoreGuard
 from agentspec.memory_index import ScopeIndex, load_index, save_index
 from agentspec.protocols import Embedder, MemoryStore
 from agentspec.stores.faiss_index import FaissIndex
 from agentspec.stores.sql import SQLStore
+from agentspec.text import conversation_key  # noqa: F401  (the memory's key; rendered in text.py)
 from agentspec.types import Record
 
 
@@ -348,39 +348,3 @@ class CompletionMemory:
 
     def _store_id(self) -> str:
         return str(getattr(self.store, "url", type(self.store).__name__))
-
-
-def _render(message: Mapping[str, Any], i: int) -> str:
-    if not isinstance(message, Mapping) or "role" not in message:
-        raise ValueError(f"messages[{i}] must be a dict with a 'role', got {message!r:.80}")
-    content = message.get("content")
-    if isinstance(content, list):  # OpenAI-style parts: keep the text ones
-        content = "\n".join(str(p.get("text", "")) if isinstance(p, Mapping) else str(p)
-                            for p in content)
-    text = f"{message['role']}: {'' if content is None else content}"
-    if message.get("tool_calls"):
-        text += "\n" + json.dumps(message["tool_calls"], sort_keys=True, default=str)
-    return text
-
-
-def conversation_key(messages_or_prompt: str | Sequence[Mapping[str, Any]], *,
-                     max_chars: int = 2000) -> str:
-    """The text a request is remembered under: the whole conversation, not its last message.
-
-    Each message becomes ``"role: content"`` (plus its tool calls), one per line, so the system
-    prompt with its tool docs and every turn count: "how old is he?" asked after two different
-    questions gives two different keys. A str prompt is used as is. Longer than ``max_chars``,
-    the middle is cut: the head (system prompt, tool docs) and the tail (latest turns) stay.
-
-    Args:
-        messages_or_prompt: ``[{"role": ..., "content": ...}, ...]`` or a prompt string.
-        max_chars: longest key returned.
-    """
-    if isinstance(messages_or_prompt, str):
-        text = messages_or_prompt
-    elif isinstance(messages_or_prompt, Sequence):
-        messages: Sequence[Any] = messages_or_prompt
-        text = "\n".join(_render(m, i) for i, m in enumerate(messages))
-    else:
-        raise TypeError(f"expected messages or a str prompt, got {type(messages_or_prompt).__name__}")
-    return truncate_middle(text, max_chars)

@@ -129,8 +129,10 @@ class Speculator:
 
     def warmup(self) -> None:
         """Do the one-time work now rather than inside the first call: measure the target's
-        forward cost (cached per model and device) and load the memory's embedder."""
+        forward cost (cached per model and device), check which forward widths share one
+        reduction order (:meth:`HFTarget.check_widths`) and load the memory's embedder."""
         with self._turns:
+            self.target.check_widths()
             self._drafter()
         if self.memory is not None:
             self.memory.embedder.embed(["warm up"])

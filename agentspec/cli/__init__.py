@@ -49,11 +49,8 @@ def _summary(stats: Any) -> str:
 
 def _warm(spec: Any) -> None:
     """The one-time work before the first call: the forward cost calibration and the embedder
-    (``Speculator.warmup``), and the check of the forward widths."""
+    and the check of the forward widths (``Speculator.warmup``)."""
     spec.warmup()
-    check_widths = getattr(spec.target, "check_widths", None)
-    if check_widths is not None:
-        check_widths()
 
 
 def _load(model: str, url: str) -> Any:
@@ -85,7 +82,6 @@ def generate(ctx: typer.Context, prompt: str,
     Example: agentspec generate "Write a haiku about caches" --max-new-tokens 64
     """
     from agentspec.config import SamplingParams
-    from agentspec.session import observed_calls
 
     sampling = SamplingParams(temperature=temperature)
     request: Any = prompt if raw else [{"role": "user", "content": prompt}]
@@ -101,12 +97,13 @@ def generate(ctx: typer.Context, prompt: str,
         sys.stdout.write(gen.text + "\n")
         stats = gen.stats
     else:
-        with observed_calls(spec) as calls:
-            for delta in spec.stream(request, max_new_tokens, sampling=sampling, scope=scope):
-                sys.stdout.write(delta)
-                sys.stdout.flush()
+        stream = spec.stream(request, max_new_tokens, sampling=sampling, scope=scope)
+        for delta in stream:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
         sys.stdout.write("\n")
-        stats = calls[-1].stats
+        assert stream.generation is not None  # set once the stream is exhausted
+        stats = stream.generation.stats
     sys.stdout.flush()
     print(_summary(stats), file=sys.stderr)
 
