@@ -47,12 +47,6 @@ def _summary(stats: Any) -> str:
             f"tokens ({rate})" + (f" [{by_source}]" if by_source else ""))
 
 
-def _warm(spec: Any) -> None:
-    """The one-time work before the first call: the forward cost calibration and the embedder
-    and the check of the forward widths (``Speculator.warmup``)."""
-    spec.warmup()
-
-
 def _load(model: str, url: str) -> Any:
     from agentspec.speculator import Speculator
 
@@ -88,7 +82,7 @@ def generate(ctx: typer.Context, prompt: str,
     started = time.perf_counter()
     spec = _load(model, db_url(ctx))
     loaded = time.perf_counter()
-    _warm(spec)
+    spec.warmup()  # the forward width check, cost calibration and embedder, before the call
     warmed = time.perf_counter()
     print(f"load {loaded - started:.2f} s, warmup {warmed - loaded:.2f} s (not counted in the "
           f"generation time below)", file=sys.stderr, flush=True)

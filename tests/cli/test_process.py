@@ -96,9 +96,6 @@ class _SlowToStart:
         time.sleep(0.2)
         self.events.append("warmup")
 
-    def check_widths(self) -> None:
-        self.events.append("widths")
-
     def generate(self, request: object, max_new_tokens: int, **kw: object) -> Generation:
         self.events.append("generate")
         return Generation("hello", (1, 2, 3, 4),
@@ -113,7 +110,7 @@ def test_generate_reports_load_and_warmup_apart(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr("agentspec.cli._load", lambda model, url: _SlowToStart(events))
     res = CliRunner().invoke(app, ["generate", "hi", "--no-stream"])
     assert res.exit_code == 0, res.output
-    assert events == ["warmup", "widths", "generate"]  # calibrated before the call
+    assert events == ["warmup", "generate"]  # calibrated before the call
     setup, summary = res.stderr.strip().splitlines()[-2:]
     load, warm = (float(x) for x in re.findall(r"(?:load|warmup) (\d+\.\d+) s", setup))
     assert load >= 0.3 and warm >= 0.2
