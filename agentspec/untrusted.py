@@ -49,6 +49,8 @@ def sanitize(draft: object, *, vocab_size: int | None, room: int, max_nodes: int
     """
     if not isinstance(draft, Draft) or room <= 0 or max_nodes <= 0:
         return EMPTY_DRAFT
+    if _fits_as_is(draft, vocab_size, min(room, max_nodes, MAX_SCAN)):  # the common case
+        return draft
     ids = _ints(draft.token_ids, MAX_SCAN)
     parents = _ints(draft.parents, len(ids))
     ids = ids[: len(parents)]
@@ -82,6 +84,22 @@ def sanitize(draft: object, *, vocab_size: int | None, room: int, max_nodes: int
                   None if probs is None else probs if len(kept) == len(probs) else probs[kept])
     out = sub_draft(dense, preorder(dense.parents)[:max_nodes])
     return out if out.draft_probs is None or out.is_chain else replace(out, draft_probs=None)
+
+
+def _fits_as_is(draft: Draft, vocab_size: int | None, most: int) -> bool:
+    """A well-formed chain of at most ``most`` in-vocabulary int ids, with valid sources and
+    probabilities: what the full pass would rebuild unchanged."""
+    ids = draft.token_ids
+    if not (isinstance(ids, tuple) and 0 < len(ids) <= most and isinstance(draft.parents, tuple)
+            and len(draft.parents) == len(ids)
+            and all(type(p) is int and p == i - 1 for i, p in enumerate(draft.parents))):
+        return False
+    if not all(type(t) is int and 0 <= t and (vocab_size is None or t < vocab_size) for t in ids):
+        return False
+    if _sources(draft.source, len(ids)) == UNNAMED and draft.source != UNNAMED:
+        return False
+    return draft.draft_probs is None or _probs(draft.draft_probs, len(ids), len(ids),
+                                               vocab_size) is not None
 
 
 def _length(seq: object) -> int:
