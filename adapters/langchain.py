@@ -347,6 +347,7 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
                 run_manager: Any = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         tools = kwargs.get("tools") or []
         json_mode = kwargs.get("response_format")
+        grammar: Grammar | None
         if json_mode:
             schema = json_mode.get("schema") or {"type": "object"}
             grammar = _json_grammar(json.dumps(schema, sort_keys=True))
