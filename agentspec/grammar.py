@@ -287,9 +287,6 @@ class GrammarState:
                     break
                 forced.append(token)
                 self._fill(consumed + len(forced))
-        self.matcher.rollback(consumed + len(forced))
-        self._check()
-        rows = 1 + consumed + len(forced)
         spine_ids = [*draft.token_ids[:consumed], *forced]
         sources = [draft.source_of(i) for i in range(consumed)] + [GRAMMAR_SOURCE] * len(forced)
         # Alternatives: children of the root or of a kept spine node that the parent's mask allows.
@@ -299,6 +296,16 @@ class GrammarState:
         alternatives = [i for i in alternatives if not (draft.parents[i] == consumed - 1
                                                         and forced and draft.token_ids[i] == forced[0])]
         alternatives = alternatives[:max(max_nodes - len(spine_ids), 0)]
+        walked = consumed + len(forced)
+        if not forced and alternatives and draft.parents[alternatives[0]] == consumed - 1:
+            # The first alternative now continues the spine (its node follows the spine's
+            # end): its row decides the step's next token, so it gets its own mask too.
+            if self.matcher.consume_token(draft.token_ids[alternatives[0]]):
+                walked += 1
+                self._fill(walked)
+        self.matcher.rollback(walked)
+        self._check()
+        rows = 1 + walked
         if consumed == draft.num_nodes and not forced:
             out = draft
         else:
