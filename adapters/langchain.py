@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
 import json
 import threading
 import uuid
@@ -43,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("agentspec.adapters.langchain needs: pip install 'agentspec[langchain]'") from exc
 
 from agentspec.config import SamplingParams
-from agentspec.grammar import Grammar
+from agentspec.grammar import Grammar, compiled
 from agentspec.types import Generation as SpecGeneration
 
 T = TypeVar("T")
@@ -223,17 +222,7 @@ def call_grammar(tools: Sequence[dict[str, Any]], tool_choice: Any) -> Grammar |
     mode = tool_choice_mode(tools, tool_choice)
     if mode is None:
         return None
-    return _tools_grammar(json.dumps(list(tools), sort_keys=True), mode)
-
-
-@functools.lru_cache(maxsize=64)
-def _tools_grammar(tools_json: str, mode: str) -> Grammar:
-    return Grammar.tool_calls(json.loads(tools_json), choice=mode)
-
-
-@functools.lru_cache(maxsize=64)
-def _json_grammar(schema_json: str) -> Grammar:
-    return Grammar.json_schema(schema_json)
+    return compiled({"type": "tool_calls", "tools": list(tools), "choice": mode})
 
 
 # -- the models --------------------------------------------------------------------------------
@@ -350,7 +339,7 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
         grammar: Grammar | None
         if json_mode:
             schema = json_mode.get("schema") or {"type": "object"}
-            grammar = _json_grammar(json.dumps(schema, sort_keys=True))
+            grammar = compiled({"type": "json_schema", "schema": schema})
             system = f"Reply with only a JSON object matching this schema: {json.dumps(schema)}"
         else:
             grammar, system = call_grammar(tools, kwargs.get("tool_choice")), ""

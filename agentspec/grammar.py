@@ -21,6 +21,7 @@ speculation needs (see BENCHMARKS.md, "Grammar masks").
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from agentspec.tree import spine_length
+from agentspec.tree import common_prefix_len, spine_length
 from agentspec.types import Draft
 
 # One JSON layout: the one the prompts' examples use (and the one most tokens are merged for).
@@ -74,6 +75,32 @@ class Grammar:
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(self.spec)
         if is_error:
             raise GrammarError(f"the {self.kind} grammar does not compile: {messages[0]}")
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> Grammar:
+        """A grammar from its JSON description (the bench workload's ``grammar`` field):
+        ``{"type": "json_schema", "schema": {...}}``, ``{"type": "tool_calls", "tools": [...],
+        "choice": "auto", "as_list": false}``, ``{"type": "regex", "pattern": "..."}`` or
+        ``{"type": "lark", "grammar": "..."}``."""
+        if not isinstance(spec, Mapping):
+            raise GrammarError(f"a grammar spec must be an object, got {type(spec).__name__} {spec!r:.80}")
+        kind = spec.get("type")
+        fields = {"json_schema": {"schema"}, "tool_calls": {"tools", "choice", "as_list"},
+                  "regex": {"pattern"}, "lark": {"grammar"}}
+        if kind not in fields:
+            raise GrammarError(f"grammar type must be one of {sorted(fields)}, got {kind!r}")
+        unknown = set(spec) - fields[kind] - {"type"}
+        if unknown:
+            raise GrammarError(f"unknown {kind} grammar fields {sorted(unknown)}; known: "
+                               f"{sorted(fields[kind])}")
+        if kind == "json_schema":
+            return cls.json_schema(spec.get("schema", {}))
+        if kind == "tool_calls":
+            return cls.tool_calls(spec.get("tools", []), choice=spec.get("choice", "required"),
+                                  as_list=bool(spec.get("as_list", False)))
+        if kind == "regex":
+            return cls.regex(spec.get("pattern", ""))
+        return cls.lark(spec.get("grammar", ""))
 
     @classmethod
     def json_schema(cls, schema: Mapping[str, Any] | str) -> Grammar:
@@ -166,6 +193,16 @@ def _tool_spec(tool: Any, index: int) -> tuple[str, dict[str, Any]]:
         params.setdefault("properties", {})
         params.setdefault("additionalProperties", False)  # a call names declared arguments only
     return name, params
+
+
+def compiled(spec: Mapping[str, Any]) -> Grammar:
+    """:meth:`Grammar.from_spec`, compiled once per distinct spec (a process-wide cache)."""
+    return _compiled(json.dumps(spec, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(spec_json: str) -> Grammar:
+    return Grammar.from_spec(json.loads(spec_json))
 
 
 # -- the tokenizer bridge ----------------------------------------------------------------------
@@ -358,14 +395,23 @@ class GrammarLogitsProcessor:
                  eos_ids: Sequence[int], prompt_len: int) -> None:
         self.state = GrammarState(grammar, tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
         self.prompt_len = prompt_len
-        self.seen = 0
+        self.consumed: list[int] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[0] != 1:
             raise ValueError(f"GrammarLogitsProcessor takes batch size 1, got {input_ids.shape[0]}")
-        new = input_ids[0, self.prompt_len + self.seen:].tolist()
-        self.state.advance(new)
-        self.seen += len(new)
+        # Assisted generation (prompt lookup) calls with candidate prefixes it may reject:
+        # roll back to the common prefix, then consume the rest.
+        generated = input_ids[0, self.prompt_len:].tolist()
+        keep = common_prefix_len(self.consumed, generated)
+        if keep < len(self.consumed):
+            self.state.matcher.rollback(len(self.consumed) - keep)
+            del self.consumed[keep:]
+        for token in generated[keep:]:
+            if not self.state.matcher.consume_token(int(token)):
+                raise GrammarError(f"generate produced token {token} the grammar forbids: "
+                                   f"{self.state.matcher.get_error()}")
+            self.consumed.append(int(token))
         allowed = self.state.allowed_now().to(scores.device)  # [1, vocab_size]
         width = min(scores.shape[-1], allowed.shape[-1])
         out = scores.clone()

@@ -138,6 +138,15 @@ def prompt_of(item: WorkloadItem) -> Any:
     return [dict(m) for m in item.messages] if item.messages is not None else item.prompt
 
 
+def grammar_of(item: WorkloadItem) -> Any:
+    """The item's :class:`~agentspec.grammar.Grammar` (compiled once per distinct spec), or None."""
+    if item.grammar is None:
+        return None
+    from agentspec.grammar import compiled
+
+    return compiled(item.grammar)
+
+
 class SpecSystem:
     """A :class:`~agentspec.Speculator` (plain, prompt lookup, or with memory)."""
 
@@ -148,7 +157,7 @@ class SpecSystem:
     def run(self, item: WorkloadItem, max_new_tokens: int, seed: int | None) -> Outcome:
         from agentspec import SamplingParams
 
-        sampling = SamplingParams(temperature=self.temperature, seed=seed)
+        sampling = SamplingParams(temperature=self.temperature, seed=seed, grammar=grammar_of(item))
         kwargs: dict[str, Any] = {"sampling": sampling, "scope": item.scope}
         if self._takes_record:
             kwargs["record"] = self.record
