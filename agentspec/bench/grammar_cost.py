@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     texts = replies(args.workload)
     if not texts:
         raise SystemExit(f"no constrained assistant tool calls in {args.workload}")
-    result = {"replies": len(texts),
+    result: dict[str, Any] = {"replies": len(texts),
               "tokens": statistics.fmean(len(tokenizer(t)["input_ids"]) for _, t in texts),
               "llguidance": llguidance_cost(tokenizer, target.vocab_size, eos, texts, args.repeats),
               "xgrammar": xgrammar_cost(tokenizer, target.vocab_size, texts, args.repeats)}
