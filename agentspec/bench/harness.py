@@ -89,6 +89,7 @@ class Outcome:
         seconds: wall-clock time of tokenisation + generation.
         steps: target forwards after the prefill (``None`` for transformers).
         drafted, accepted: draft tokens by source (agentspec only).
+        text: the output text (agentspec only).
     """
 
     token_ids: tuple[int, ...]
@@ -96,6 +97,7 @@ class Outcome:
     steps: int | None = None
     drafted: dict[str, int] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
+    text: str | None = None
 
 
 class System(Protocol):
@@ -166,7 +168,8 @@ class SpecSystem:
         seconds = time.perf_counter() - started
         stats = gen.stats
         return Outcome(cut_at_stop(gen.token_ids, self.spec.stop_token_ids)[0], seconds,
-                       stats.steps, dict(stats.drafted_by_source), dict(stats.accepted_by_source))
+                       stats.steps, dict(stats.drafted_by_source), dict(stats.accepted_by_source),
+                       gen.text)
 
 
 def build_systems(target: Any, config: BenchConfig, db_url: str,
