@@ -254,6 +254,9 @@ class GrammarState:
         self.matcher = llg.LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar.spec,
                                      log_level=0)
         self._check()
+        # Stop tokens are checked against masks but never consumed: llguidance cannot roll a
+        # matcher back over the end of its grammar, and nothing follows a stop token anyway.
+        self.eos = frozenset(int(t) for t in eos_ids)
         self._words = (vocab_size + 31) // 32
         self._bits = torch.zeros((1, self._words), dtype=torch.int32)  # grown on demand
         self.mask_seconds: list[float] = []  # per computed row, when timing (see the bench)
@@ -309,15 +312,21 @@ class GrammarState:
         spine = min(spine_length(draft.parents), room, max_nodes)
         self._grow(max(spine, room if force else 0, max_nodes) + 1)
         self._fill(0)
-        consumed = 0
+        consumed = 0  # spine nodes kept; the matcher holds all of them but a final stop token
+        ended = False
         for node in range(spine):
             token = draft.token_ids[node]
-            if not self._allows(node, token) or not self.matcher.consume_token(token):
+            if not self._allows(node, token):
+                break
+            if token in self.eos:  # kept as the spine's last node; its row decides nothing
+                consumed, ended = consumed + 1, True
+                break
+            if not self.matcher.consume_token(token):
                 break
             consumed += 1
             self._fill(consumed)
         forced: list[int] = []
-        if force and not self.matcher.is_stopped():
+        if force and not ended and not self.matcher.is_stopped():
             limit = min(room, max_nodes) - consumed
             for token in self.matcher.compute_ff_tokens()[:max(limit, 0)]:
                 if not self._allows(consumed + len(forced), token) or not self.matcher.consume_token(token):
@@ -328,21 +337,24 @@ class GrammarState:
         sources = [draft.source_of(i) for i in range(consumed)] + [GRAMMAR_SOURCE] * len(forced)
         # Alternatives: children of the root or of a kept spine node that the parent's mask allows.
         alternatives = [i for i in range(spine_length(draft.parents), draft.num_nodes)
-                        if draft.parents[i] < consumed and self._allows(draft.parents[i] + 1,
-                                                                        draft.token_ids[i])]
+                        if draft.parents[i] < consumed - ended
+                        and self._allows(draft.parents[i] + 1, draft.token_ids[i])]
         alternatives = [i for i in alternatives if not (draft.parents[i] == consumed - 1
                                                         and forced and draft.token_ids[i] == forced[0])]
         alternatives = alternatives[:max(max_nodes - len(spine_ids), 0)]
-        walked = consumed + len(forced)
-        if not forced and alternatives and draft.parents[alternatives[0]] == consumed - 1:
+        walked = consumed - ended + len(forced)  # tokens the matcher consumed
+        rows = 1 + walked  # rows with their own mask (after a stop token: all allowed)
+        if not forced and not ended and alternatives \
+                and draft.parents[alternatives[0]] == consumed - 1 \
+                and draft.token_ids[alternatives[0]] not in self.eos:
             # The first alternative now continues the spine (its node follows the spine's
             # end): its row decides the step's next token, so it gets its own mask too.
             if self.matcher.consume_token(draft.token_ids[alternatives[0]]):
                 walked += 1
+                rows += 1
                 self._fill(walked)
         self.matcher.rollback(walked)
         self._check()
-        rows = 1 + walked
         if consumed == draft.num_nodes and not forced:
             out = draft
         else:
@@ -370,8 +382,8 @@ class GrammarState:
     def advance(self, tokens: Sequence[int]) -> None:
         """Commit a step's tokens (each one allowed: they were drawn from masked rows)."""
         for token in tokens:
-            if self.matcher.is_stopped():
-                return  # the stop token that ends a complete output
+            if self.matcher.is_stopped() or int(token) in self.eos:
+                return  # the stop token that ends the output
             if not self.matcher.consume_token(int(token)):
                 self._check()
 

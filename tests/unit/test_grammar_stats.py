@@ -119,8 +119,10 @@ class MixedTreeDrafter:
         k = len(context.generated)
         a, b = self.letters[k % len(self.letters)], self.letters[(k + 3) % len(self.letters)]
         forbidden = 1000 + k
-        if k % 2:  # a forbidden token first: the whole spine is pruned, the alternative stays
+        if k % 3 == 1:  # a forbidden token first: the whole spine is pruned, the alternative stays
             return Draft((forbidden, a, b), (-1, -1, 1), self.name)
+        if k % 3 == 2:  # a stop token on the spine (checked, never consumed), a child after it
+            return Draft((a, EOS, b, a), (-1, 0, 1, -1), self.name)
         return Draft((a, b, forbidden, b), (-1, 0, 1, -1), self.name)
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Any) -> None:
