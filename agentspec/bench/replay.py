@@ -230,6 +230,39 @@ def run_policies(lines: Sequence[Line], names: Sequence[str] = POLICIES,
     return out
 
 
+def bench_ceiling(workload: Any, warmup_outputs: dict[str, tuple[int, ...]],
+                  requests: Sequence[Any], tokenizer: Any,
+                  max_new_tokens: int | None = None) -> float:
+    """The ceiling's tokens per step over a greedy bench run's measured requests.
+
+    The bench's own greedy outputs (the agentspec system's on warmup lines, hf-greedy's on
+    measured ones; equal to the target's greedy output, as ``exact`` checks) replace a
+    generation pass: the replay then costs seconds. ``max_new_tokens`` is the bench's budget
+    override (``None``: each line's own).
+    """
+    from agentspec.bench.harness import prompt_of
+    from agentspec.bench.report import REFERENCE
+    from agentspec.memory import conversation_key
+    from agentspec.text import encode_prompt
+
+    outputs = dict(warmup_outputs)
+    budgets = {}
+    for request in requests:
+        outputs[request.item.id] = request.outcomes[REFERENCE][0].token_ids
+        budgets[request.item.id] = request.max_new_tokens
+    lines = []
+    for item in workload.items:
+        if item.id not in outputs:
+            continue
+        prompt, out = prompt_of(item), outputs[item.id]
+        lines.append(Line(item.id, item.phase, item.scope,
+                          tuple(encode_prompt(tokenizer, prompt)), conversation_key(prompt),
+                          tuple(out), tokenizer.decode(list(out)),
+                          budgets.get(item.id) or max_new_tokens or item.max_new_tokens
+                          or len(out) + 1))
+    return run_policies(lines, ["ceiling"])["ceiling"].tokens_per_step
+
+
 def generate_lines(workload_path: Path, model: str, default_max_new_tokens: int) -> list[Line]:
     """The target's greedy output of every line (the engine's greedy output is plain decoding's)."""
     from rich.progress import track
