@@ -9,7 +9,9 @@ requests). An agent serving one tool set sees many requests against the same too
   budget (``max_doc_chars``), most frequent first, ``tool_sets`` of them;
 - per tool set, its first ``warmup`` requests in file order are warmup lines (they fill the
   completion memory) and the next ``measure`` are measured: every measured call reuses a tool
-  set that the warmup saw, with a request the memory has not seen.
+  set that the warmup saw, with a request the memory has not seen;
+- within each phase one tool set's requests come one after another (one agent's traffic), so
+  consecutive calls share their system prompt, as in a deployed agent.
 
 Each line is one LLM call: a system prompt listing the tools as JSON schemas and asking for a
 JSON list of calls, then the request's own messages. The selection is by frequency and size
@@ -101,7 +103,8 @@ def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOO
                    warmup: int = WARMUP, measure: int = MEASURE,
                    max_doc_chars: int = MAX_DOC_CHARS,
                    max_new_tokens: int = MAX_NEW_TOKENS) -> list[WorkloadItem]:
-    """The workload lines: all warmup lines, then the measured ones, tool sets interleaved.
+    """The workload lines: all warmup lines, then the measured ones; within each phase the
+    requests of one tool set come together, as consecutive requests to one deployed agent.
 
     Raises:
         ValueError: a count is not positive, or fewer than ``tool_sets`` tool sets qualify.
@@ -122,8 +125,8 @@ def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOO
                          f"docs of at most {max_doc_chars} characters; asked for {tool_sets}")
     items: list[WorkloadItem] = []
     for phase, lo, hi in (("warmup", 0, warmup), ("measure", warmup, warmup + measure)):
-        for i in range(lo, hi):
-            for key in chosen:
+        for key in chosen:
+            for i in range(lo, hi):
                 entry = by_set[key][i]
                 items.append(WorkloadItem(id=str(entry["id"]), scope=_scope(entry["function"]),
                                           phase=phase, messages=tuple(_messages(entry)),

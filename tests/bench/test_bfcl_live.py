@@ -24,6 +24,7 @@ def test_split_reuses_tool_sets_and_keeps_file_order() -> None:
     # per tool set: its first requests warm up, the next are measured
     a = [int(i.id.rsplit("_", 1)[1]) for i in items if i.scope == "bfcl-live-a"]
     assert a == [1, 2, 4, 5, 7]
+    assert [i.scope for i in measure] == ["bfcl-live-a"] * 2 + ["bfcl-live-b"] * 2
     assert items[0].messages[0]["role"] == "system" and '"name": "a"' in items[0].messages[0]["content"]
     assert items[0].messages[-1] == {"role": "user", "content": "do it 1"}
 
