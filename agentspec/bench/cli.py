@@ -1,4 +1,5 @@
-"""``agentspec bench``: the interleaved benchmark, and ``agentspec bench build-bfcl``.
+"""``agentspec bench``: the interleaved benchmark, ``agentspec bench build-bfcl`` and
+``agentspec bench build-bfcl-live``.
 
 Wired into ``agentspec`` by :mod:`agentspec.cli` (imported lazily there). Importing this
 module imports neither torch nor transformers: the commands import them when they run.
@@ -107,7 +108,8 @@ def _check_temperature(t: float) -> float:
 def bench(
     ctx: typer.Context,
     workload: Annotated[str, typer.Option(
-        "--workload", help="A .jsonl workload, or a shipped one by name: bfcl, prompts.")] = "bfcl",
+        "--workload", help="A .jsonl workload, or a shipped one by name: bfcl, bfcl-live, "
+                                 "prompts.")] = "bfcl",
     model: Annotated[str, typer.Option("--model", help="Target model.")] = "smollm2-135m-instruct",
     systems: Annotated[str | None, typer.Option(
         "--systems", help=f"Comma-separated, among {', '.join(SYSTEMS)}. Default "
@@ -185,6 +187,8 @@ def _run_and_report(loaded: Any, model: str, config: Any, *, json_out: Path | No
     for note in summary["notes"]:
         err_console.print(f"note: {note}", markup=False)
     console.print(report_mod.rich_table(summary), width=max(console.width, 150))
+    if report_mod.versus_line(summary):
+        console.print(report_mod.versus_line(summary), markup=False)
     if json_out is not None:
         report_mod.write_json(summary, json_out)
     if plot is not None:
@@ -277,3 +281,25 @@ def build_bfcl(
                   f"tasks to {out}; {parsed['call_replies']} of {parsed['replies']} replies "
                   f"were tool calls, {parsed['valid_call_replies']} of them ({rate}) calls of "
                   f"the task's tools ({'with' if grammar else 'without'} the grammar)")
+
+
+@bench_app.command("build-bfcl-live")
+@handles_errors
+def build_bfcl_live(
+    out: Annotated[Path, typer.Option("--out", help="The workload file to write.")],
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 96,
+) -> None:
+    """Write the single-turn BFCL workload (live_multiple requests over recurring tool sets).
+
+    Example: agentspec bench build-bfcl-live --out agentspec/bench/data/bfcl-live.jsonl
+    """
+    if max_new_tokens < 1:
+        fail(f"max-new-tokens must be a positive integer, got {max_new_tokens}", EXIT_USAGE)
+    from agentspec.bench import bfcl_live
+    from agentspec.bench.workload import write_workload
+
+    items = bfcl_live.build_workload(bfcl_live.load_entries(), max_new_tokens=max_new_tokens)
+    n = write_workload(out, items)
+    warm = sum(i.phase == "warmup" for i in items)
+    console.print(f"wrote {n} calls ({warm} warmup, {n - warm} measure) over "
+                  f"{len({i.scope for i in items})} tool sets to {out}")

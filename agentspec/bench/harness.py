@@ -133,6 +133,9 @@ class BenchResult:
     gpu_name: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    # Tokens per step of the offline replay's hindsight ceiling over the measured requests
+    # (greedy runs with the agentspec system only; see agentspec.bench.replay).
+    ceiling_tokens_per_step: float | None = None
 
 
 def prompt_of(item: WorkloadItem) -> Any:
@@ -243,18 +246,23 @@ def _seeds(config: BenchConfig, index: int) -> list[int | None]:
 
 def run_requests(workload: Workload, systems: dict[str, System], config: BenchConfig,
                  *, encode: Callable[[Any], list[int]],
-                 on_progress: Progress | None = None) -> tuple[RequestResult, ...]:
+                 on_progress: Progress | None = None,
+                 warmup_outputs: dict[str, tuple[int, ...]] | None = None,
+                 ) -> tuple[RequestResult, ...]:
     """Warmup lines through the memory systems (untimed), a system with a ``warm`` method (one
     that compiles) once on the first measured line (untimed), then each measured line through
     every system in rotated order. Pure loop over the :class:`System` seam (tests inject
-    systems)."""
+    systems). ``warmup_outputs``, when given, receives the first memory system's output of
+    each warmup line (by id)."""
     warm = [name for name in MEMORY_SYSTEMS if name in systems]
     warmup = workload.warmup if warm else ()
     measure = workload.measure
     total, done = len(warmup) + len(measure), 0
     for item in warmup:
         for name in warm:
-            systems[name].run(item, _budget(item, config), None)
+            out = systems[name].run(item, _budget(item, config), None)
+            if warmup_outputs is not None and name == warm[0]:
+                warmup_outputs[item.id] = out.token_ids
         done += 1
         if on_progress:
             on_progress(done, total, f"warmup {item.id}")
@@ -306,15 +314,23 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
         db_url = config.db or f"sqlite:///{Path(tmp) / 'memory.db'}"
         systems = build_systems(target, config, db_url, f"sqlite:///{Path(tmp) / 'chain.db'}",
                                 static_len=static_len)
+        warmup_outputs: dict[str, tuple[int, ...]] = {}
         requests = run_requests(workload, systems, config, encode=encode,
-                                on_progress=on_progress)
+                                on_progress=on_progress, warmup_outputs=warmup_outputs)
         for name in MEMORY_SYSTEMS:
             _close_memory(systems.get(name))
+    ceiling = None
+    if config.temperature == 0 and "agentspec" in systems:
+        from agentspec.bench.replay import bench_ceiling
+
+        ceiling = bench_ceiling(workload, warmup_outputs, requests, target.tokenizer,
+                                config.max_new_tokens)
     notes = tuple(note for s in systems.values() if (note := getattr(s, "note", None)))
     # The machine may be shared: the 1/5/15-minute load at the end says how loaded it was.
     return BenchResult(str(workload.path), model, str(target.device), config,
                        len(workload.warmup) if set(MEMORY_SYSTEMS) & set(systems) else 0,
-                       requests, os.getloadavg(), notes=notes, **environment(target.model))
+                       requests, os.getloadavg(), notes=notes, ceiling_tokens_per_step=ceiling,
+                       **environment(target.model))
 
 
 def _torch_dtype(name: str | None) -> Any:

@@ -18,7 +18,9 @@ records the warmup lines and every earlier measured line, as in ``agentspec benc
   chosen with hindsight and cut one token past its accepted length: an upper bound on what any
   policy choosing among these drafters' proposals can reach.
 
-``modeled speedup`` is plain decoding's cost (one forward per output token) over the policy's
+``host ms/step`` is the drafter's own time per step (propose and observe; for the ceiling it
+includes asking every drafter), measured in the replay on this machine. ``modeled speedup`` is
+plain decoding's cost (one forward per output token) over the policy's
 summed step costs, both from the cost model (default: the measured CPU curve of
 ``agentspec.drafters.policy``); prefill, prefix reuse and Python overheads are left out.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,11 +75,16 @@ class Totals:
     tokens: int = 0
     seconds: float = 0.0
     plain_seconds: float = 0.0
+    host_seconds: float = 0.0  # wall-clock time in the drafter's propose and observe
     accepted: Counter[str] = field(default_factory=Counter)
 
     @property
     def tokens_per_step(self) -> float:
         return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def host_ms_per_step(self) -> float:
+        return 1000 * self.host_seconds / self.steps if self.steps else 0.0
 
     @property
     def modeled_speedup(self) -> float:
@@ -152,7 +160,7 @@ def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
                                sampling=SamplingParams())
         if isinstance(drafter, Hindsight):
             drafter.output, drafter.prompt_len = line.output_ids, len(line.prompt_ids)
-        steps, seconds, accepted = _replay_line(line, drafter, context, cost)
+        steps, seconds, accepted, host = _replay_line(line, drafter, context, cost)
         if memory is not None and line.output_ids:
             memory.record(scope=line.scope, model=MODEL, request_text=line.key_text,
                           key_text=line.key_text, completion_text=line.output_text,
@@ -161,21 +169,24 @@ def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
             totals.steps += steps
             totals.tokens += len(line.output_ids)
             totals.seconds += seconds
+            totals.host_seconds += host
             totals.plain_seconds += (len(line.output_ids) + line.stopped) * cost.seconds(0)
             totals.accepted.update(accepted)
     return totals
 
 
 def _replay_line(line: Line, drafter: Drafter, context: DraftContext,
-                 cost: CostModel) -> tuple[int, float, Counter[str]]:
+                 cost: CostModel) -> tuple[int, float, Counter[str], float]:
     # What the steps commit: the output, then the stop token where one ended it.
     todo = [*line.output_ids, _STOP] if line.stopped else list(line.output_ids)
     drafter.begin(context)
-    steps, seconds, done, accepted = 0, 0.0, 0, Counter[str]()
+    steps, seconds, done, accepted, host = 0, 0.0, 0, Counter[str](), 0.0
     try:
         while done < len(todo):
             room = line.max_new_tokens - done - 1
+            started = time.perf_counter()
             draft = drafter.propose(context, max_tokens=room) if room > 0 else EMPTY_DRAFT
+            host += time.perf_counter() - started
             path = accepted_path(draft, [*todo[done:], _STOP])
             new = todo[done : done + len(path) + 1]
             verdict = Verdict(tuple(path), tuple(draft.token_ids[n] for n in path), new[-1])
@@ -184,10 +195,12 @@ def _replay_line(line: Line, drafter: Drafter, context: DraftContext,
             steps += 1
             seconds += cost.seconds(draft.num_nodes)
             accepted.update(draft.source_of(n) for n in path)
+            started = time.perf_counter()
             drafter.observe(context, draft, verdict)
+            host += time.perf_counter() - started
     finally:
         drafter.end(context)
-    return steps, seconds, accepted
+    return steps, seconds, accepted, host
 
 
 def policies(memory: Any, cost: CostModel) -> dict[str, Callable[[], Drafter]]:
@@ -230,6 +243,39 @@ def run_policies(lines: Sequence[Line], names: Sequence[str] = POLICIES,
     return out
 
 
+def bench_ceiling(workload: Any, warmup_outputs: dict[str, tuple[int, ...]],
+                  requests: Sequence[Any], tokenizer: Any,
+                  max_new_tokens: int | None = None) -> float:
+    """The ceiling's tokens per step over a greedy bench run's measured requests.
+
+    The bench's own greedy outputs (the agentspec system's on warmup lines, hf-greedy's on
+    measured ones; equal to the target's greedy output, as ``exact`` checks) replace a
+    generation pass: the replay then costs seconds. ``max_new_tokens`` is the bench's budget
+    override (``None``: each line's own).
+    """
+    from agentspec.bench.harness import prompt_of
+    from agentspec.bench.report import REFERENCE
+    from agentspec.memory import conversation_key
+    from agentspec.text import encode_prompt
+
+    outputs = dict(warmup_outputs)
+    budgets = {}
+    for request in requests:
+        outputs[request.item.id] = request.outcomes[REFERENCE][0].token_ids
+        budgets[request.item.id] = request.max_new_tokens
+    lines = []
+    for item in workload.items:
+        if item.id not in outputs:
+            continue
+        prompt, out = prompt_of(item), outputs[item.id]
+        lines.append(Line(item.id, item.phase, item.scope,
+                          tuple(encode_prompt(tokenizer, prompt)), conversation_key(prompt),
+                          tuple(out), tokenizer.decode(list(out)),
+                          budgets.get(item.id) or max_new_tokens or item.max_new_tokens
+                          or len(out) + 1))
+    return run_policies(lines, ["ceiling"])["ceiling"].tokens_per_step
+
+
 def generate_lines(workload_path: Path, model: str, default_max_new_tokens: int) -> list[Line]:
     """The target's greedy output of every line (the engine's greedy output is plain decoding's)."""
     from rich.progress import track
@@ -264,8 +310,10 @@ def load_lines(path: Path) -> list[Line]:
 
 
 def table(results: dict[str, Totals]) -> str:
-    head = "| policy | tok/step | modeled speedup | accepted by source |\n|---|---:|---:|---|\n"
+    head = ("| policy | tok/step | modeled speedup | host ms/step | accepted by source |\n"
+            "|---|---:|---:|---:|---|\n")
     rows = [f"| {name} | {t.tokens_per_step:.2f} | {t.modeled_speedup:.2f}x | "
+            f"{t.host_ms_per_step:.3f} | "
             f"{', '.join(f'{k} {v}' for k, v in sorted(t.accepted.items())) or '-'} |"
             for name, t in results.items()]
     return head + "\n".join(rows)

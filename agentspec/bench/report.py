@@ -153,6 +153,43 @@ def tool_call_steps(requests: tuple[RequestResult, ...], names: list[str]) -> di
     return out
 
 
+# Systems that draft from one source only: the full system should never be slower than the
+# best of them (issue 13).
+SINGLE_SOURCE = ("agentspec-pld",)
+
+
+def versus(systems: dict[str, dict[str, Any]], ceiling: float | None) -> dict[str, Any]:
+    """``agentspec`` against the best single-source system that ran (aggregate tokens/s) and
+    against the replay ceiling's tokens per step; ``{}`` when agentspec did not run."""
+    full = systems.get("agentspec")
+    if not full:
+        return {}
+    out: dict[str, Any] = {}
+    single = [n for n in SINGLE_SOURCE if n in systems and systems[n]["tokens_per_second"]]
+    if single:
+        best = max(single, key=lambda n: systems[n]["tokens_per_second"])
+        out["best_single_source"] = best
+        out["over_best_single_source"] = round(
+            full["tokens_per_second"] / systems[best]["tokens_per_second"], 3)
+    if ceiling and full.get("tokens_per_step"):
+        out["ceiling_tokens_per_step"] = round(ceiling, 3)
+        out["of_ceiling"] = round(full["tokens_per_step"] / ceiling, 3)
+    return out
+
+
+def versus_line(summary: dict[str, Any]) -> str:
+    """One line: agentspec over the best single-source system and over the replay ceiling."""
+    v = summary.get("versus") or {}
+    parts = []
+    if "best_single_source" in v:
+        parts.append(f"agentspec/{v['best_single_source']} {v['over_best_single_source']:.2f}x "
+                     "(tokens/s)")
+    if "of_ceiling" in v:
+        parts.append(f"agentspec tok/step {v['of_ceiling']:.0%} of the replay ceiling "
+                     f"({v['ceiling_tokens_per_step']:.2f})")
+    return f"{summary['workload']}: " + "; ".join(parts) if parts else ""
+
+
 def _row(request: RequestResult, names: list[str]) -> dict[str, Any]:
     ref = request.outcomes[REFERENCE][0].token_ids
     row: dict[str, Any] = {"id": request.item.id, "scope": request.item.scope,
@@ -184,6 +221,7 @@ def summarize(result: BenchResult) -> dict[str, Any]:
         "samples_per_request": config.samples if config.temperature > 0 else 1,
         "max_new_tokens": config.max_new_tokens, "load_average": list(result.load_average),
         "systems": systems, "ratios": _ratios(systems),
+        "versus": versus(systems, result.ceiling_tokens_per_step),
         "exact_match": {n: exact_match(reqs, n) for n in others} if config.temperature == 0
         else {},
         "same_as_plain": same_as_plain(reqs, names),
@@ -272,6 +310,8 @@ def to_markdown(summary: dict[str, Any]) -> str:
         parts.append("Tool-call outputs, tokens per target step: " + ", ".join(
             f"{n} {c['tokens_per_step']:.2f} ({c['calls']} calls)"
             for n, c in summary["tool_calls"].items()))
+    if versus_line(summary):
+        parts.append("Versus: " + versus_line(summary))
     for group, g in summary["groups"].items():
         parts += ["", f"### Requests with ids `{group}-*` ({g['requests']})", ""]
         rows = [[n, f"{s['tokens_per_second']:.1f}", f"{s['speedup']:.2f}x",

@@ -6,6 +6,18 @@ so far, and keeps the one with the highest expected rate, or none when plain dec
 faster. A drafter's own time to propose (measured, a running mean) counts in its rate, and a
 drafter is not asked at all when even its best possible draft could not beat the best one in
 hand: a small model's forwards are only paid for when lookup has nothing as good.
+
+No source is starved of evidence. Choosing one source per step and learning only from the one
+chosen is a bandit without exploration: a source whose prior is lower is never tried, so its
+estimate never moves (on single-turn tool calls the memory kept drafting, rejected, while
+prompt lookup, never tried, would have been right). But every proposal of a step can be scored
+against what the step committed: the committed tokens are the target's own, so a proposal's
+first path would have been accepted up to its common prefix with them, and rejected there if
+the prefix ends before both. Each step therefore updates every source that proposed (full
+information, as in prediction with expert advice): a prefix that reaches the end of what was
+committed is a censored observation (``accepted`` tokens, no rejection), exactly the
+likelihood of a geometric acceptance run. With every estimate fed every step, the greedy choice
+needs no exploration: it follows the source whose recent acceptance is best.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ from agentspec.drafters.policy import (
     expected_tokens,
 )
 from agentspec.protocols import DraftContext, Drafter
-from agentspec.tree import depths, sub_draft
+from agentspec.tree import common_prefix_len, depths, spine_length, sub_draft
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 from agentspec.untrusted import MAX_SCAN, Guarded, sanitize
 
@@ -81,11 +93,13 @@ def first_path(draft: Draft) -> Draft:
 class _Request:
     """One request's view of the chain: its sources (each guarded: one that raises is skipped
     for the rest of the request), which have not been timed yet, and the acceptance class of
-    the draft its last ``propose`` returned."""
+    the draft its last ``propose`` returned, and every source's proposal of that step (its
+    acceptance class and first path), scored against the committed tokens in ``observe``."""
 
     sources: list[Guarded]
     untimed: set[str] = field(default_factory=set)
     chosen_key: str = ""
+    proposals: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
 
 
 class DrafterChain:
@@ -130,6 +144,7 @@ class DrafterChain:
         req = self._request(context)
         best, best_rate = EMPTY_DRAFT, 1.0 / self.cost.seconds(0)
         req.chosen_key = ""
+        req.proposals = []
         max_tokens = min(max_tokens, self.max_depth)
         for drafter in req.sources:
             if drafter.failed:
@@ -157,6 +172,7 @@ class DrafterChain:
             key = getattr(drafter.drafter, "acceptance_key", None)
             key = key if isinstance(key, str) and key else drafter.name
             alpha = self._acceptance(key).alpha
+            req.proposals.append((key, draft.token_ids[: spine_length(draft.parents)]))
             if not self.trees and not draft.is_chain:
                 draft = first_path(draft)
             keep, rate = best_subtree(draft.parents, alpha, self.cost, spent,
@@ -190,11 +206,15 @@ class DrafterChain:
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         req = self._request(context)
+        committed = verdict.new_tokens
+        for key, spine in req.proposals:  # every source that proposed, chosen or not
+            accepted = common_prefix_len(spine, committed)
+            rejected = accepted < min(len(spine), len(committed))
+            self._acceptance(key).update(accepted + rejected, accepted)
+        req.proposals = []
         if draft.num_nodes:
             name = draft.source_of(0)
             if name in self.alternatives:
-                depth = max(depths(draft.parents))
-                self._acceptance(req.chosen_key or name).update(depth, len(verdict.path))
                 tried, right = alternatives_tried(draft.parents, verdict.path)
                 if tried:
                     self.alternatives[name].update(tried, right)

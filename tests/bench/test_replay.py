@@ -82,3 +82,42 @@ def test_cli_reads_cached_outputs_and_rejects_unknown_policies(tmp_path: Path, c
     assert "| prompt-lookup |" in printed and "| ceiling-pld |" in printed
     with pytest.raises(SystemExit):
         rp.main(["--outputs", str(out), "--policies", "nope"])
+
+
+class _CharTokenizer:
+    """One token per character (ord), enough for raw-prompt lines."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_bench_ceiling_replays_the_bench_outputs(tmp_path: Path):
+    from agentspec.bench.harness import Outcome, RequestResult
+    from agentspec.bench.workload import Workload, WorkloadItem
+
+    body = tuple(range(200, 230))
+    warm = WorkloadItem(id="w", prompt="tell me", phase="warmup", max_new_tokens=40)
+    again = WorkloadItem(id="m", prompt="tell me", max_new_tokens=40)
+    workload = Workload(tmp_path / "x.jsonl", (warm, again), ())
+    requests = [RequestResult(again, 7, 40, {"hf-greedy": (Outcome(body, 1.0),)})]
+    ceiling = rp.bench_ceiling(workload, {"w": body}, requests, _CharTokenizer())
+    # the measured line repeats the warmup line: the memory drafts it in one or two steps
+    assert ceiling >= len(body) / 2
+    assert rp.bench_ceiling(workload, {}, requests, _CharTokenizer()) < 2  # nothing remembered
+
+
+def test_versus_names_the_best_single_source_and_the_share_of_the_ceiling():
+    from agentspec.bench.report import versus, versus_line
+
+    systems = {"agentspec-pld": {"tokens_per_second": 20.0},
+               "agentspec": {"tokens_per_second": 25.0, "tokens_per_step": 2.7}}
+    v = versus(systems, 3.0)
+    assert v == {"best_single_source": "agentspec-pld", "over_best_single_source": 1.25,
+                 "ceiling_tokens_per_step": 3.0, "of_ceiling": 0.9}
+    assert versus_line({"workload": "w", "versus": v}) == (
+        "w: agentspec/agentspec-pld 1.25x (tokens/s); agentspec tok/step 90% of the replay "
+        "ceiling (3.00)")
+    assert versus({"agentspec-pld": {"tokens_per_second": 1.0}}, 3.0) == {}

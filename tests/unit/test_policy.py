@@ -297,3 +297,59 @@ def test_a_drafter_can_name_a_finer_acceptance_class():
     chain.observe(ctx, draft, Verdict((), (), 0))  # a miss is booked on the class, not the source
     assert chain.acceptance["memory/follow"].alpha < 0.97
     assert chain.acceptance["memory"].alpha == pytest.approx(0.85)
+
+
+class ScriptedDrafter(FixedDrafter):
+    """Proposes the next ``right`` tokens of ``truth`` after the context, then wrong ones."""
+
+    def __init__(self, name, truth, right):
+        super().__init__(name, [])
+        self.truth, self.right = truth, right
+
+    def propose(self, context, *, max_tokens):
+        done = len(context.tokens) - context.prompt_len
+        good = self.truth[done : done + self.right]
+        return Draft.chain([*good, *[999] * (max_tokens - len(good))][:max_tokens], self.name)
+
+
+def _run(chain, truth, steps):
+    """Greedy steps against a known output: the path is the spine's match with ``truth``."""
+    ctx = DraftContext(tokens=[1], prompt_len=1)
+    chain.begin(ctx)
+    sources = []
+    for _ in range(steps):
+        done = len(ctx.tokens) - ctx.prompt_len
+        draft = chain.propose(ctx, max_tokens=30)
+        n = 0
+        while n < draft.num_nodes and draft.token_ids[n] == truth[done + n]:
+            n += 1
+        verdict = Verdict(tuple(range(n)), tuple(truth[done : done + n]), truth[done + n])
+        ctx.tokens.extend(verdict.new_tokens)
+        sources.append(draft.source if draft.num_nodes else "")
+        chain.observe(ctx, draft, verdict)
+    return sources
+
+
+def test_a_source_never_chosen_still_learns_from_what_the_steps_commit():
+    # The memory (higher prior) is right for 2 tokens then wrong: ~0.67 per token, which a
+    # chain learning only from its choice keeps above prompt lookup's untouched prior (0.5),
+    # so prompt lookup, right every time, would never be tried.
+    truth = list(range(100, 2000))
+    chain = DrafterChain([ScriptedDrafter("memory", truth, 2),
+                          ScriptedDrafter("prompt_lookup", truth, 30)], cost=CPU)
+    sources = _run(chain, truth, 20)
+    assert sources[0] == "memory"
+    assert sources[-5:] == ["prompt_lookup"] * 5
+    assert chain.acceptance["prompt_lookup"].alpha > 0.9 > chain.acceptance["memory"].alpha
+
+
+def test_a_prefix_that_reaches_past_the_committed_tokens_is_no_rejection():
+    chain = DrafterChain([FixedDrafter("suffix", [5, 6, 7, 8])], cost=CPU)
+    ctx = DraftContext(tokens=[1], prompt_len=1)
+    draft = chain.propose(ctx, max_tokens=4)
+    before = chain.acceptance["suffix"].misses
+    chain.observe(ctx, draft, Verdict((0,), (5,), 6))  # 2 of 4 matched, the rest unseen
+    assert chain.acceptance["suffix"].misses == pytest.approx(0.9 * before)
+    draft = chain.propose(ctx, max_tokens=4)
+    chain.observe(ctx, draft, Verdict((0,), (5,), 9))  # rejected at the second token
+    assert chain.acceptance["suffix"].misses == pytest.approx(0.81 * before + 1)

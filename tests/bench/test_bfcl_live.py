@@ -1,0 +1,51 @@
+"""The single-turn BFCL workload (``bfcl-live``): real requests over recurring tool sets."""
+
+from pathlib import Path
+
+import pytest
+
+from agentspec.bench import bfcl_live
+from agentspec.bench.cli import resolve_workload
+from agentspec.bench.workload import load_workload, write_workload
+
+
+def _entry(i: int, tools: str, question: str = "do it") -> dict:
+    return {"id": f"live_multiple_{i}", "function": [{"name": tools, "parameters": {}}],
+            "question": [[{"role": "user", "content": f"{question} {i}"}]]}
+
+
+def test_split_reuses_tool_sets_and_keeps_file_order() -> None:
+    entries = [_entry(i, "a" if i % 3 else "b") for i in range(30)]
+    items = bfcl_live.build_workload(entries, tool_sets=2, warmup=3, measure=2)
+    warm = [i for i in items if i.phase == "warmup"]
+    measure = [i for i in items if i.phase == "measure"]
+    assert len(warm) == 6 and len(measure) == 4 and list(items[:6]) == warm
+    assert {i.scope for i in measure} == {i.scope for i in warm} == {"bfcl-live-a", "bfcl-live-b"}
+    # per tool set: its first requests warm up, the next are measured
+    a = [int(i.id.rsplit("_", 1)[1]) for i in items if i.scope == "bfcl-live-a"]
+    assert a == [1, 2, 4, 5, 7]
+    assert [i.scope for i in measure] == ["bfcl-live-a"] * 2 + ["bfcl-live-b"] * 2
+    assert items[0].messages[0]["role"] == "system" and '"name": "a"' in items[0].messages[0]["content"]
+    assert items[0].messages[-1] == {"role": "user", "content": "do it 1"}
+
+
+def test_too_few_or_too_large_tool_sets_are_refused() -> None:
+    entries = [_entry(i, "a") for i in range(5)]
+    with pytest.raises(ValueError, match="only 0 tool sets"):
+        bfcl_live.build_workload(entries, tool_sets=1, warmup=4, measure=2)
+    with pytest.raises(ValueError, match="only 0 tool sets"):
+        bfcl_live.build_workload(entries, tool_sets=1, warmup=2, measure=2, max_doc_chars=10)
+    with pytest.raises(ValueError, match="measure"):
+        bfcl_live.build_workload(entries, measure=0)
+
+
+def test_the_shipped_file_is_what_the_builder_makes_from_bfcl(tmp_path: Path) -> None:
+    pytest.importorskip("bfcl_eval")
+    built = tmp_path / "live.jsonl"
+    write_workload(built, bfcl_live.build_workload(bfcl_live.load_entries()))
+    shipped = resolve_workload("bfcl-live")
+    assert built.read_bytes() == shipped.read_bytes()
+    workload = load_workload(shipped, default_max_new_tokens=1)
+    assert not workload.errors
+    assert (len(workload.warmup), len(workload.measure)) == (60, 24)
+    assert {i.scope for i in workload.measure} <= {i.scope for i in workload.warmup}
