@@ -55,6 +55,8 @@ class SpecConfig:
         max_tree_nodes: node budget when several candidates merge into a tree.
         trees: verify tree drafts where the target's attention can take a tree mask; False
             verifies each step's best chain only.
+        draft_head: draft with a trained recurrent head (``agentspec head train``) where one
+            exists for the model and the request's scope under ``$AGENTSPEC_HOME``.
     """
 
     max_draft_tokens: int = 64
@@ -62,6 +64,7 @@ class SpecConfig:
     ngram_max: int = 4
     max_tree_nodes: int = 64
     trees: bool = True
+    draft_head: bool = True
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:

@@ -23,7 +23,7 @@ bench_app = typer.Typer(
 )
 
 SYSTEMS = ("hf-greedy", "hf-pld", "hf-static", "agentspec-plain", "agentspec-pld", "agentspec",
-           "agentspec-chain")
+           "agentspec-chain", "agentspec-head")
 DEFAULT_SYSTEMS = "hf-greedy,hf-pld,agentspec-pld,agentspec"
 # The core benchmark: the engine without memory against transformers.
 CORE_SYSTEMS = "hf-greedy,hf-pld,agentspec-plain,agentspec-pld"

@@ -159,6 +159,11 @@ def head_path(fingerprint: str, scope: str, home: Path | None = None) -> Path:
     return (home or agentspec_home()) / "heads" / safe(fingerprint) / f"{safe(scope)}.safetensors"
 
 
+def heads_exist(fingerprint: str, home: Path | None = None) -> bool:
+    """Whether any scope has a trained head for the model (the drafter is worth adding)."""
+    return head_path(fingerprint, "x", home).parent.is_dir()
+
+
 def save_head(path: Path, head: RecurrentHead, meta: dict[str, Any]) -> None:
     """Write the head's weights, vocabulary and ``meta`` (fingerprint, stats) atomically."""
     from safetensors.torch import save_file
