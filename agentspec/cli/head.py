@@ -130,7 +130,7 @@ def stats(ctx: typer.Context,
     """
     from agentspec.home import agentspec_home
 
-    rows = []
+    rows: list[dict[str, Any]] = []
     for path in _head_files(agentspec_home()):
         try:
             meta = _meta(path)
@@ -149,12 +149,12 @@ def stats(ctx: typer.Context,
     table = Table("scope", "model", "completions", "vocab", "held-out acceptance by depth",
                   "tokens/step", "trained")
     for r in rows:
-        s = r.get("stats", {})
-        acc = s.get("held_out_acceptance", {})
+        s: dict[str, Any] = r.get("stats", {})
+        acc: dict[str, Any] = s.get("held_out_acceptance", {})
         table.add_row(str(r.get("scope", r.get("error", "?"))), str(r.get("fingerprint", "")),
                       str(s.get("records", "")), str(s.get("vocab", "")),
                       " ".join(f"{x:.2f}" for x in acc.get("rate", [])),
                       f"{acc.get('mean_accepted', 0):.2f}",
-                      time.strftime("%Y-%m-%d %H:%M", time.localtime(r.get("trained_at", 0))))
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(float(r.get("trained_at", 0)))))
     console.print(table)
 
