@@ -78,6 +78,7 @@ def train(ctx: typer.Context,
                 records = records[-limit:]
             path = head_path(fingerprint, name)
             init = None if fresh else load_head(path, target.model, fingerprint=fingerprint)
+            replayed = _load_replays(path) if init is not None else {}
             started = time.perf_counter()
             with progress() as bar:
                 task = bar.add_task(f"{name}", total=1)
@@ -89,11 +90,12 @@ def train(ctx: typer.Context,
 
                 result = train_head(target.model, target.tokenizer, records,
                                     config=TrainConfig(depth=depth, epochs=epochs),
-                                    init=init, progress=tick)
+                                    init=init, progress=tick, replayed=replayed)
             meta = {"fingerprint": fingerprint, "model": target.name, "scope": name,
                     "trained_at": time.time(), "warm_start": init is not None,
                     "stats": result.stats}
             save_head(path, result.head, meta)
+            _save_replays(path, replayed)
             summaries.append({"scope": name, "path": str(path), **result.stats,
                               "wall_seconds": round(time.perf_counter() - started, 1)})
     if want_json(ctx):
@@ -105,6 +107,33 @@ def train(ctx: typer.Context,
         report(ctx, s, f"{s['scope']}: {s['records']} completions, vocabulary {s['vocab']}, "
                        f"{s['seconds']:.0f} s; held-out acceptance by depth {rates or 'n/a'} "
                        f"({acc.get('mean_accepted', 0):.2f} tokens/step drafted right) -> {s['path']}")
+
+
+def _replay_file(path: Path) -> Path:
+    return path.with_name(path.name.removesuffix(".safetensors") + ".replay.pt")
+
+
+def _load_replays(path: Path) -> dict[int, Any]:
+    """The replays kept beside a head (record id -> Replayed); empty when unreadable."""
+    import torch
+
+    from agentspec.drafters.head_train import Replayed
+
+    try:
+        raw = torch.load(_replay_file(path), weights_only=True)
+        return {int(k): Replayed(*v) for k, v in raw.items()}
+    except (OSError, RuntimeError, ValueError, TypeError, AttributeError):
+        return {}
+
+
+def _save_replays(path: Path, replayed: dict[int, Any]) -> None:
+    import os
+
+    import torch
+
+    tmp = _replay_file(path).with_suffix(f".tmp-{os.getpid()}")
+    torch.save({k: (r.tokens, r.hidden, r.logp) for k, r in replayed.items()}, tmp)
+    os.replace(tmp, _replay_file(path))
 
 
 def _head_files(home: Path) -> list[Path]:

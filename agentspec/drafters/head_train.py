@@ -38,9 +38,9 @@ class TrainConfig:
     """How to train. ``depth`` is the deepest token the head learns to draft."""
 
     depth: int = 6
-    epochs: int = 4
+    epochs: int = 8
     lr: float = 2e-3
-    batch_starts: int = 512
+    batch_starts: int = 64
     held_out: float = 0.1
     max_context: int = 2048
     seed: int = 0
@@ -93,9 +93,13 @@ def vocabulary(records: Sequence[Record], tokenizer: Any, old: Sequence[int] = (
 
 @torch.inference_mode()
 def replay(model: Any, tokenizer: Any, records: Sequence[Record], vocab: torch.Tensor, *,
-           max_context: int = 2048, progress: Progress | None = None) -> list[Replayed]:
+           max_context: int = 2048, progress: Progress | None = None,
+           known: dict[int, Replayed] | None = None) -> list[Replayed]:
     """Run each record through the target (transformers' own forward; training needs no
-    fixed shapes), reusing the KV of the prefix shared with the record before."""
+    fixed shapes), reusing the KV of the prefix shared with the record before.
+
+    ``known``: replays by record id, over the same ``vocab`` (taken as they are; the new
+    ones are added to it), so retraining replays only the records it has not seen."""
     from transformers import DynamicCache
 
     out: list[Replayed] = []
@@ -105,6 +109,9 @@ def replay(model: Any, tokenizer: Any, records: Sequence[Record], vocab: torch.T
     for n, record in enumerate(records):
         if progress is not None:
             progress(n, len(records), "replaying completions through the target")
+        if known is not None and record.id is not None and record.id in known:
+            out.append(known[record.id])
+            continue
         prompt = encode_prompt(tokenizer, prompt_of(record))
         ids = prompt + list(record.completion_ids)
         if len(prompt) < 2 or not record.completion_ids or len(ids) > max_context:
@@ -125,6 +132,8 @@ def replay(model: Any, tokenizer: Any, records: Sequence[Record], vocab: torch.T
         logp = torch.log_softmax(logits[:, vocab].float(), dim=-1)  # [L + 1, V]
         tokens = torch.tensor(ids[len(prompt) - 1 :])  # [L + 1]
         out.append(Replayed(tokens, hidden[:-1].float().clone(), logp.half()))
+        if known is not None and record.id is not None:
+            known[record.id] = out[-1]
     if progress is not None:
         progress(len(records), len(records), "replaying completions through the target")
     return out
@@ -194,8 +203,12 @@ def acceptance_by_depth(head: RecurrentHead, data: Sequence[Replayed], *, width:
 
 def train_head(model: Any, tokenizer: Any, records: Sequence[Record], *,
                config: TrainConfig = TrainConfig(), init: RecurrentHead | None = None,
-               progress: Progress | None = None) -> TrainResult:
-    """Distil a head from ``records`` (of one scope and model), starting from ``init``."""
+               progress: Progress | None = None,
+               replayed: dict[int, Replayed] | None = None) -> TrainResult:
+    """Distil a head from ``records`` (of one scope and model), starting from ``init``.
+
+    ``replayed``: earlier replays by record id over ``init``'s vocabulary (see :func:`replay`);
+    used only when the vocabulary is unchanged, and filled with the new ones."""
     if not records:
         raise ValueError("no completions to train on: the memory has none for this scope and model")
     started = time.perf_counter()
@@ -206,7 +219,10 @@ def train_head(model: Any, tokenizer: Any, records: Sequence[Record], *,
     order = list(records)
     n_held = max(1, int(len(order) * config.held_out)) if len(order) > 1 and config.held_out > 0 else 0
     held_ids = set(rng.sample(range(len(order)), n_held))
-    data = replay(model, tokenizer, order, vocab, max_context=config.max_context, progress=progress)
+    if replayed is not None and (init is None or vocab.tolist() != old):
+        replayed.clear()  # replays over another vocabulary: their distributions do not fit
+    data = replay(model, tokenizer, order, vocab, max_context=config.max_context,
+                  progress=progress, known=replayed)
     # replay drops unusable records, so split by position among those kept
     train = [d for i, d in enumerate(data) if i not in held_ids]
     held = [d for i, d in enumerate(data) if i in held_ids]

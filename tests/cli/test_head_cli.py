@@ -67,6 +67,8 @@ def test_train_then_stats(model_dir: Path, tmp_path: Path, home: Path):
     again = cli("head", "train", "--model", str(model_dir), "--epochs", "1", "--scope", "tools")
     assert again.exit_code == 0, again.output
     assert json.loads(cli("head", "stats", "--json").stdout)["heads"][0]["warm_start"]
+    replays = Path(head["path"]).with_name("tools.replay.pt")  # kept: retraining replays only new rows
+    assert replays.is_file()
     table = cli("head", "stats")
     assert table.exit_code == 0 and "tools" in table.stdout
 

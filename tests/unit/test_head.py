@@ -186,7 +186,14 @@ def test_training_distils_the_target_and_beats_an_untrained_head(target, tmp_pat
     assert stats["final_kl"] < untrained["final_kl"] / 2
     assert (stats["held_out_acceptance"]["mean_accepted"]
             >= untrained["held_out_acceptance"]["mean_accepted"])
-    # Retraining starts from the old weights and keeps the old vocabulary first.
+    # Retraining starts from the old weights, keeps the old vocabulary first, and replays
+    # only records it has not seen.
+    replayed: dict = {}
     again = train_head(target.model, target.tokenizer, records[:5], init=result.head,
-                       config=TrainConfig(depth=3, epochs=1, held_out=0.0))
+                       config=TrainConfig(depth=3, epochs=1, held_out=0.0), replayed=replayed)
     assert again.head.vocab.tolist()[:5] == result.head.vocab.tolist()
+    assert sorted(replayed) == [1, 2, 3, 4, 5]
+    seen = replayed[1]
+    train_head(target.model, target.tokenizer, records[:6], init=again.head,
+               config=TrainConfig(depth=3, epochs=1, held_out=0.0), replayed=replayed)
+    assert replayed[1] is seen and sorted(replayed) == [1, 2, 3, 4, 5, 6]
