@@ -197,3 +197,20 @@ def test_training_distils_the_target_and_beats_an_untrained_head(target, tmp_pat
     train_head(target.model, target.tokenizer, records[:6], init=again.head,
                config=TrainConfig(depth=3, epochs=1, held_out=0.0), replayed=replayed)
     assert replayed[1] is seen and sorted(replayed) == [1, 2, 3, 4, 5, 6]
+
+
+def test_speculator_adds_the_head_only_where_one_is_trained(target, tmp_path, monkeypatch):
+    from agentspec import SpecConfig, Speculator
+    from agentspec.drafters.policy import CostModel
+
+    monkeypatch.setenv("AGENTSPEC_HOME", str(tmp_path))
+    cost = CostModel(base=0.05, per_token=0.001)
+
+    def names(**kw):
+        return [d.name for d in Speculator(target.fork(), cost=cost, **kw).drafters]
+
+    assert "head" not in names()
+    save_head(head_path(target.fingerprint, "s"), random_head(target, [1, 2]),
+              {"fingerprint": target.fingerprint})
+    assert "head" in names()
+    assert "head" not in names(config=SpecConfig(draft_head=False))
