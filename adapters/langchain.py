@@ -7,8 +7,10 @@ call (the Speculator's turns are per step, so calls interleave and none blocks t
 
 Tools are rendered through the chat template's own tool support when it has one, else as a
 JSON-schema system block; the model answers a call as ``{"name": ..., "arguments": {...}}``.
-A forced ``tool_choice`` (or JSON mode) starts the assistant turn with the JSON's opening text,
-which the model then continues; drafts stay exact either way.
+Every call with tools bound is grammar-constrained (:mod:`agentspec.grammar`): a forced
+``tool_choice`` ("any"/"required"/a name) admits only a valid call of a bound tool, "auto" a
+valid call or plain text, and JSON mode / structured output a value of the schema. The
+grammar's forced tokens are drafted for free; outputs stay exact (the masked target's).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     raise ImportError("agentspec.adapters.langchain needs: pip install 'agentspec[langchain]'") from exc
 
 from agentspec.config import SamplingParams
+from agentspec.grammar import Grammar, compiled
 from agentspec.types import Generation as SpecGeneration
 
 T = TypeVar("T")
@@ -112,10 +115,9 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
 
 
 def build_prompt(tokenizer: Any, messages: list[dict[str, str]], *,
-                 tools: Sequence[dict[str, Any]] = (), system: str = "",
-                 prefix: str = "") -> list[dict[str, str]] | str:
-    """The prompt for one call: the messages, or the rendered text when the template renders the
-    tools or the assistant turn must start with ``prefix``."""
+                 tools: Sequence[dict[str, Any]] = (), system: str = "") -> list[dict[str, str]] | str:
+    """The prompt for one call: the messages, or the rendered text when the chat template
+    renders the tools itself."""
     native = "tools" in (getattr(tokenizer, "chat_template", None) or "")
     if tools and not native:
         block = _TOOL_BLOCK.format(tools=json.dumps(list(tools), indent=1, ensure_ascii=False))
@@ -126,7 +128,7 @@ def build_prompt(tokenizer: Any, messages: list[dict[str, str]], *,
                         *messages[1:]]
         else:
             messages = [{"role": "system", "content": system}, *messages]
-    if not prefix and not (tools and native):
+    if not (tools and native):
         return messages
     text = tokenizer.apply_chat_template(messages, tools=list(tools) or None, tokenize=False,
                                          add_generation_prompt=True)
@@ -134,7 +136,7 @@ def build_prompt(tokenizer: Any, messages: list[dict[str, str]], *,
     # A str prompt is tokenized with special tokens added: do not let the BOS appear twice.
     if bos and text.startswith(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]:
         text = text[len(bos):]
-    return text + prefix
+    return text
 
 
 def _looks_like_call(text: str) -> bool:
@@ -194,18 +196,33 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _forced_prefix(tools: Sequence[dict[str, Any]], tool_choice: Any) -> str:
-    if not tools or tool_choice in (None, "auto", "none", False):
-        return ""
-    names = [t["function"]["name"] for t in tools]
+def tool_choice_mode(tools: Sequence[dict[str, Any]], tool_choice: Any) -> str | None:
+    """LangChain's ``tool_choice`` as a grammar's ``choice``: ``"auto"``, ``"required"``, a
+    tool's name, or None (no tools, or ``"none"``: unconstrained text).
+
+    Raises:
+        ValueError: ``tool_choice`` names no bound tool.
+    """
+    if not tools or tool_choice in ("none", False):
+        return None
+    if tool_choice in (None, "auto"):
+        return "auto"
+    if tool_choice in ("any", "required", True):
+        return "required"
     if isinstance(tool_choice, dict):
-        tool_choice = tool_choice.get("function", tool_choice).get("name", "any")
-    if tool_choice in ("any", "required", True) and len(names) > 1:
-        return '{"name": "'
-    name = names[0] if tool_choice in ("any", "required", True) else tool_choice
-    if name not in names:
+        tool_choice = tool_choice.get("function", tool_choice).get("name", "required")
+    names = [t["function"]["name"] for t in tools]
+    if tool_choice not in names:
         raise ValueError(f"tool_choice {tool_choice!r} names no bound tool; bound: {names}")
-    return json.dumps({"name": name}, ensure_ascii=False)[:-1] + ', "arguments": {'
+    return str(tool_choice)
+
+
+def call_grammar(tools: Sequence[dict[str, Any]], tool_choice: Any) -> Grammar | None:
+    """The grammar of one call's answer with ``tools`` bound (None: unconstrained)."""
+    mode = tool_choice_mode(tools, tool_choice)
+    if mode is None:
+        return None
+    return compiled({"type": "tool_calls", "tools": list(tools), "choice": mode})
 
 
 # -- the models --------------------------------------------------------------------------------
@@ -243,17 +260,18 @@ class _SpecParams(BaseModel):
             raise ValueError(f"{type(self).__name__} needs speculator=Speculator(...), got None")
         return self.speculator
 
-    def _sampling(self) -> SamplingParams:
+    def _sampling(self, grammar: Grammar | None = None) -> SamplingParams:
         return SamplingParams(temperature=float(self.temperature), top_p=float(self.top_p),
-                              top_k=self.top_k, seed=self.seed)
+                              top_k=self.top_k, seed=self.seed, grammar=grammar)
 
     def _stops(self, stop: list[str] | None) -> list[str]:
         return [*(self.stop or []), *(stop or [])]
 
     def _steps(self, prompt: Any, stop: list[str] | None, max_tokens: int | None,
-               ) -> Iterator[str | SpecGeneration]:
+               grammar: Grammar | None = None) -> Iterator[str | SpecGeneration]:
         return _speculate(self._spec(), prompt, max_tokens or self.max_tokens,
-                          sampling=self._sampling(), stop=self._stops(stop), scope=self.scope)
+                          sampling=self._sampling(grammar), stop=self._stops(stop),
+                          scope=self.scope)
 
     def _metadata(self, gen: SpecGeneration) -> dict[str, Any]:
         s = gen.stats
@@ -287,17 +305,19 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
                    **kwargs: Any) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (functions, ``BaseTool``s, pydantic models, JSON schemas).
 
-        ``tool_choice``: None/"auto" lets the model decide; "any"/"required" or a tool name
-        forces a call by starting the answer with the call's JSON.
+        ``tool_choice``: None/"auto": a valid call of a bound tool or plain text, as the model
+        decides; "any"/"required": a valid call of a bound tool; a tool's name: a valid call
+        of that tool; "none": plain text. Enforced by a grammar (exact: the masked target).
         """
         formatted = [convert_to_openai_tool(t) for t in tools]
-        _forced_prefix(formatted, tool_choice)  # validate the choice now, not at call time
+        call_grammar(formatted, tool_choice)  # refuse a bad choice or schema now, not at call time
         return self.bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
     def with_structured_output(self, schema: dict[str, Any] | type, *, include_raw: bool = False,
                                **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
-        """Structured output: ``method="function_calling"`` (default, a forced tool call),
-        ``"json_schema"`` (the same) or ``"json_mode"`` (a JSON answer, parsed)."""
+        """Structured output, grammar-constrained: ``method="function_calling"`` (default, a
+        forced tool call), ``"json_schema"`` (the same) or ``"json_mode"`` (a JSON value of the
+        schema, parsed)."""
         method = kwargs.pop("method", None) or "function_calling"
         kwargs.pop("strict", None)
         if method in ("function_calling", "json_schema"):
@@ -316,13 +336,17 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
                 run_manager: Any = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         tools = kwargs.get("tools") or []
         json_mode = kwargs.get("response_format")
-        prefix = "{" if json_mode else _forced_prefix(tools, kwargs.get("tool_choice"))
-        system = (f"Reply with only a JSON object matching this schema: {json.dumps(json_mode['schema'])}"
-                  if json_mode else "")
+        grammar: Grammar | None
+        if json_mode:
+            schema = json_mode.get("schema") or {"type": "object"}
+            grammar = compiled({"type": "json_schema", "schema": schema})
+            system = f"Reply with only a JSON object matching this schema: {json.dumps(schema)}"
+        else:
+            grammar, system = call_grammar(tools, kwargs.get("tool_choice")), ""
         prompt = build_prompt(self._spec().tokenizer, to_chat_messages(messages), tools=tools,
-                              system=system, prefix=prefix)
-        held = prefix  # output that may still turn out to be a tool call is held back
-        for item in self._steps(prompt, stop, kwargs.get("max_tokens")):
+                              system=system)
+        held = ""  # output that may still turn out to be a tool call is held back
+        for item in self._steps(prompt, stop, kwargs.get("max_tokens"), grammar):
             if isinstance(item, str):
                 if tools and (held or _looks_like_call(item)) and _looks_like_call(held + item):
                     held += item

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentspec.grammar import Grammar
 
 
 @dataclass(frozen=True)
@@ -15,6 +19,10 @@ class SamplingParams:
     temperature, ``top_k`` and ``top_p``. ``seed`` seeds the explicit ``torch.Generator`` of a
     generation; ``None`` draws a fresh seed.
 
+    ``grammar`` (:class:`agentspec.grammar.Grammar`: a JSON schema, tool calls, a regex or a
+    Lark grammar) constrains the output: the target distribution is the model's masked by the
+    grammar's state after each prefix, applied before temperature, top-k and top-p.
+
     ``repetition_penalty`` is accepted only at 1.0: a history-dependent processor would have to
     be applied per tree path, which the verifier does not do yet.
     """
@@ -24,6 +32,7 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     repetition_penalty: float = 1.0
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -33,6 +42,12 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.grammar is not None:
+            from agentspec.grammar import Grammar
+
+            if not isinstance(self.grammar, Grammar):
+                raise TypeError(f"grammar must be an agentspec.grammar.Grammar or None, got "
+                                f"{type(self.grammar).__name__} {self.grammar!r:.80}")
         if self.repetition_penalty != 1.0:
             raise ValueError(
                 f"repetition_penalty={self.repetition_penalty!r} is not supported: a "
@@ -55,6 +70,8 @@ class SpecConfig:
         max_tree_nodes: node budget when several candidates merge into a tree.
         trees: verify tree drafts where the target's attention can take a tree mask; False
             verifies each step's best chain only.
+        grammar_drafts: under a grammar (``SamplingParams.grammar``), append the tokens it
+            forces to every draft (free drafts: accepted with probability one).
         draft_head: draft with a trained recurrent head (``agentspec head train``) where one
             exists for the model and the request's scope under ``$AGENTSPEC_HOME``.
     """
@@ -64,6 +81,7 @@ class SpecConfig:
     ngram_max: int = 4
     max_tree_nodes: int = 64
     trees: bool = True
+    grammar_drafts: bool = True
     draft_head: bool = True
 
     def __post_init__(self) -> None:

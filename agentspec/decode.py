@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from agentspec.config import SamplingParams
+from agentspec.grammar import GrammarState
 from agentspec.protocols import DraftContext, Drafter
 from agentspec.target import HFTarget
 from agentspec.text import cut_at_stop
@@ -59,7 +60,8 @@ class NoDrafter:
 
 def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
            sampling: SamplingParams, max_new_tokens: int, stop_token_ids: frozenset[int],
-           generator: torch.Generator | None = None) -> Generator[Step, None, None]:
+           generator: torch.Generator | None = None,
+           grammar_drafts: bool = True) -> Generator[Step, None, None]:
     """Generate up to ``max_new_tokens`` tokens after ``context.tokens``, appending to it.
 
     Args:
@@ -70,21 +72,27 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
         sampling: greedy or the sampling parameters every emitted token follows exactly.
         stop_token_ids: a committed stop token ends the generation and is not emitted.
         generator: the explicit random source for sampling.
+        grammar_drafts: with ``sampling.grammar``, append the tokens the grammar forces to
+            every draft (free drafts; plain decoding turns them off).
     """
+    grammar = None if sampling.grammar is None else GrammarState(
+        sampling.grammar, target.tokenizer, vocab_size=target.vocab_size,
+        eos_ids=sorted(stop_token_ids), device=target.device)
     # 1. Prefill: the KV takes every prompt token but the last.
     target.start(context.tokens)
     guarded = Guarded(drafter)
     guarded.begin(context)
     try:
         yield from _steps(target, guarded, context, sampling, max_new_tokens, stop_token_ids,
-                          generator)
+                          generator, grammar, grammar_drafts)
     finally:
         guarded.end(context)
 
 
 def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: SamplingParams,
            max_new_tokens: int, stop_token_ids: frozenset[int],
-           generator: torch.Generator | None) -> Iterator[Step]:
+           generator: torch.Generator | None, grammar: GrammarState | None,
+           grammar_drafts: bool) -> Iterator[Step]:
     produced = 0
     # One uniform per output position, so a seeded sample does not depend on the drafts.
     uniforms = None if sampling.greedy else torch.rand(
@@ -97,16 +105,25 @@ def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: 
         proposal = drafter.propose(context, max_tokens=room) if room > 0 else EMPTY_DRAFT
         draft = sanitize(proposal, vocab_size=target.vocab_size, room=room,
                          max_nodes=target.max_draft_nodes)
+        # 2b. A grammar prunes what it forbids, adds what it forces, and masks every row.
+        allowed = None
+        if grammar is not None:
+            draft, allowed = grammar.constrain(draft, room=max(room, 0),
+                                               max_nodes=target.max_draft_nodes,
+                                               force=grammar_drafts)
         # 3. Score the last committed token and the whole draft in one forward.
         logits = target.score(context.tokens[-1], draft)  # [num_nodes + 1, vocab_size]
         # 4. Verify exactly (one host sync), deciding only on spine rows.
         rows = None if uniforms is None else uniforms[_row_offsets(draft, produced)]
-        verdict = cut_at_spine(draft, verify(draft, logits, sampling, generator, uniforms=rows))
+        verdict = cut_at_spine(draft, verify(draft, logits, sampling, generator, uniforms=rows,
+                                             allowed=allowed))
         # 5. Commit: the KV keeps the accepted path only.
         target.commit(draft, verdict)
         new_tokens, stopped = cut_at_stop(verdict.new_tokens, stop_token_ids)
         context.tokens.extend(new_tokens)
         produced += len(new_tokens)
+        if grammar is not None:
+            grammar.advance(new_tokens)
         # 6. Observe: drafters learn from what was accepted.
         drafter.observe(context, draft, verdict)
         yield Step(draft, verdict, new_tokens, stopped)

@@ -11,22 +11,38 @@ import torch
 from agentspec.config import SamplingParams
 
 
-def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+def apply_mask(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` ``[num_rows, vocab_size]`` with the tokens a grammar forbids at ``-inf``
+    (``allowed``: bool, same shape; None: unconstrained, ``logits`` as they are)."""
+    if allowed is None:
+        return logits
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def greedy_tokens(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """The argmax of each row among its allowed tokens -> ``[num_rows]`` (on device)."""
+    return apply_mask(logits, allowed).argmax(dim=-1)
+
+
+def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams,
+                    allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Processed target distribution, row by row.
 
-    Order as in transformers' warpers: temperature, then top-k, then top-p (the smallest set
-    of most likely tokens whose mass reaches ``top_p``; the most likely token always stays).
+    Order as in vLLM and SGLang: the grammar's mask first (``allowed``), then as transformers'
+    warpers: temperature, top-k, top-p (the smallest set of most likely tokens whose mass
+    reaches ``top_p``; the most likely token always stays).
 
     Args:
         logits: ``[num_rows, vocab_size]`` raw logits.
         sampling: must have ``temperature > 0`` (greedy decoding takes the argmax instead).
+        allowed: bool ``[num_rows, vocab_size]``, the grammar's mask per row, or None.
 
     Returns:
         float32 probabilities ``[num_rows, vocab_size]``, each row summing to 1.
     """
     if sampling.greedy:
         raise ValueError("logits_to_probs needs temperature > 0; greedy decoding uses argmax")
-    scores = logits.float() / sampling.temperature  # [num_rows, vocab_size]
+    scores = apply_mask(logits.float(), allowed) / sampling.temperature  # [num_rows, vocab_size]
     if sampling.top_k is not None and sampling.top_k < scores.shape[-1]:
         kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]  # [num_rows, 1]
         scores = scores.masked_fill(scores < kth, float("-inf"))

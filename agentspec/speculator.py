@@ -238,7 +238,8 @@ class Speculator:
             drafter = self._drafter()
         steps = decode(self.target, drafter, context, sampling=sampling,
                        max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids,
-                       generator=generator)
+                       generator=generator,
+                       grammar_drafts=self.speculate and self.config.grammar_drafts)
         try:
             while (step := self._step(steps)) is not None:
                 run.count(step)

@@ -30,24 +30,26 @@ from __future__ import annotations
 import torch
 
 from agentspec.config import SamplingParams
-from agentspec.sampling import logits_to_probs, sample, sample_inverse_cdf
+from agentspec.sampling import greedy_tokens, logits_to_probs, sample, sample_inverse_cdf
 from agentspec.tree import child_index, spine_length
 from agentspec.types import Draft, Verdict
 
 
 def target_samples(logits: torch.Tensor, sampling: SamplingParams,
                    generator: torch.Generator | None,
-                   uniforms: torch.Tensor | None = None) -> torch.Tensor:
+                   uniforms: torch.Tensor | None = None,
+                   allowed: torch.Tensor | None = None) -> torch.Tensor:
     """One target draw per row of ``logits`` ``[num_nodes + 1, vocab_size]`` -> ``[num_nodes + 1]``.
 
     Sampled rows use ``uniforms`` ``[num_nodes + 1]`` (one per row, in [0, 1)) when given,
-    else fresh draws from ``generator``.
+    else fresh draws from ``generator``. ``allowed`` (bool, the logits' shape) is the
+    grammar's mask of each row, applied before anything else.
     """
     if sampling.greedy:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits, allowed)
     if uniforms is None:
         uniforms = torch.rand(logits.shape[0], generator=generator, device=logits.device)
-    return sample_inverse_cdf(logits_to_probs(logits, sampling), uniforms)
+    return sample_inverse_cdf(logits_to_probs(logits, sampling, allowed), uniforms)
 
 
 def walk(draft: Draft, samples: list[int]) -> Verdict:
@@ -77,9 +79,10 @@ def walk(draft: Draft, samples: list[int]) -> Verdict:
 
 def verify_point_mass(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
                       generator: torch.Generator | None = None, *,
-                      uniforms: torch.Tensor | None = None) -> Verdict:
+                      uniforms: torch.Tensor | None = None,
+                      allowed: torch.Tensor | None = None) -> Verdict:
     """Exact acceptance of a point-mass draft (chain or tree); see the module docstring."""
-    samples = target_samples(logits, sampling, generator, uniforms).tolist()  # the one host sync
+    samples = target_samples(logits, sampling, generator, uniforms, allowed).tolist()  # one host sync
     return walk(draft, samples)
 
 
@@ -95,20 +98,22 @@ def cut_at_spine(draft: Draft, verdict: Verdict) -> Verdict:
 
 
 def verify_ratio(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
-                 generator: torch.Generator | None = None) -> Verdict:
+                 generator: torch.Generator | None = None, *,
+                 allowed: torch.Tensor | None = None) -> Verdict:
     """Leviathan et al. (2023) Algorithm 1 for a chain drafted with probabilities q.
 
     Args:
         draft: a chain with ``draft_probs`` q ``[num_nodes, vocab_size]``; token ``i`` was
             drawn from ``q[i]``.
         logits: target logits ``[num_nodes + 1, vocab_size]``.
+        allowed: the grammar's mask per row (bool, the logits' shape) or None; p is masked.
     """
     if sampling.greedy:  # p is a point mass at the argmax: the ratio test reduces to the walk
-        return verify_point_mass(draft, logits, sampling, generator)
+        return verify_point_mass(draft, logits, sampling, generator, allowed=allowed)
     if not draft.is_chain or draft.draft_probs is None:
         raise ValueError("verify_ratio needs a chain draft with draft_probs")
     n = draft.num_nodes
-    p = logits_to_probs(logits, sampling)  # [n + 1, vocab_size]
+    p = logits_to_probs(logits, sampling, allowed)  # [n + 1, vocab_size]
     # [n, vocab_size]; a drafter's bad values (NaN, negative) must not crash the step
     q = torch.nan_to_num(draft.draft_probs.to(p.device, torch.float32), nan=0.0, posinf=0.0,
                          neginf=0.0).clamp_min(0)
@@ -132,9 +137,12 @@ def verify_ratio(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
 
 def verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
            generator: torch.Generator | None = None, *,
-           uniforms: torch.Tensor | None = None) -> Verdict:
+           uniforms: torch.Tensor | None = None,
+           allowed: torch.Tensor | None = None) -> Verdict:
     """Dispatch: the ratio test for drafts carrying probabilities, else the point-mass walk
-    (with ``uniforms``, one per row, for its sampled rows)."""
+    (with ``uniforms``, one per row, for its sampled rows). ``allowed``: the grammar's mask of
+    each row (:mod:`agentspec.grammar`), or None."""
     if draft.draft_probs is not None:
-        return verify_ratio(draft, logits, sampling, generator)
-    return verify_point_mass(draft, logits, sampling, generator, uniforms=uniforms)
+        return verify_ratio(draft, logits, sampling, generator, allowed=allowed)
+    return verify_point_mass(draft, logits, sampling, generator, uniforms=uniforms,
+                             allowed=allowed)

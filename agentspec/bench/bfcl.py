@@ -34,7 +34,9 @@ from agentspec.bench.toolcalls import (
 )
 from agentspec.bench.workload import WorkloadItem
 
-Generate = Callable[[list[dict[str, str]]], str]
+# ``generate(messages, grammar) -> completion``; ``grammar`` is a grammar spec (see
+# :meth:`agentspec.grammar.Grammar.from_spec`) the completion must follow, or None.
+Generate = Callable[[list[dict[str, str]], Mapping[str, Any] | None], str]
 
 SUITE_FILE = "BFCL_v4_multi_turn_base.json"
 # The prompt budget (about 1500 tokens on 2 CPU cores) cannot hold a whole class: the file
@@ -125,6 +127,7 @@ class CallTrace:
         calls: the tool calls parsed from the completion.
         results: one string per executed call, then one per malformed call.
         errors: the parse errors (also among ``results``).
+        grammar: the grammar spec the call was constrained by, or None.
     """
 
     task_id: str
@@ -135,6 +138,7 @@ class CallTrace:
     calls: tuple[ToolCall, ...]
     results: tuple[str, ...]
     errors: tuple[str, ...]
+    grammar: Mapping[str, Any] | None = None
 
 
 def _package_dir() -> Path:
@@ -224,10 +228,10 @@ def _example_call(docs: Sequence[Mapping[str, Any]]) -> str:
     return json.dumps({"name": docs[0]["name"], "arguments": {}}) if docs else ""
 
 
-def system_prompt(
+def task_tools(
     classes: Sequence[str], *, tool_subsets: Mapping[str, Sequence[str]] = DEFAULT_TOOL_SUBSETS,
-) -> str:
-    """The agent's system prompt for a set of tool classes.
+) -> tuple[str, list[dict[str, Any]]]:
+    """The classes' description and the docs of the functions the agent is shown.
 
     Args:
         classes: BFCL class names, e.g. ``["GorillaFileSystem"]``.
@@ -246,11 +250,48 @@ def system_prompt(
             class_docs = tuple(d for d in class_docs if d["name"] in keep)
         descriptions.append(description)
         docs.extend(class_docs)
+    return " ".join(descriptions), docs
+
+
+def system_prompt(
+    classes: Sequence[str], *, tool_subsets: Mapping[str, Sequence[str]] = DEFAULT_TOOL_SUBSETS,
+) -> str:
+    """The agent's system prompt for a set of tool classes (arguments as :func:`task_tools`)."""
+    descriptions, docs = task_tools(classes, tool_subsets=tool_subsets)
     return INSTRUCTIONS.format(
-        descriptions=" ".join(descriptions),
+        descriptions=descriptions,
         tools="\n".join(json.dumps(d, ensure_ascii=False) for d in docs),
         example=_example_call(docs),
     )
+
+
+def json_schema_of(bfcl_schema: Any) -> Any:
+    """A BFCL parameter schema in standard JSON Schema: BFCL writes ``"dict"`` for object,
+    ``"float"`` for number, ``"tuple"`` for array and ``"any"`` for no constraint."""
+    if not isinstance(bfcl_schema, Mapping):
+        return bfcl_schema
+    out = dict(bfcl_schema)
+    kind = out.get("type")
+    if kind == "any":
+        del out["type"]
+    elif isinstance(kind, str):
+        out["type"] = {"dict": "object", "float": "number", "tuple": "array"}.get(kind, kind)
+    if isinstance(out.get("properties"), Mapping):
+        out["properties"] = {k: json_schema_of(v) for k, v in out["properties"].items()}
+    for key in ("items", "additionalProperties"):
+        if isinstance(out.get(key), Mapping):
+            out[key] = json_schema_of(out[key])
+    return out
+
+
+def task_grammar(
+    task: Task, *, tool_subsets: Mapping[str, Sequence[str]] = DEFAULT_TOOL_SUBSETS,
+) -> dict[str, Any]:
+    """The grammar spec of the agent's replies on ``task``: a JSON list of calls of the tools
+    it is shown (each with arguments valid under the tool's schema), or plain text."""
+    _, docs = task_tools(task.involved_classes, tool_subsets=tool_subsets)
+    tools = [{"name": d["name"], "parameters": json_schema_of(d["parameters"])} for d in docs]
+    return {"type": "tool_calls", "tools": tools, "choice": "auto", "as_list": True}
 
 
 def _result_message(result: str, tool_role: str) -> dict[str, str]:
@@ -279,6 +320,7 @@ def run_task(
     tool_role: str = "tool",
     tool_subsets: Mapping[str, Sequence[str]] = DEFAULT_TOOL_SUBSETS,
     env: ToolEnvironment | None = None,
+    constrain: bool = True,
 ) -> list[CallTrace]:
     """Runs the agent on one task against BFCL's tool implementations.
 
@@ -296,6 +338,8 @@ def run_task(
         tool_subsets: functions documented per class (see :func:`system_prompt`).
         env: the tools to run the calls on; default a fresh ``ToolEnvironment(task)``.
             Pass one to inspect the tools' state afterwards.
+        constrain: pass :func:`task_grammar` with every call, so that every call the model
+            writes parses as calls of the task's tools; False: unconstrained text.
 
     Returns:
         One trace per LLM call, in order.
@@ -305,17 +349,18 @@ def run_task(
     if tool_role not in ("tool", "user"):
         raise ValueError(f"tool_role must be 'tool' or 'user', got {tool_role!r}")
     env = env if env is not None else ToolEnvironment(task)
+    grammar = task_grammar(task, tool_subsets=tool_subsets) if constrain else None
     messages = _opening(task, tool_role, tool_subsets)
     traces: list[CallTrace] = []
     for turn, user_messages in enumerate(task.turns[:max_turns]):
         messages.extend(dict(m) for m in user_messages)
         for call in range(max_calls_per_turn):
             sent = tuple(dict(m) for m in messages)
-            completion = generate([dict(m) for m in sent])
+            completion = generate([dict(m) for m in sent], grammar)
             calls, errors = parse_tool_calls(completion)
             results = [env.execute(c) for c in calls] + errors
             traces.append(CallTrace(task.id, turn, call, sent, completion, tuple(calls),
-                                    tuple(results), tuple(errors)))
+                                    tuple(results), tuple(errors), grammar))
             if not completion.strip():
                 break
             messages.append({"role": "assistant", "content": completion})
@@ -335,6 +380,8 @@ def build_workload(
     max_calls_per_turn: int = 3,
     max_turns: int | None = None,
     tool_role: str = "tool",
+    constrain: bool = True,
+    traces_out: list[CallTrace] | None = None,
 ) -> list[WorkloadItem]:
     """Runs the agent on every task and turns each LLM call into one workload line.
 
@@ -348,7 +395,10 @@ def build_workload(
         warmup_fraction: share of tasks in the warmup phase, in [0, 1).
         max_new_tokens: recorded on every item.
         scope_of: the memory scope of a task's calls; default ``"bfcl-" + main class``.
-        max_calls_per_turn, max_turns, tool_role: as in :func:`run_task`.
+        max_calls_per_turn, max_turns, tool_role, constrain: as in :func:`run_task`; each
+            item carries its call's grammar, so the bench decodes under it too.
+        traces_out: when given, every call's trace is appended to it (for
+            :func:`parse_summary`).
     """
     if not 0 <= warmup_fraction < 1:
         raise ValueError(f"warmup_fraction must be in [0, 1), got {warmup_fraction}")
@@ -359,10 +409,34 @@ def build_workload(
     for index, task in enumerate(tasks):
         phase = "warmup" if index < n_warmup else "measure"
         traces = run_task(task, generate, max_calls_per_turn=max_calls_per_turn,
-                          max_turns=max_turns, tool_role=tool_role)
+                          max_turns=max_turns, tool_role=tool_role, constrain=constrain)
+        if traces_out is not None:
+            traces_out.extend(traces)
         for trace in traces:
             items.append(WorkloadItem(
                 id=f"{task.id}-turn{trace.turn}-call{trace.call}", scope=scope_of(task),
                 phase=phase, messages=trace.messages, max_new_tokens=max_new_tokens,
+                grammar=trace.grammar,
             ))
     return items
+
+
+def parse_summary(traces: Sequence[CallTrace], tasks: Sequence[Task], *,
+                  tool_subsets: Mapping[str, Sequence[str]] = DEFAULT_TOOL_SUBSETS,
+                  ) -> dict[str, Any]:
+    """How many of the agent's replies were tool calls, and how many of those parse as calls
+    of the tools the task shows (every call in the reply named among them, with an arguments
+    object).
+
+    Returns:
+        ``{"replies", "call_replies", "valid_call_replies", "parse_rate"}`` (the rate over
+        replies that attempted a call; None when none did).
+    """
+    shown = {t.id: {d["name"] for d in task_tools(t.involved_classes,
+                                                    tool_subsets=tool_subsets)[1]} for t in tasks}
+    attempted = [tr for tr in traces if tr.calls or tr.errors]
+    valid = [tr for tr in attempted
+             if not tr.errors and all(c.name in shown[tr.task_id] for c in tr.calls)]
+    return {"replies": len(traces), "call_replies": len(attempted),
+            "valid_call_replies": len(valid),
+            "parse_rate": len(valid) / len(attempted) if attempted else None}

@@ -231,8 +231,13 @@ def build_bfcl(
     model: Annotated[str, typer.Option("--model")] = "smollm2-135m-instruct",
     max_calls_per_turn: Annotated[int | None, typer.Option(
         "--max-calls-per-turn", help="LLM calls per user turn at most; default bfcl's.")] = None,
+    grammar: Annotated[bool, typer.Option(
+        "--grammar/--no-grammar", help="Constrain every reply to a valid list of calls of the "
+                                       "task's tools, or plain text (each line carries its "
+                                       "grammar, so the bench decodes under it too).")] = True,
 ) -> None:
-    """Run the BFCL agent with agentspec (greedy, exact) and write its calls as a workload.
+    """Run the BFCL agent with agentspec (greedy, exact) and write its calls as a workload;
+    prints how many of its tool-call replies parse as calls of the task's tools.
 
     Example: agentspec bench build-bfcl --out agentspec/bench/data/bfcl.jsonl
     """
@@ -246,24 +251,32 @@ def build_bfcl(
         task_list = bfcl.load_tasks(ids)
     except KeyError as e:
         fail(str(e.args[0]), EXIT_USAGE)
-    from agentspec import Speculator, load_target
+    from agentspec import SamplingParams, Speculator, load_target
+    from agentspec.grammar import compiled
 
     spec = Speculator(load_target(model))  # prompt lookup, greedy: the trace is plain decoding's
     calls = 0
 
-    def generate(messages: list[dict[str, str]]) -> str:
+    def generate(messages: list[dict[str, str]], spec_grammar: Any) -> str:
         nonlocal calls
         calls += 1
         err_console.print(f"call {calls}", end="\r", markup=False) if err_console.is_terminal \
             else None
-        return str(spec.generate(messages, max_new_tokens).text)
+        sampling = SamplingParams(grammar=None if spec_grammar is None else compiled(spec_grammar))
+        return str(spec.generate(messages, max_new_tokens, sampling=sampling).text)
 
     per_turn = max_calls_per_turn or bfcl.DEFAULT_MAX_CALLS_PER_TURN
     if per_turn < 1:
         fail(f"max-calls-per-turn must be a positive integer, got {per_turn}", EXIT_USAGE)
+    traces: list[Any] = []
     items = bfcl.build_workload(task_list, generate, max_new_tokens=max_new_tokens,
-                                max_calls_per_turn=per_turn)
+                                max_calls_per_turn=per_turn, constrain=grammar,
+                                traces_out=traces)
     n = write_workload(out, items)
     warm = sum(i.phase == "warmup" for i in items)
+    parsed = bfcl.parse_summary(traces, task_list)
+    rate = "n/a" if parsed["parse_rate"] is None else f"{parsed['parse_rate']:.0%}"
     console.print(f"wrote {n} calls ({warm} warmup, {n - warm} measure) of {len(task_list)} "
-                  f"tasks to {out}")
+                  f"tasks to {out}; {parsed['call_replies']} of {parsed['replies']} replies "
+                  f"were tool calls, {parsed['valid_call_replies']} of them ({rate}) calls of "
+                  f"the task's tools ({'with' if grammar else 'without'} the grammar)")

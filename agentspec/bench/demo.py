@@ -33,6 +33,8 @@ from rich.table import Table
 
 from agentspec.bench import bfcl
 from agentspec.bench.toolcalls import ToolCall, ToolEnvironment, parse_tool_calls
+from agentspec.config import SamplingParams
+from agentspec.grammar import compiled
 from agentspec.text import cut_at_stop
 
 MODEL = "smollm2-135m-instruct"
@@ -139,7 +141,7 @@ class SideBySide:
         self._where = (pass_name, task.id, f"bfcl-{bfcl.main_class(task)}")
         self._users, self._turn, self._call = -1, -1, 0
 
-    def __call__(self, messages: list[dict[str, str]]) -> str:
+    def __call__(self, messages: list[dict[str, str]], grammar: Any = None) -> str:
         # A new user message opens a turn (tool results use the "tool" role).
         users = sum(m["role"] == "user" for m in messages)
         if users != self._users:
@@ -149,7 +151,8 @@ class SideBySide:
         order = ["plain", "agentspec"]
         if len(self.results) % 2:  # alternate who runs first: neither gets a warmer machine
             order.reverse()
-        runs = {name: self._timed(name, messages) for name in order}
+        sampling = SamplingParams(grammar=None if grammar is None else compiled(grammar))
+        runs = {name: self._timed(name, messages, sampling) for name in order}
         (plain, plain_s), (spec, spec_s) = runs["plain"], runs["agentspec"]
         stop_ids = self.plain.stop_token_ids
         pass_name, task_id, _ = self._where
@@ -161,12 +164,15 @@ class SideBySide:
         self.on_call(result, plain.text)
         return str(plain.text)
 
-    def _timed(self, name: str, messages: list[dict[str, str]]) -> tuple[Any, float]:
+    def _timed(self, name: str, messages: list[dict[str, str]],
+               sampling: SamplingParams) -> tuple[Any, float]:
         started = time.perf_counter()
         if name == "plain":
-            gen = self.plain.generate(messages, self.max_new_tokens, record=False)
+            gen = self.plain.generate(messages, self.max_new_tokens, record=False,
+                                      sampling=sampling)
         else:
-            gen = self.spec.generate(messages, self.max_new_tokens, scope=self._where[2])
+            gen = self.spec.generate(messages, self.max_new_tokens, scope=self._where[2],
+                                     sampling=sampling)
         return gen, time.perf_counter() - started
 
 

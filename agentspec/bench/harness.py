@@ -91,6 +91,7 @@ class Outcome:
         seconds: wall-clock time of tokenisation + generation.
         steps: target forwards after the prefill (``None`` for transformers).
         drafted, accepted: draft tokens by source (agentspec only).
+        text: the output text (agentspec only).
     """
 
     token_ids: tuple[int, ...]
@@ -98,6 +99,7 @@ class Outcome:
     steps: int | None = None
     drafted: dict[str, int] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
+    text: str | None = None
 
 
 class System(Protocol):
@@ -140,6 +142,15 @@ def prompt_of(item: WorkloadItem) -> Any:
     return [dict(m) for m in item.messages] if item.messages is not None else item.prompt
 
 
+def grammar_of(item: WorkloadItem) -> Any:
+    """The item's :class:`~agentspec.grammar.Grammar` (compiled once per distinct spec), or None."""
+    if item.grammar is None:
+        return None
+    from agentspec.grammar import compiled
+
+    return compiled(item.grammar)
+
+
 class SpecSystem:
     """A :class:`~agentspec.Speculator` (plain, prompt lookup, or with memory)."""
 
@@ -150,7 +161,7 @@ class SpecSystem:
     def run(self, item: WorkloadItem, max_new_tokens: int, seed: int | None) -> Outcome:
         from agentspec import SamplingParams
 
-        sampling = SamplingParams(temperature=self.temperature, seed=seed)
+        sampling = SamplingParams(temperature=self.temperature, seed=seed, grammar=grammar_of(item))
         kwargs: dict[str, Any] = {"sampling": sampling, "scope": item.scope}
         if self._takes_record:
             kwargs["record"] = self.record
@@ -159,7 +170,8 @@ class SpecSystem:
         seconds = time.perf_counter() - started
         stats = gen.stats
         return Outcome(cut_at_stop(gen.token_ids, self.spec.stop_token_ids)[0], seconds,
-                       stats.steps, dict(stats.drafted_by_source), dict(stats.accepted_by_source))
+                       stats.steps, dict(stats.drafted_by_source), dict(stats.accepted_by_source),
+                       gen.text)
 
 
 def build_systems(target: Any, config: BenchConfig, db_url: str,

@@ -14,6 +14,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from agentspec.bench import bfcl
 
@@ -54,7 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     scope = f"bfcl-{args.class_name}"
     started, calls = time.perf_counter(), 0
 
-    def generate(messages: list[dict[str, str]]) -> str:
+    def generate(messages: list[dict[str, str]], grammar: Any = None) -> str:
+        # the agent's plain calls (no grammar): the completions the bench's memory records
         nonlocal calls
         calls += 1
         return str(spec.generate(messages, args.max_new_tokens, scope=scope).text)

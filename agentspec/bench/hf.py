@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from agentspec.bench.harness import Outcome, prompt_of
+from agentspec.bench.harness import Outcome, grammar_of, prompt_of
 from agentspec.bench.workload import WorkloadItem
 from agentspec.text import cut_at_stop
 
@@ -41,6 +41,13 @@ class HFSystem:
         kwargs = self._kwargs(max_new_tokens, seed)
         started = time.perf_counter()
         ids = self.spec.encode(prompt_of(item))
+        grammar = grammar_of(item)
+        if grammar is not None:  # the same constraint, as transformers users apply one
+            from agentspec.grammar import GrammarLogitsProcessor
+
+            kwargs["logits_processor"] = [GrammarLogitsProcessor(
+                grammar, self.spec.tokenizer, vocab_size=self.spec.target.vocab_size,
+                eos_ids=sorted(self.spec.stop_token_ids), prompt_len=len(ids))]
         new = self._generate(ids, kwargs)
         seconds = time.perf_counter() - started
         return Outcome(cut_at_stop(new, self.spec.stop_token_ids)[0], seconds)

@@ -137,6 +137,22 @@ def _ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def tool_call_steps(requests: tuple[RequestResult, ...], names: list[str]) -> dict[str, Any]:
+    """Tokens per target step on the outputs that are tool calls (requests decoded under a
+    ``tool_calls`` grammar whose output starts like a call), per agentspec system."""
+    out: dict[str, Any] = {}
+    for name in names:
+        outs = [o for r in requests if (r.item.grammar or {}).get("type") == "tool_calls"
+                for o in r.outcomes[name][:1]
+                if o.steps and o.text is not None and o.text.lstrip()[:1] in ("[", "{")]
+        steps = sum(o.steps or 0 for o in outs)
+        if outs and steps:
+            out[name] = {"calls": len(outs), "tokens": sum(len(o.token_ids) for o in outs),
+                         "steps": steps,
+                         "tokens_per_step": round(sum(len(o.token_ids) for o in outs) / steps, 3)}
+    return out
+
+
 def _row(request: RequestResult, names: list[str]) -> dict[str, Any]:
     ref = request.outcomes[REFERENCE][0].token_ids
     row: dict[str, Any] = {"id": request.item.id, "scope": request.item.scope,
@@ -172,6 +188,7 @@ def summarize(result: BenchResult) -> dict[str, Any]:
         else {},
         "same_as_plain": same_as_plain(reqs, names),
         "median_speedup": {n: systems[n]["median_speedup"] for n in names},
+        "tool_calls": tool_call_steps(reqs, names),
     }
     if config.temperature > 0:
         summary["distribution_check"] = {n: distribution_check(reqs, n) for n in others}
@@ -251,6 +268,10 @@ def to_markdown(summary: dict[str, Any]) -> str:
     parts += [f"Note: {note}" for note in summary.get("notes", [])]
     if summary["ratios"]:
         parts.append("Ratios: " + ", ".join(f"{k} {v:.2f}x" for k, v in summary["ratios"].items()))
+    if summary.get("tool_calls"):
+        parts.append("Tool-call outputs, tokens per target step: " + ", ".join(
+            f"{n} {c['tokens_per_step']:.2f} ({c['calls']} calls)"
+            for n, c in summary["tool_calls"].items()))
     for group, g in summary["groups"].items():
         parts += ["", f"### Requests with ids `{group}-*` ({g['requests']})", ""]
         rows = [[n, f"{s['tokens_per_second']:.1f}", f"{s['speedup']:.2f}x",

@@ -16,6 +16,9 @@ Fields:
         system/user/assistant/tool and non-empty string content. Or, instead of ``messages``,
     prompt: a raw prompt string (no chat template).
     max_new_tokens: positive integer; defaults to the loader's ``default_max_new_tokens``.
+    grammar: optional constraint on the output, as :meth:`agentspec.grammar.Grammar.from_spec`
+        takes it, e.g. ``{"type": "tool_calls", "tools": [...], "choice": "auto"}``; every
+        system decodes under it (transformers' through a logits processor).
 
 Bad lines are skipped and reported with their line number; they never abort a load, but a
 file without a single valid ``measure`` line does.
@@ -31,7 +34,7 @@ from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
 PHASES = ("warmup", "measure")
-_FIELDS = ("id", "scope", "phase", "messages", "prompt", "max_new_tokens")
+_FIELDS = ("id", "scope", "phase", "messages", "prompt", "max_new_tokens", "grammar")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class WorkloadItem:
         prompt: raw prompt text.
         max_new_tokens: generation budget; ``None`` means "the caller's default".
         line: 1-based line number in the file it was loaded from; ``None`` if built in memory.
+        grammar: the output's constraint (a grammar spec object), or ``None``.
 
     Raises:
         ValueError: a field has a bad value; the message names it.
@@ -59,6 +63,7 @@ class WorkloadItem:
     prompt: str | None = None
     max_new_tokens: int | None = None
     line: int | None = None
+    grammar: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         for name in ("id", "scope"):
@@ -79,6 +84,9 @@ class WorkloadItem:
         n = self.max_new_tokens
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"max_new_tokens must be a positive integer, got {n!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, Mapping)
+                                         or not isinstance(self.grammar.get("type"), str)):
+            raise ValueError(f"grammar must be an object with a 'type', got {self.grammar!r:.80}")
 
     def to_json(self) -> dict[str, Any]:
         """The item as one JSON-ready line (``line`` and unset optional fields left out)."""
@@ -89,6 +97,8 @@ class WorkloadItem:
             out["prompt"] = self.prompt
         if self.max_new_tokens is not None:
             out["max_new_tokens"] = self.max_new_tokens
+        if self.grammar is not None:
+            out["grammar"] = dict(self.grammar)
         return out
 
 
@@ -157,6 +167,7 @@ def _parse_line(text: str, line: int, default_max_new_tokens: int) -> WorkloadIt
         prompt=record.get("prompt"),
         max_new_tokens=max_new_tokens,
         line=line,
+        grammar=record.get("grammar"),
     )
 
 

@@ -14,14 +14,24 @@ SQLite file under ``$AGENTSPEC_HOME``.
 from __future__ import annotations
 
 import inspect
+import json
 import sys
 import time
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from agentspec.cli.cache import cache_app
-from agentspec.cli.common import JsonOpt, Options, db_option, db_url, fail, handles_errors
+from agentspec.cli.common import (
+    EXIT_USAGE,
+    JsonOpt,
+    Options,
+    db_option,
+    db_url,
+    fail,
+    handles_errors,
+)
 from agentspec.cli.head import head_app
 
 app = typer.Typer(
@@ -70,17 +80,29 @@ def generate(ctx: typer.Context, prompt: str,
              no_stream: Annotated[bool, typer.Option("--no-stream", help="Print at the end.")] = False,
              raw: Annotated[bool, typer.Option(
                  "--raw", help="Send PROMPT as raw text, not as a user message through the "
-                               "chat template.")] = False) -> None:
+                               "chat template.")] = False,
+             json_schema: Annotated[Path | None, typer.Option(
+                 "--json-schema", help="A JSON schema file: the output is one JSON value valid "
+                                       "under it (grammar-constrained, exact).")] = None,
+             tools: Annotated[Path | None, typer.Option(
+                 "--tools", help="A JSON file with a list of tools (OpenAI style or "
+                                 "{name, parameters}): the output is one valid call of one of "
+                                 "them.")] = None,
+             regex: Annotated[str | None, typer.Option(
+                 "--regex", help="The output matches this regular expression in full.")] = None,
+             ) -> None:
     """Generate a completion: text on stdout, a speed/acceptance summary on stderr.
 
     The summary gives the load (model conversion or loading, the memory) and the warmup
     (forward cost calibration, the embedder) apart from the generation time and speed.
+    At most one of --json-schema, --tools and --regex constrains the output.
 
     Example: agentspec generate "Write a haiku about caches" --max-new-tokens 64
     """
     from agentspec.config import SamplingParams
 
-    sampling = SamplingParams(temperature=temperature)
+    sampling = SamplingParams(temperature=temperature,
+                              grammar=_grammar(json_schema, tools, regex))
     request: Any = prompt if raw else [{"role": "user", "content": prompt}]
     started = time.perf_counter()
     spec = _load(model, db_url(ctx))
@@ -103,6 +125,35 @@ def generate(ctx: typer.Context, prompt: str,
         stats = stream.generation.stats
     sys.stdout.flush()
     print(_summary(stats), file=sys.stderr)
+
+
+def _grammar(json_schema: Path | None, tools: Path | None, regex: str | None) -> Any:
+    """The constraint of ``generate``'s options, or None; a bad file or grammar exits 2."""
+    given = [name for name, v in (("--json-schema", json_schema), ("--tools", tools),
+                                  ("--regex", regex)) if v is not None]
+    if len(given) > 1:
+        fail(f"give at most one of --json-schema, --tools, --regex; got {', '.join(given)}",
+             EXIT_USAGE)
+    if not given:
+        return None
+    from agentspec.grammar import Grammar
+
+    if regex is not None:
+        return Grammar.regex(regex)
+    path = json_schema if json_schema is not None else tools
+    assert path is not None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        fail(f"cannot read {given[0]} file {str(path)!r}: {e.strerror}", EXIT_USAGE)
+    except json.JSONDecodeError as e:
+        fail(f"{given[0]} file {str(path)!r} is not JSON: {e.msg} at line {e.lineno}", EXIT_USAGE)
+    if tools is not None:
+        if not isinstance(value, list):
+            fail(f"--tools file {str(path)!r} must hold a JSON list of tools, got "
+                 f"{type(value).__name__}", EXIT_USAGE)
+        return Grammar.tool_calls(value)
+    return Grammar.json_schema(value)
 
 
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}

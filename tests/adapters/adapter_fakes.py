@@ -56,17 +56,19 @@ class FakeSpeculator:
     def stream(self, prompt: Any, max_new_tokens: int = 128, *, sampling: Any = None,
                stop: Sequence[str] = (), scope: str | None = None) -> Stream:
         return Stream(self._deltas(prompt, max_new_tokens, stop=stop, scope=scope,
-                                   session=current_session(self)))
+                                   session=current_session(self), sampling=sampling))
 
     def _deltas(self, prompt: Any, max_new_tokens: int, *, stop: Sequence[str],
-                scope: str | None, session: Session | None) -> Generator[str, None, Generation]:
+                scope: str | None, session: Session | None,
+                sampling: Any = None) -> Generator[str, None, Generation]:
         scope = scope or (session.scope if session else "default")
         text = self.reply(prompt) if callable(self.reply) else self.reply
         text = text[:max_new_tokens]
         cuts = [i for i in (text.find(s) for s in stop) if i >= 0]
         text = text[: min(cuts)] if cuts else text
         self.calls.append({"prompt": prompt, "scope": scope, "stop": list(stop),
-                           "sources": len(session.sources) if session else 0})
+                           "sources": len(session.sources) if session else 0,
+                           "grammar": getattr(sampling, "grammar", None)})
         for i in range(0, len(text), 3):
             yield text[i : i + 3]
         ids = tuple(ord(c) for c in text)

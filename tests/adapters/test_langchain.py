@@ -91,9 +91,6 @@ def test_tools_without_template_support_become_a_system_block(fake_spec: FakeSpe
     prompt = build_prompt(fake_spec.tokenizer, [{"role": "user", "content": "hi"}], tools=tools)
     assert isinstance(prompt, list) and prompt[0]["role"] == "system"
     assert '"add"' in prompt[0]["content"] and prompt[1] == {"role": "user", "content": "hi"}
-    forced = build_prompt(fake_spec.tokenizer, [{"role": "user", "content": "hi"}], tools=tools,
-                          prefix='{"name": "add", "arguments": {')
-    assert isinstance(forced, str) and forced.endswith('assistant: {"name": "add", "arguments": {')
 
 
 def test_unknown_tool_choice_is_refused(fake_spec: FakeSpeculator) -> None:
@@ -132,11 +129,19 @@ def test_tool_call_reply_becomes_tool_calls_in_invoke_and_stream() -> None:
         assert [(c["name"], c["args"]) for c in msg.tool_calls] == [("add", {"a": 1, "b": 2})]
 
 
-def test_forced_tool_choice_prefixes_the_answer() -> None:
-    spec = FakeSpeculator('"a": 4, "b": 5}}')  # the model continues the forced prefix
-    msg = ChatAgentSpec(speculator=spec).bind_tools([add], tool_choice="any").invoke("4+5?")
-    assert isinstance(spec.calls[0]["prompt"], str)
+def test_tool_choice_sets_the_call_grammar() -> None:
+    spec = FakeSpeculator('{"name": "add", "arguments": {"a": 4, "b": 5}}')
+    chat = ChatAgentSpec(speculator=spec)
+    msg = chat.bind_tools([add], tool_choice="any").invoke("4+5?")
     assert msg.tool_calls[0]["args"] == {"a": 4, "b": 5}
+    forced = spec.calls[-1]["grammar"]
+    assert forced.kind == "tool_calls" and forced.tools == ("add",)
+    chat.bind_tools([add]).invoke("4+5?")  # auto: a call or text, another grammar
+    assert spec.calls[-1]["grammar"].kind == "tool_calls" and spec.calls[-1]["grammar"] != forced
+    chat.bind_tools([add], tool_choice="none").invoke("4+5?")
+    assert spec.calls[-1]["grammar"] is None
+    chat.invoke("hi")
+    assert spec.calls[-1]["grammar"] is None
 
 
 def test_malformed_tool_reply_is_an_invalid_call_not_an_error() -> None:
@@ -157,11 +162,12 @@ class Pair(BaseModel):
 
 
 def test_structured_output_function_calling_and_json_mode() -> None:
-    spec = FakeSpeculator(lambda p: '"a": 1, "b": 2}}' if "Pair" in str(p) and "name" in str(p)
-                          else '"a": 3, "b": 4}')
+    spec = FakeSpeculator(lambda p: '{"name": "Pair", "arguments": {"a": 1, "b": 2}}'
+                          if "Pair" in str(p) and "name" in str(p) else '{"a": 3, "b": 4}')
     chat = ChatAgentSpec(speculator=spec)
     assert chat.with_structured_output(Pair).invoke("give a pair") == Pair(a=1, b=2)
     assert chat.with_structured_output(Pair, method="json_mode").invoke("pair") == Pair(a=3, b=4)
+    assert spec.calls[-1]["grammar"].kind == "json_schema"
     with pytest.raises(ValueError, match="'xml'"):
         chat.with_structured_output(Pair, method="xml")
 

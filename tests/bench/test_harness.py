@@ -183,3 +183,21 @@ def test_report_header_names_device_dtype_and_gpu(tmp_path: Path) -> None:
     gpu = report.summarize(BenchResult("w.jsonl", "fake", "cuda:0", config, 1, result.requests,
                                        dtype="bf16", gpu_name="NVIDIA H200"))
     assert " on cuda:0, bf16, NVIDIA H200, temperature" in report.to_markdown(gpu).splitlines()[0]
+
+
+def test_tool_call_steps_counts_only_call_outputs_under_a_tool_grammar() -> None:
+    grammar = {"type": "tool_calls", "tools": [{"name": "ls"}], "choice": "auto"}
+    msgs = ({"role": "user", "content": "x"},)
+    call = WorkloadItem("a", messages=msgs, grammar=grammar)
+    text = WorkloadItem("b", messages=msgs, grammar=grammar)
+    free = WorkloadItem("c", messages=msgs)
+
+    def req(item: WorkloadItem, out: str, steps: int) -> harness.RequestResult:
+        return harness.RequestResult(item, 5, 32, {
+            "hf-greedy": (Outcome((1,) * 12, 1.0),),
+            "agentspec": (Outcome((1,) * 12, 0.5, steps, text=out),)})
+
+    reqs = (req(call, '[{"name": "ls", "arguments": {}}]', 3), req(text, "Done.", 12),
+            req(free, '{"name": "ls"}', 12))
+    got = report.tool_call_steps(reqs, ["hf-greedy", "agentspec"])
+    assert got == {"agentspec": {"calls": 1, "tokens": 12, "steps": 3, "tokens_per_step": 4.0}}

@@ -133,3 +133,39 @@ def test_generate_real_model(home: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         setup, summary = res.stderr.strip().splitlines()[-2:]
         assert " tokens in " in summary and "tok/s" in summary and "accepted" in summary
         assert re.match(r"load \d+\.\d+ s, warmup \d+\.\d+ s", setup), setup
+
+
+def test_generate_grammar_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--json-schema/--tools/--regex become the call's grammar; bad ones exit 2, named."""
+    seen: list[object] = []
+
+    class _Spec(_SlowToStart):
+        def __init__(self) -> None:
+            self.events, self.target = [], self
+
+        def warmup(self) -> None:
+            pass
+
+        def generate(self, request: object, max_new_tokens: int, **kw: object) -> Generation:
+            seen.append(getattr(kw["sampling"], "grammar", None))
+            return super().generate(request, max_new_tokens, **kw)
+
+    monkeypatch.setattr("agentspec.cli._load", lambda model, url: _Spec())
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
+    tools = tmp_path / "tools.json"
+    tools.write_text('[{"name": "add", "parameters": {"type": "object", "properties": {}}}]')
+    for args, kind in ((["--json-schema", str(schema)], "json_schema"),
+                       (["--tools", str(tools)], "tool_calls"), (["--regex", "[0-9]+"], "regex")):
+        res = CliRunner().invoke(app, ["generate", "hi", "--no-stream", *args])
+        assert res.exit_code == 0, res.output
+        assert getattr(seen[-1], "kind", None) == kind
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    for args, message in ((["--json-schema", str(bad)], "is not JSON"),
+                          (["--json-schema", str(tmp_path / "none.json")], "cannot read"),
+                          (["--tools", str(schema)], "must hold a JSON list"),
+                          (["--regex", "(["], "does not compile"),
+                          (["--regex", "a", "--json-schema", str(schema)], "at most one")):
+        res = CliRunner().invoke(app, ["generate", "hi", *args])
+        assert res.exit_code == 2 and message in res.output, (args, res.output)

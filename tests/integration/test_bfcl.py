@@ -26,7 +26,7 @@ def scripted(completions: Iterable[str]):
     script = iter(completions)
     sent: list[list[dict[str, str]]] = []
 
-    def generate(messages: list[dict[str, str]]) -> str:
+    def generate(messages: list[dict[str, str]], grammar: object = None) -> str:
         sent.append(messages)
         return next(script, "All done.")
 

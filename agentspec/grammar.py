@@ -1,0 +1,420 @@
+"""Grammar-constrained decoding: JSON schemas, tool calls, regexes and Lark grammars.
+
+A :class:`Grammar` is part of the sampling parameters (``SamplingParams.grammar``). The target
+distribution at each step is then the model's, masked by the grammar state after that step's
+prefix: tokens the grammar forbids get probability zero (``-inf`` logits) before temperature,
+top-k and top-p, in :mod:`agentspec.sampling` (the order of vLLM and SGLang).
+
+Under speculation each draft row gets the mask of its own path (:meth:`GrammarState.constrain`):
+the matcher consumes the draft's spine token by token, computing the mask of every row, and
+rolls back afterwards. A node its parent's mask forbids is pruned before scoring (the target
+could never accept it). Where the grammar allows exactly one continuation (``{"name": "``, the
+keys of a schema, an enum value once its first token is chosen), those forced tokens are
+appended to the spine as free drafts (source ``"grammar"``): the masked target accepts them
+with probability one, so each costs a row of the forward, never a step.
+
+The matcher is llguidance (MIT, no dependencies). Chosen by measurement over xgrammar on the
+2-core CPU: both compute a 49k-token mask in tens of microseconds, but llguidance also gives
+the forced-token sequence and a cheap rollback directly, which are exactly the two operations
+speculation needs (see BENCHMARKS.md, "Grammar masks").
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentspec.tree import common_prefix_len, spine_length
+from agentspec.types import Draft
+
+# One JSON layout: the one the prompts' examples use (and the one most tokens are merged for).
+# A rigid layout also means more forced tokens: no whitespace choice for the model to make.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+GRAMMAR_SOURCE = "grammar"
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+        import llguidance.hf  # noqa: F401 - the tokenizer bridge
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError("grammar-constrained decoding needs llguidance: "
+                          "pip install 'agentspec[grammar]'") from exc
+    return llguidance
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile, or a matcher that reached a state with no way on."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A constraint on a generation's text.
+
+    Build one with :meth:`json_schema`, :meth:`tool_calls`, :meth:`regex` or :meth:`lark`; pass
+    it as ``SamplingParams(grammar=...)``. Immutable and hashable.
+
+    Attributes:
+        kind: ``"json_schema"``, ``"tool_calls"``, ``"regex"`` or ``"lark"``.
+        spec: llguidance's grammar text (what the matcher compiles).
+        tools: for ``tool_calls``, the names of the tools a call may name.
+    """
+
+    kind: str
+    spec: str = field(repr=False)
+    tools: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        llg = _llguidance()
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(self.spec)
+        if is_error:
+            raise GrammarError(f"the {self.kind} grammar does not compile: {messages[0]}")
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> Grammar:
+        """A grammar from its JSON description (the bench workload's ``grammar`` field):
+        ``{"type": "json_schema", "schema": {...}}``, ``{"type": "tool_calls", "tools": [...],
+        "choice": "auto", "as_list": false}``, ``{"type": "regex", "pattern": "..."}`` or
+        ``{"type": "lark", "grammar": "..."}``."""
+        if not isinstance(spec, Mapping):
+            raise GrammarError(f"a grammar spec must be an object, got {type(spec).__name__} {spec!r:.80}")
+        kind = spec.get("type")
+        fields = {"json_schema": {"schema"}, "tool_calls": {"tools", "choice", "as_list"},
+                  "regex": {"pattern"}, "lark": {"grammar"}}
+        if kind not in fields:
+            raise GrammarError(f"grammar type must be one of {sorted(fields)}, got {kind!r}")
+        unknown = set(spec) - fields[kind] - {"type"}
+        if unknown:
+            raise GrammarError(f"unknown {kind} grammar fields {sorted(unknown)}; known: "
+                               f"{sorted(fields[kind])}")
+        if kind == "json_schema":
+            return cls.json_schema(spec.get("schema", {}))
+        if kind == "tool_calls":
+            return cls.tool_calls(spec.get("tools", []), choice=spec.get("choice", "required"),
+                                  as_list=bool(spec.get("as_list", False)))
+        if kind == "regex":
+            return cls.regex(spec.get("pattern", ""))
+        return cls.lark(spec.get("grammar", ""))
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | str) -> Grammar:
+        """Output one JSON value valid under ``schema`` (a dict or its JSON text), in the
+        layout ``{"key": value, "other": 1}``."""
+        obj = _schema_dict(schema, "schema")
+        return cls("json_schema", _llguidance().LLMatcher.grammar_from_json_schema(
+            {**obj, "x-guidance": JSON_LAYOUT}))
+
+    @classmethod
+    def tool_calls(cls, tools: Sequence[Mapping[str, Any]], *, choice: str = "required",
+                   as_list: bool = False) -> Grammar:
+        """A call of one of ``tools``: ``{"name": <tool>, "arguments": {...}}`` with the
+        arguments valid under that tool's parameter schema (no undeclared arguments).
+
+        Args:
+            tools: OpenAI-style tools (``{"type": "function", "function": {"name",
+                "parameters"}}``) or plain ``{"name", "parameters"}`` dicts.
+            choice: ``"required"`` (or ``"any"``): a call, nothing else; ``"auto"``: either a
+                call or plain text that does not start like JSON; or one tool's name: a call
+                of that tool.
+            as_list: calls as a JSON list of one or more calls
+                (``[{"name": ..., "arguments": ...}]``) instead of one object.
+        """
+        specs = [_tool_spec(t, i) for i, t in enumerate(tools)]
+        if not specs:
+            raise GrammarError("tool_calls needs at least one tool, got none")
+        names = [name for name, _ in specs]
+        if choice not in ("required", "any", "auto"):
+            if choice not in names:
+                raise GrammarError(f"choice {choice!r} names no tool; tools: {names}")
+            specs = [s for s in specs if s[0] == choice]
+        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+                 for name, params in specs]
+        one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = {"type": "array", "items": one, "minItems": 1} if as_list else one
+        schema = {**schema, "x-guidance": JSON_LAYOUT}
+        llg = _llguidance()
+        if choice != "auto":
+            return cls("tool_calls", llg.LLMatcher.grammar_from_json_schema(schema), tuple(names))
+        # Text may not start with what a call starts with, so a reply is one or the other.
+        lark = (f"start: call | TEXT\ncall: %json {json.dumps(schema)}\n"
+                "TEXT: /[^{\\[\\s][\\s\\S]*/\n")
+        return cls("tool_calls", llg.LLMatcher.grammar_from_lark(lark), tuple(names))
+
+    @classmethod
+    def regex(cls, pattern: str) -> Grammar:
+        """Output text matching ``pattern`` in full (Rust regex syntax, like Python's)."""
+        if not isinstance(pattern, str) or not pattern:
+            raise GrammarError(f"regex needs a non-empty pattern string, got {pattern!r}")
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise GrammarError(f"regex {pattern!r} does not compile: {exc}") from exc
+        return cls("regex", _llguidance().LLMatcher.grammar_from_regex(pattern))
+
+    @classmethod
+    def lark(cls, grammar: str) -> Grammar:
+        """A Lark grammar in llguidance's dialect (``start`` rule; ``%json {...}`` inlines a
+        JSON schema)."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise GrammarError(f"lark needs a grammar text, got {grammar!r}")
+        return cls("lark", _llguidance().LLMatcher.grammar_from_lark(grammar))
+
+
+def _schema_dict(schema: Any, what: str) -> dict[str, Any]:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"{what} is not JSON: {exc}") from exc
+    if not isinstance(schema, Mapping):
+        raise GrammarError(f"{what} must be a JSON object, got {type(schema).__name__} {schema!r:.80}")
+    return dict(schema)
+
+
+def _tool_spec(tool: Any, index: int) -> tuple[str, dict[str, Any]]:
+    """``(name, parameter schema)`` of an OpenAI-style or plain tool dict; strict objects."""
+    if not isinstance(tool, Mapping):
+        raise GrammarError(f"tools[{index}] must be a dict, got {type(tool).__name__} {tool!r:.80}")
+    fn = tool.get("function", tool)
+    name = fn.get("name") if isinstance(fn, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise GrammarError(f"tools[{index}] has no name: {tool!r:.120}")
+    params = _schema_dict(fn.get("parameters") or {"type": "object", "properties": {}},
+                          f"tools[{index}] ({name}) parameters")
+    if params.get("type", "object") == "object":
+        params.setdefault("type", "object")
+        params.setdefault("properties", {})
+        params.setdefault("additionalProperties", False)  # a call names declared arguments only
+    return name, params
+
+
+def compiled(spec: Mapping[str, Any]) -> Grammar:
+    """:meth:`Grammar.from_spec`, compiled once per distinct spec (a process-wide cache)."""
+    return _compiled(json.dumps(spec, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(spec_json: str) -> Grammar:
+    return Grammar.from_spec(json.loads(spec_json))
+
+
+# -- the tokenizer bridge ----------------------------------------------------------------------
+
+_TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = {}
+
+
+def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> Any:
+    """llguidance's view of a Hugging Face tokenizer (built once, ~1 s; cached per tokenizer).
+
+    ``vocab_size`` is the model's logit width; ``eos_ids`` are the tokens that end a
+    generation, allowed exactly where the grammar is complete."""
+    eos = tuple(sorted(eos_ids))
+    key = (id(tokenizer), vocab_size, eos)
+    hit = _TOKENIZERS.get(key)
+    if hit is None or hit[0] is not tokenizer:
+        llg = _llguidance()
+        made = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos) or None)
+        hit = _TOKENIZERS[key] = (tokenizer, made)
+    return hit[1]
+
+
+def unpack_bits(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's bitmask ``[rows, ceil(vocab / 32)]`` int32 -> bool ``[rows, vocab_size]``
+    (True = allowed), on the bitmask's device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
+    allowed = (bits.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]
+    return allowed.view(bits.shape[0], -1)[:, :vocab_size].bool()
+
+
+class GrammarState:
+    """One request's grammar matcher: masks for draft rows, forced tokens, and the committed
+    state (advanced by :meth:`advance` with each step's tokens).
+
+    Args:
+        grammar: the constraint.
+        tokenizer: the target's Hugging Face tokenizer.
+        vocab_size: the target's logit width.
+        eos_ids: the target's stop tokens.
+        device: where masks go (the target's device).
+    """
+
+    def __init__(self, grammar: Grammar, tokenizer: Any, *, vocab_size: int,
+                 eos_ids: Sequence[int], device: torch.device | str = "cpu") -> None:
+        llg = _llguidance()
+        self.grammar = grammar
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.matcher = llg.LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar.spec,
+                                     log_level=0)
+        self._check()
+        self._words = (vocab_size + 31) // 32
+        self._bits = torch.zeros((1, self._words), dtype=torch.int32)  # grown on demand
+        self.mask_seconds: list[float] = []  # per computed row, when timing (see the bench)
+        self.timing = False
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarError(f"the {self.grammar.kind} grammar failed: {self.matcher.get_error()}")
+
+    def _fill(self, row: int) -> None:
+        v = self._bits[row]
+        if self.timing:
+            import time
+
+            t0 = time.perf_counter()
+            self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), self._words * 4)
+            self.mask_seconds.append(time.perf_counter() - t0)
+        else:
+            self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), self._words * 4)
+        self._check()
+
+    def _allows(self, row: int, token: int) -> bool:
+        if not 0 <= token < self.vocab_size:
+            return False
+        return bool((int(self._bits[row, token >> 5]) >> (token & 31)) & 1)
+
+    def allowed_now(self) -> torch.Tensor:
+        """Mask of the committed state: bool ``[1, vocab_size]`` on the device."""
+        return self.constrain(Draft(), room=0, max_nodes=0, force=False)[1]
+
+    def constrain(self, draft: Draft, *, room: int, max_nodes: int,
+                  force: bool = True) -> tuple[Draft, torch.Tensor]:
+        """The draft cut to what the grammar allows, extended by forced tokens, with the mask
+        of every row to score.
+
+        Only the spine (:func:`~agentspec.tree.spine_length`) decides more than one token per
+        step, so the matcher walks the spine: it stops at the first token its parent's mask
+        forbids. An alternative hanging off the spine is kept when its parent's mask allows it;
+        deeper off-spine nodes could never be accepted and are dropped. Then, with ``force``,
+        the tokens the grammar forces after the spine's end are appended to the spine.
+
+        Args:
+            draft: a sanitised draft.
+            room: at most this many tokens along the spine (the generation's room).
+            max_nodes: at most this many nodes in all.
+            force: append forced tokens (off for plain decoding).
+
+        Returns:
+            ``(draft, allowed)``: ``allowed`` is bool ``[num_nodes + 1, vocab_size]`` on the
+            device, row 0 the mask after the committed tokens, row ``i + 1`` after node ``i``
+            (rows off the spine, whose samples never decide a token, allow everything).
+        """
+        spine = min(spine_length(draft.parents), room, max_nodes)
+        self._grow(max(spine, room if force else 0, max_nodes) + 1)
+        self._fill(0)
+        consumed = 0
+        for node in range(spine):
+            token = draft.token_ids[node]
+            if not self._allows(node, token) or not self.matcher.consume_token(token):
+                break
+            consumed += 1
+            self._fill(consumed)
+        forced: list[int] = []
+        if force and not self.matcher.is_stopped():
+            limit = min(room, max_nodes) - consumed
+            for token in self.matcher.compute_ff_tokens()[:max(limit, 0)]:
+                if not self._allows(consumed + len(forced), token) or not self.matcher.consume_token(token):
+                    break
+                forced.append(token)
+                self._fill(consumed + len(forced))
+        spine_ids = [*draft.token_ids[:consumed], *forced]
+        sources = [draft.source_of(i) for i in range(consumed)] + [GRAMMAR_SOURCE] * len(forced)
+        # Alternatives: children of the root or of a kept spine node that the parent's mask allows.
+        alternatives = [i for i in range(spine_length(draft.parents), draft.num_nodes)
+                        if draft.parents[i] < consumed and self._allows(draft.parents[i] + 1,
+                                                                        draft.token_ids[i])]
+        alternatives = [i for i in alternatives if not (draft.parents[i] == consumed - 1
+                                                        and forced and draft.token_ids[i] == forced[0])]
+        alternatives = alternatives[:max(max_nodes - len(spine_ids), 0)]
+        walked = consumed + len(forced)
+        if not forced and alternatives and draft.parents[alternatives[0]] == consumed - 1:
+            # The first alternative now continues the spine (its node follows the spine's
+            # end): its row decides the step's next token, so it gets its own mask too.
+            if self.matcher.consume_token(draft.token_ids[alternatives[0]]):
+                walked += 1
+                self._fill(walked)
+        self.matcher.rollback(walked)
+        self._check()
+        rows = 1 + walked
+        if consumed == draft.num_nodes and not forced:
+            out = draft
+        else:
+            ids = spine_ids + [draft.token_ids[i] for i in alternatives]
+            parents = list(range(-1, len(spine_ids) - 1)) + [draft.parents[i] for i in alternatives]
+            sources += [draft.source_of(i) for i in alternatives]
+            q = None
+            if draft.draft_probs is not None and ids:  # a model's chain: forced rows are point masses
+                q = torch.cat([draft.draft_probs[:consumed], torch.nn.functional.one_hot(
+                    torch.tensor(forced, dtype=torch.long), draft.draft_probs.shape[-1]
+                ).to(draft.draft_probs)])
+            out = Draft(tuple(ids), tuple(parents), tuple(sources), q) if ids else Draft()
+        allowed = torch.ones((out.num_nodes + 1, self.vocab_size), dtype=torch.bool,
+                             device=self.device)
+        allowed[:rows] = unpack_bits(self._bits[:rows].to(self.device), self.vocab_size)
+        if not bool(allowed[:rows].any(dim=-1).all()):
+            raise GrammarError(f"the {self.grammar.kind} grammar allows no token here "
+                               "(its tokenizer does not match the model's vocabulary?)")
+        return out, allowed
+
+    def _grow(self, rows: int) -> None:
+        if self._bits.shape[0] < rows:
+            self._bits = torch.zeros((rows, self._words), dtype=torch.int32)
+
+    def advance(self, tokens: Sequence[int]) -> None:
+        """Commit a step's tokens (each one allowed: they were drawn from masked rows)."""
+        for token in tokens:
+            if self.matcher.is_stopped():
+                return  # the stop token that ends a complete output
+            if not self.matcher.consume_token(int(token)):
+                self._check()
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing more but a stop token."""
+        return self.matcher.is_stopped()
+
+
+class GrammarLogitsProcessor:
+    """The same constraint for ``transformers.generate`` (batch size 1): each call consumes
+    the tokens generated since the last one and masks the scores. The reference plain
+    decoding of the equivalence tests and the bench's ``hf-*`` baselines.
+
+    Args:
+        grammar, tokenizer, vocab_size, eos_ids: as :class:`GrammarState`.
+        prompt_len: the prompt's length in ``input_ids``.
+    """
+
+    def __init__(self, grammar: Grammar, tokenizer: Any, *, vocab_size: int,
+                 eos_ids: Sequence[int], prompt_len: int) -> None:
+        self.state = GrammarState(grammar, tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
+        self.prompt_len = prompt_len
+        self.consumed: list[int] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"GrammarLogitsProcessor takes batch size 1, got {input_ids.shape[0]}")
+        # Assisted generation (prompt lookup) calls with candidate prefixes it may reject:
+        # roll back to the common prefix, then consume the rest.
+        generated = input_ids[0, self.prompt_len:].tolist()
+        keep = common_prefix_len(self.consumed, generated)
+        if keep < len(self.consumed):
+            self.state.matcher.rollback(len(self.consumed) - keep)
+            del self.consumed[keep:]
+        for token in generated[keep:]:
+            if not self.state.matcher.consume_token(int(token)):
+                raise GrammarError(f"generate produced token {token} the grammar forbids: "
+                                   f"{self.state.matcher.get_error()}")
+            self.consumed.append(int(token))
+        allowed = self.state.allowed_now().to(scores.device)  # [1, vocab_size]
+        width = min(scores.shape[-1], allowed.shape[-1])
+        out = scores.clone()
+        out[:, :width] = scores[:, :width].masked_fill(~allowed[:, :width], float("-inf"))
+        out[:, width:] = float("-inf")
+        return out
