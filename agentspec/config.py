@@ -72,6 +72,8 @@ class SpecConfig:
             verifies each step's best chain only.
         grammar_drafts: under a grammar (``SamplingParams.grammar``), append the tokens it
             forces to every draft (free drafts: accepted with probability one).
+        draft_head: draft with a trained recurrent head (``agentspec head train``) where one
+            exists for the model and the request's scope under ``$AGENTSPEC_HOME``.
     """
 
     max_draft_tokens: int = 64
@@ -80,6 +82,7 @@ class SpecConfig:
     max_tree_nodes: int = 64
     trees: bool = True
     grammar_drafts: bool = True
+    draft_head: bool = True
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:

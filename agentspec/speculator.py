@@ -148,6 +148,11 @@ class Speculator:
             drafters += [MemoryDrafter(self.memory, fp, max_nodes=self.config.max_tree_nodes),
                          SuffixDrafter(self.memory, fp)]
         drafters.append(PromptLookupDrafter(self.config))
+        if self.config.draft_head:
+            from agentspec.drafters.head import HeadDrafter, heads_exist
+
+            if heads_exist(self.target.fingerprint):
+                drafters.append(HeadDrafter(self.target))
         if self.draft_model is not None:
             drafters.append(self._model_drafter(self.draft_model))
         return drafters

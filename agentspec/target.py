@@ -189,6 +189,14 @@ class HFTarget:
         self._kv_len = 0
         self._forwards: dict[int, FixedForward] = {}
         self._widths_checked = widths is not None and len(self.widths) == 1
+        # Set by a drafter that reads the target's final hidden state (the draft head): then
+        # ``score`` keeps ``hidden`` [rows, hidden], row r at position ``hidden_position + r``.
+        # Read only (a hook on the output embedding's input): never used to decide a token.
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
+        self.hidden_position = -1
+        self._hook: Any = None
+        self._lm_input: torch.Tensor | None = None
         self._refuse_unrollbackable()
         # Tree drafts need a custom boolean 4-D mask: sdpa takes it as is (eager would add it as
         # numbers, so other attention paths verify chains);
@@ -350,7 +358,20 @@ class HFTarget:
         anc[:, 0] = True
         anc[1:, 1:] = ancestor_matrix(draft.parents)
         depth = [0, *depths(draft.parents)]
-        return self._forward_rows([last_token, *draft.token_ids], depth, anc)
+        if self.keep_hidden and self._hook is None:
+            self._hook = self.model.get_output_embeddings().register_forward_pre_hook(
+                self._keep_lm_input)
+        self._lm_input = None
+        logits = self._forward_rows([last_token, *draft.token_ids], depth, anc)
+        if self.keep_hidden and self._lm_input is not None:
+            self.hidden = self._lm_input[0, : n + 1]  # [num_nodes + 1, hidden]
+            self.hidden_position = self._kv_len
+        else:
+            self.hidden, self.hidden_position = None, -1
+        return logits
+
+    def _keep_lm_input(self, module: Any, args: tuple[Any, ...]) -> None:
+        self._lm_input = args[0]  # [1, rows, hidden]: the final hidden states
 
     @torch.inference_mode()
     def crop(self, num_tokens: int) -> None:

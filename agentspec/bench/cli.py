@@ -25,6 +25,8 @@ bench_app = typer.Typer(
 
 SYSTEMS = ("hf-greedy", "hf-pld", "hf-static", "agentspec-plain", "agentspec-pld", "agentspec",
            "agentspec-chain")
+# Systems that need something trained first (the draft head: agentspec head train).
+TRAINED_SYSTEMS = ("agentspec-head",)
 DEFAULT_SYSTEMS = "hf-greedy,hf-pld,agentspec-pld,agentspec"
 # The core benchmark: the engine without memory against transformers.
 CORE_SYSTEMS = "hf-greedy,hf-pld,agentspec-plain,agentspec-pld"
@@ -56,10 +58,10 @@ def resolve_workload(name: str) -> Path:
 def parse_systems(text: str) -> list[str]:
     """``"hf-greedy,agentspec"`` -> names, checked; hf-greedy (the reference) is put first."""
     names = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SYSTEMS]
+    unknown = [s for s in names if s not in SYSTEMS + TRAINED_SYSTEMS]
     if unknown or not names:
         fail(f"unknown system {', '.join(map(repr, unknown)) or repr(text)}; known systems: "
-             f"{', '.join(SYSTEMS)}", EXIT_USAGE)
+             f"{', '.join(SYSTEMS + TRAINED_SYSTEMS)}", EXIT_USAGE)
     if len(set(names)) != len(names):
         fail(f"a system is listed twice in {text!r}", EXIT_USAGE)
     return ["hf-greedy"] + [s for s in names if s != "hf-greedy"]
@@ -112,7 +114,8 @@ def bench(
                                  "prompts.")] = "bfcl",
     model: Annotated[str, typer.Option("--model", help="Target model.")] = "smollm2-135m-instruct",
     systems: Annotated[str | None, typer.Option(
-        "--systems", help=f"Comma-separated, among {', '.join(SYSTEMS)}. Default "
+        "--systems", help=f"Comma-separated, among {', '.join(SYSTEMS)} (and agentspec-head "
+                          "once a head is trained: agentspec head train). Default "
                           f"{DEFAULT_SYSTEMS} ({CORE_SYSTEMS} for the prompts workload); "
                           f"hf-greedy is always run: it is the reference.")] = None,
     temperature: Annotated[float, typer.Option(

@@ -14,6 +14,8 @@ Systems (names as on the command line):
   and by every earlier measured line (``record=True``), as in real use.
 - ``agentspec-chain``: the same with tree drafts off (``SpecConfig(trees=False)``: each step
   verifies its best chain), in a memory of its own: what trees add.
+- ``agentspec-head``: ``agentspec`` plus the trained draft head of the model (``agentspec
+  head train``; the other memory systems run without it), in a memory of its own.
 
 Per request the systems run one after another, the order rotated by one each request, so
 that a slow or fast phase of a shared machine falls on every system alike (docs/architecture.md).
@@ -36,7 +38,7 @@ from agentspec.bench.workload import Workload, WorkloadItem
 from agentspec.text import cut_at_stop
 
 # Systems with a completion memory: the warmup lines run through them.
-MEMORY_SYSTEMS = ("agentspec", "agentspec-chain")
+MEMORY_SYSTEMS = ("agentspec", "agentspec-chain", "agentspec-head")
 
 Progress = Callable[[int, int, str], None]
 # --dtype names -> torch dtype attribute names.
@@ -177,7 +179,8 @@ class SpecSystem:
 
 def build_systems(target: Any, config: BenchConfig, db_url: str,
                   chain_db_url: str | None = None, *,
-                  static_len: int | None = None) -> dict[str, System]:
+                  static_len: int | None = None,
+                  head_db_url: str | None = None) -> dict[str, System]:
     """The named systems on one loaded target.
 
     They share its weights; each agentspec system keeps a KV of its own, so prompt-prefix reuse
@@ -210,13 +213,22 @@ def build_systems(target: Any, config: BenchConfig, db_url: str,
         elif name == "agentspec-pld":
             built[name] = SpecSystem(name, pld, temperature=t)
         elif name == "agentspec":
-            built[name] = SpecSystem(name, _memory_speculator(target, db_url), temperature=t,
-                                     record=True)
+            built[name] = SpecSystem(name, _memory_speculator(
+                target, db_url, SpecConfig(draft_head=False)), temperature=t, record=True)
         elif name == "agentspec-chain":
             assert chain_db_url is not None
             built[name] = SpecSystem(name, _memory_speculator(target, chain_db_url,
-                                                              SpecConfig(trees=False)),
+                                                              SpecConfig(trees=False,
+                                                                         draft_head=False)),
                                      temperature=t, record=True)
+        elif name == "agentspec-head":
+            from agentspec.drafters.head import heads_exist
+
+            if head_db_url is None or not heads_exist(target.fingerprint):
+                raise ValueError("agentspec-head needs a trained head for the model "
+                                 "(agentspec head train) and a memory database of its own")
+            built[name] = SpecSystem(name, _memory_speculator(target, head_db_url), temperature=t,
+                                     record=True)
         else:
             raise ValueError(f"unknown system {name!r}")
     return built
@@ -313,7 +325,8 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
     with tempfile.TemporaryDirectory(prefix="agentspec-bench-") as tmp:
         db_url = config.db or f"sqlite:///{Path(tmp) / 'memory.db'}"
         systems = build_systems(target, config, db_url, f"sqlite:///{Path(tmp) / 'chain.db'}",
-                                static_len=static_len)
+                                static_len=static_len,
+                                head_db_url=f"sqlite:///{Path(tmp) / 'head.db'}")
         warmup_outputs: dict[str, tuple[int, ...]] = {}
         requests = run_requests(workload, systems, config, encode=encode,
                                 on_progress=on_progress, warmup_outputs=warmup_outputs)

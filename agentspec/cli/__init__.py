@@ -1,4 +1,5 @@
-"""The ``agentspec`` command line: ``cache`` (the completion memory), ``generate``, ``demo``, ``bench``.
+"""The ``agentspec`` command line: ``cache`` (the completion memory), ``head`` (the draft head),
+``generate``, ``demo``, ``bench``.
 
 The package: this module (the Typer app, ``generate``, ``demo``, ``bench``), ``cache`` (read and
 delete commands), ``cache_io`` (export, import), ``verify`` (reindex, verify) and ``common``
@@ -31,6 +32,7 @@ from agentspec.cli.common import (
     fail,
     handles_errors,
 )
+from agentspec.cli.head import head_app
 
 app = typer.Typer(
     name="agentspec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
@@ -38,6 +40,7 @@ app = typer.Typer(
          "Example: agentspec cache stats",
 )
 app.add_typer(cache_app, name="cache")
+app.add_typer(head_app, name="head")
 
 
 @app.callback()

@@ -1,0 +1,262 @@
+"""Training the draft head from the completion memory: distillation from the target.
+
+Every stored completion of a scope is replayed through the target (its request re-encoded,
+then the completion), giving at each position the target's final hidden state and its
+distribution over the next token. The head (:class:`~agentspec.drafters.head.RecurrentHead`)
+learns, from the hidden row that predicted a committed token and that token, to predict the
+next ``depth`` tokens, each by the KL divergence from the target's distribution at that
+position (restricted to the head's vocabulary) to the head's q; inputs past the first are
+the completion's own tokens (teacher forcing). Replays reuse the KV of the longest prefix
+shared with the record before (an agent's calls share their system prompt and earlier turns).
+
+A tenth of the records (at least one) is held out; the head's acceptance per depth is
+measured on them as the decode loop would see it: greedy drafts of the head's best beam
+against the target's greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentspec.drafters.head import RecurrentHead, beam_search
+from agentspec.text import encode_prompt
+from agentspec.types import Record
+
+Progress = Callable[[int, int, str], None]
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train. ``depth`` is the deepest token the head learns to draft."""
+
+    depth: int = 6
+    epochs: int = 8
+    lr: float = 2e-3
+    batch_starts: int = 64
+    held_out: float = 0.1
+    max_context: int = 2048
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.depth < 1 or self.epochs < 1 or self.batch_starts < 1:
+            raise ValueError(f"depth, epochs and batch_starts must be >= 1, got {self.depth}, "
+                             f"{self.epochs}, {self.batch_starts}")
+        if not 0.0 <= self.held_out < 1.0:
+            raise ValueError(f"held_out must be in [0, 1), got {self.held_out}")
+
+
+@dataclass
+class Replayed:
+    """One completion replayed: ``tokens`` = the last prompt token then the completion;
+    ``hidden[i]`` the target's final hidden state at the row that predicted ``tokens[i]``;
+    ``logp[i]`` the target's log-distribution over the head's vocabulary after ``tokens[i]``."""
+
+    tokens: torch.Tensor  # [L + 1]
+    hidden: torch.Tensor  # [L + 1, hidden]
+    logp: torch.Tensor  # [L + 1, V] float16
+
+
+@dataclass
+class TrainResult:
+    head: RecurrentHead
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def prompt_of(record: Record) -> Any:
+    """The request a record was generated for: messages (stored as JSON) or a raw prompt."""
+    try:
+        value = json.loads(record.request_text)
+    except ValueError:
+        return record.request_text
+    if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+        return value
+    return record.request_text
+
+
+def vocabulary(records: Sequence[Record], tokenizer: Any, old: Sequence[int] = ()) -> torch.Tensor:
+    """The ids the head may draft: ``old`` first (a retrained head keeps its order), then
+    every id in the completions, then the tokenizer's end-of-sequence ids."""
+    ids = list(dict.fromkeys([*old, *(t for r in records for t in r.completion_ids)]))
+    for tok in (getattr(tokenizer, "eos_token_id", None),):
+        if isinstance(tok, int) and tok not in ids:
+            ids.append(tok)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@torch.inference_mode()
+def replay(model: Any, tokenizer: Any, records: Sequence[Record], vocab: torch.Tensor, *,
+           max_context: int = 2048, progress: Progress | None = None,
+           known: dict[int, Replayed] | None = None) -> list[Replayed]:
+    """Run each record through the target (transformers' own forward; training needs no
+    fixed shapes), reusing the KV of the prefix shared with the record before.
+
+    ``known``: replays by record id, over the same ``vocab`` (taken as they are; the new
+    ones are added to it), so retraining replays only the records it has not seen."""
+    from transformers import DynamicCache
+
+    out: list[Replayed] = []
+    cache: Any = None
+    held: list[int] = []
+    lm_head = model.get_output_embeddings()
+    for n, record in enumerate(records):
+        if progress is not None:
+            progress(n, len(records), "replaying completions through the target")
+        if known is not None and record.id is not None and record.id in known:
+            out.append(known[record.id])
+            continue
+        prompt = encode_prompt(tokenizer, prompt_of(record))
+        ids = prompt + list(record.completion_ids)
+        if len(prompt) < 2 or not record.completion_ids or len(ids) > max_context:
+            continue
+        first = len(prompt) - 2  # the row that predicted the last prompt token
+        keep = 0
+        while keep < min(len(held), first) and held[keep] == ids[keep]:
+            keep += 1
+        if cache is None or keep == 0:
+            cache, keep = DynamicCache(), 0
+        else:
+            cache.crop(keep - cache.get_seq_length())  # transformers 5: tokens to remove, < 0
+        hidden = model.model(input_ids=torch.tensor([ids[keep:]]), past_key_values=cache,
+                             use_cache=True).last_hidden_state[0, first - keep :]  # [L + 1, hidden]
+        held = ids
+        # [L + 1, vocab_size]: after the last prompt token, ..., after the last completion token
+        logits = lm_head(hidden[1:])
+        logp = torch.log_softmax(logits[:, vocab].float(), dim=-1)  # [L + 1, V]
+        tokens = torch.tensor(ids[len(prompt) - 1 :])  # [L + 1]
+        out.append(Replayed(tokens, hidden[:-1].float().clone(), logp.half()))
+        if known is not None and record.id is not None:
+            known[record.id] = out[-1]
+    if progress is not None:
+        progress(len(records), len(records), "replaying completions through the target")
+    return out
+
+
+def _batches(data: Sequence[Replayed], depth: int, batch: int,
+             rng: random.Random) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Training starts, batched: (h [B, hidden], inputs [B, depth], targets [B, depth, V],
+    mask [B, depth]). Start j: h = hidden[j], inputs tokens[j .. j + depth - 1]."""
+    starts = [(r, j) for r, item in enumerate(data) for j in range(item.tokens.shape[0] - 1)]
+    rng.shuffle(starts)
+    out = []
+    for b in range(0, len(starts), batch):
+        chunk = starts[b : b + batch]
+        h = torch.stack([data[r].hidden[j] for r, j in chunk])
+        inputs, targets, mask = [], [], []
+        for r, j in chunk:
+            item = data[r]
+            rows = item.logp.shape[0]
+            ks = [min(j + k, rows - 1) for k in range(depth)]
+            inputs.append(item.tokens[ks])
+            targets.append(item.logp[ks].float())
+            mask.append(torch.tensor([j + k < rows for k in range(depth)]))
+        out.append((h, torch.stack(inputs), torch.stack(targets), torch.stack(mask)))
+    return out
+
+
+def distill_loss(head: RecurrentHead, h: torch.Tensor, inputs: torch.Tensor,
+                 targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean over (start, depth) of KL(p || q): p the target's restricted distribution."""
+    state = torch.zeros_like(h)
+    total = torch.zeros(())
+    for k in range(inputs.shape[1]):
+        state, logits = head.step(state, inputs[:, k], h)
+        logq = torch.log_softmax(logits, dim=-1)  # [B, V]
+        p = targets[:, k].exp()
+        kl = (p * (targets[:, k] - logq)).sum(-1)  # [B]
+        total = total + (kl * mask[:, k]).sum()
+    return total / mask.sum().clamp_min(1)
+
+
+@torch.inference_mode()
+def acceptance_by_depth(head: RecurrentHead, data: Sequence[Replayed], *, width: int = 4,
+                        depth: int = 6) -> dict[str, Any]:
+    """Held-out acceptance as the loop sees it: at each start, the best beam against the
+    target's greedy tokens. ``rate[k]``: P(token k accepted | tokens before it were);
+    ``mean_accepted``: accepted draft tokens per step."""
+    reached = [0] * (depth + 1)
+    steps = 0
+    for item in data:
+        greedy = item.logp.float().argmax(-1)  # [L] the target's next token, vocabulary index
+        n = item.tokens.shape[0] - 1
+        for j in range(n):
+            tree = beam_search(head, item.hidden[j], int(item.tokens[j]), width=width,
+                               depth=min(depth, n - j))
+            beam = tree.token_ids[: tree.spine]
+            k = 0
+            while k < len(beam) and beam[k] == int(head.vocab[greedy[j + k]]):
+                k += 1
+            steps += 1
+            for d in range(k + 1):
+                reached[d] += 1
+    rate = [reached[d] / reached[d - 1] if reached[d - 1] else 0.0 for d in range(1, depth + 1)]
+    return {"steps": steps, "rate": rate,
+            "mean_accepted": sum(reached[1:]) / steps if steps else 0.0}
+
+
+def train_head(model: Any, tokenizer: Any, records: Sequence[Record], *,
+               config: TrainConfig = TrainConfig(), init: RecurrentHead | None = None,
+               progress: Progress | None = None,
+               replayed: dict[int, Replayed] | None = None) -> TrainResult:
+    """Distil a head from ``records`` (of one scope and model), starting from ``init``.
+
+    ``replayed``: earlier replays by record id over ``init``'s vocabulary (see :func:`replay`);
+    used only when the vocabulary is unchanged, and filled with the new ones."""
+    if not records:
+        raise ValueError("no completions to train on: the memory has none for this scope and model")
+    started = time.perf_counter()
+    rng = random.Random(config.seed)
+    torch.manual_seed(config.seed)
+    old = init.vocab.tolist() if init is not None else []
+    vocab = vocabulary(records, tokenizer, old)
+    order = list(records)
+    n_held = max(1, int(len(order) * config.held_out)) if len(order) > 1 and config.held_out > 0 else 0
+    held_ids = set(rng.sample(range(len(order)), n_held))
+    if replayed is not None and (init is None or vocab.tolist() != old):
+        replayed.clear()  # replays over another vocabulary: their distributions do not fit
+    data = replay(model, tokenizer, order, vocab, max_context=config.max_context,
+                  progress=progress, known=replayed)
+    # replay drops unusable records, so split by position among those kept
+    train = [d for i, d in enumerate(data) if i not in held_ids]
+    held = [d for i, d in enumerate(data) if i in held_ids]
+    replay_s = time.perf_counter() - started
+    embed = model.get_input_embeddings().weight.detach().float()
+    out = model.get_output_embeddings().weight.detach().float()
+    head = RecurrentHead(embed, out, vocab)
+    if init is not None:
+        head.load_state_dict(init.param_tensors())
+    opt = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
+    total_batches = config.epochs * max(1, math.ceil(
+        sum(d.tokens.shape[0] - 1 for d in train) / config.batch_starts))
+    done, losses = 0, []
+    for _ in range(config.epochs):
+        for h, inputs, targets, mask in _batches(train, config.depth, config.batch_starts, rng):
+            loss = distill_loss(head, h, inputs, targets, mask)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+            done += 1
+            if progress is not None:
+                progress(done, total_batches, f"distilling (KL {losses[-1]:.3f})")
+    head.eval()
+    acceptance = acceptance_by_depth(head, held, depth=config.depth) if held else {}
+    stats = {
+        "records": len(records), "replayed": len(data), "train_records": len(train),
+        "held_out_records": len(held), "vocab": int(vocab.shape[0]),
+        "positions": sum(d.tokens.shape[0] - 1 for d in train),
+        "epochs": config.epochs, "depth": config.depth,
+        "final_kl": sum(losses[-10:]) / max(1, len(losses[-10:])),
+        "replay_seconds": round(replay_s, 1),
+        "seconds": round(time.perf_counter() - started, 1),
+        "held_out_acceptance": acceptance,
+        "max_record_id": max((r.id or 0) for r in records),
+    }
+    return TrainResult(head, stats)

@@ -1,0 +1,216 @@
+"""The recurrent draft head: beam search, the merged tree, files, the target's hidden rows,
+and distillation on a tiny random model (no hub)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from agentspec.drafters.head import (
+    HeadDrafter,
+    RecurrentHead,
+    beam_search,
+    head_path,
+    load_head,
+    merge_beams,
+    read_meta,
+    save_head,
+)
+from agentspec.drafters.head_train import TrainConfig, train_head
+from agentspec.protocols import DraftContext
+from agentspec.target import HFTarget
+from agentspec.types import Draft, Record
+
+V = 12
+
+
+class TinyTokenizer:
+    eos_token_id = V - 1
+
+    def get_vocab(self) -> dict[str, int]:
+        return {f"t{i}": i for i in range(V)}
+
+    def __len__(self) -> int:
+        return V
+
+    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        return {"input_ids": [int(t) for t in text.split()]}
+
+
+def tiny_target(seed: int = 0) -> HFTarget:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=False, initializer_range=0.5)
+    return HFTarget(LlamaForCausalLM(config).eval(), TinyTokenizer(), name=f"tiny-{seed}")
+
+
+def random_head(target: HFTarget, vocab: list[int], seed: int = 1) -> RecurrentHead:
+    torch.manual_seed(seed)
+    model = target.model
+    head = RecurrentHead(model.get_input_embeddings().weight.float(),
+                         model.get_output_embeddings().weight.float(), torch.tensor(vocab))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.5)
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def target() -> HFTarget:
+    return tiny_target()
+
+
+def test_merge_beams_puts_the_best_beam_on_the_spine():
+    tree = merge_beams([[5, 6, 7], [5, 6, 8], [5, 9, 7], [4, 6, 7]],
+                       [[0.5, 0.5, 0.5]] * 4)
+    assert tree.token_ids == (5, 6, 7, 8, 9, 7, 4, 6, 7)
+    assert tree.parents == (-1, 0, 1, 1, 0, 4, -1, 6, 7)
+    assert tree.spine == 3
+    draft = Draft(tree.token_ids, tree.parents, "head")  # valid: parents before children
+    assert draft.num_nodes == 9
+
+
+def test_beam_search_finds_the_most_probable_sequences(target):
+    head = random_head(target, list(range(V)))
+    h = torch.randn(16)
+    tree = beam_search(head, h, 3, width=V * V, depth=2)  # wide enough to be exhaustive
+    # The spine is the argmax over all V^2 sequences of log q(a) + log q(b | a).
+    best, best_score = None, -float("inf")
+    with torch.no_grad():
+        s1, l1 = head.step(torch.zeros(1, 16), torch.tensor([3]), h[None])
+        lq1 = torch.log_softmax(l1, -1)[0]
+        for a, b in itertools.product(range(V), repeat=2):
+            _, l2 = head.step(s1, torch.tensor([a]), h[None])
+            score = float(lq1[a] + torch.log_softmax(l2, -1)[0, b])
+            if score > best_score:
+                best, best_score = (a, b), score
+    assert tree.token_ids[: tree.spine] == best
+    narrow = beam_search(head, h, 3, width=1, depth=4)
+    assert narrow.spine == 4 and len(narrow.token_ids) == 4  # width 1: greedy chain
+    assert all(0 < q <= 1 for q in narrow.q)
+
+
+def test_head_file_round_trip_and_fingerprint(target, tmp_path):
+    head = random_head(target, [1, 4, 7])
+    path = head_path(target.fingerprint, "tenant/a b", tmp_path)
+    assert path.parent.parent == tmp_path / "heads" and "/" not in path.name
+    save_head(path, head, {"fingerprint": target.fingerprint, "stats": {"records": 3}})
+    assert read_meta(path)["stats"] == {"records": 3}
+    loaded = load_head(path, target.model, fingerprint=target.fingerprint)
+    assert loaded is not None and loaded.vocab.tolist() == [1, 4, 7]
+    h = torch.randn(16)
+    assert beam_search(loaded, h, 2, width=3, depth=3) == beam_search(head, h, 2, width=3, depth=3)
+    assert load_head(path, target.model, fingerprint="other:123") is None  # another model
+    path.write_bytes(b"not a safetensors file")
+    assert load_head(path, target.model) is None
+
+
+def test_score_keeps_the_hidden_rows_the_logits_come_from(target):
+    draft = Draft.chain([2, 3, 4], "t")
+    target.start([1, 5, 6, 7])
+    target.keep_hidden = False
+    plain = target.score(7, draft).clone()
+    assert target.hidden is None
+    twin = target.fork()
+    twin.keep_hidden = True
+    twin.start([1, 5, 6, 7])
+    logits = twin.score(7, draft)
+    assert torch.equal(logits, plain)  # reading the hidden rows changes no logit
+    assert twin.hidden is not None and twin.hidden.shape == (4, 16)
+    assert twin.hidden_position == 3  # the root (7) sits at position 3
+    with torch.no_grad():
+        w = target.model.get_output_embeddings().weight
+        assert torch.allclose(twin.hidden @ w.T, logits[:4], atol=1e-5)
+
+
+def test_drafter_is_absent_without_a_head_and_drafts_with_one(target, tmp_path):
+    twin = target.fork()
+    none = HeadDrafter(twin, home=tmp_path)
+    ctx = DraftContext(tokens=[1, 5, 6, 7], prompt_len=4, scope="s")
+    none.begin(ctx)
+    assert none.propose(ctx, max_tokens=5).num_nodes == 0  # no head file: absent
+    drafter = HeadDrafter(twin, {"s": random_head(target, list(range(V)))}, width=3, depth=4)
+    drafter.begin(ctx)
+    assert drafter.propose(ctx, max_tokens=5).num_nodes == 0  # no hidden row yet
+    twin.start(ctx.tokens)
+    from agentspec.types import Verdict
+
+    draft = Draft.chain([2, 3], "t")
+    twin.score(7, draft)
+    verdict = Verdict((0,), (2,), 9)  # node 0 accepted, 9 recovered: the hidden row is row 1
+    twin.commit(draft, verdict)
+    ctx.tokens.extend([2, 9])
+    drafter.observe(ctx, draft, verdict)
+    assert torch.equal(drafter._state(ctx).h, twin.hidden[1].float())
+    out = drafter.propose(ctx, max_tokens=5)
+    assert out.is_chain and out.num_nodes == 4 and out.source == "head"
+    assert drafter.propose(ctx, max_tokens=2).num_nodes == 2
+    branching = HeadDrafter(twin, {"s": drafter.head_for("s")}, width=3, depth=4, branches=True)
+    branching._state(ctx).h, branching._state(ctx).position = drafter._state(ctx).h, 4
+    tree = branching.propose(ctx, max_tokens=5)
+    assert tree.token_ids[:4] == out.token_ids and tree.num_nodes > 4
+
+
+def _records(n: int) -> list[Record]:
+    """Completions of a tiny 'agent' whose outputs follow a fixed pattern."""
+    out = []
+    for i in range(n):
+        prompt = f"1 {2 + i % 3} 5"
+        completion = tuple([3, 4, 5, 6, 3, 4, 5, 6][(i % 2):][:6])
+        out.append(Record(scope="s", model="m", request_text=prompt, key_text=prompt,
+                          completion_text="", completion_ids=completion, id=i + 1))
+    return out
+
+
+def test_training_distils_the_target_and_beats_an_untrained_head(target, tmp_path):
+    records = _records(20)
+    ticks: list[str] = []
+    config = TrainConfig(depth=3, epochs=30, batch_starts=64, held_out=0.2, lr=1e-2)
+    result = train_head(target.model, target.tokenizer, records, config=config,
+                        progress=lambda done, total, label: ticks.append(label))
+    stats = result.stats
+    assert stats["records"] == 20 and stats["held_out_records"] == 4
+    assert stats["vocab"] == 5  # 3, 4, 5, 6 and the eos id
+    assert len(stats["held_out_acceptance"]["rate"]) == 3
+    assert any("replaying" in t for t in ticks) and any("distilling" in t for t in ticks)
+    json.dumps(stats)  # stored as file metadata
+    untrained = train_head(target.model, target.tokenizer, records,
+                           config=TrainConfig(depth=3, epochs=1, batch_starts=64, held_out=0.2,
+                                              lr=1e-9)).stats
+    assert stats["final_kl"] < untrained["final_kl"] / 2
+    assert (stats["held_out_acceptance"]["mean_accepted"]
+            >= untrained["held_out_acceptance"]["mean_accepted"])
+    # Retraining starts from the old weights, keeps the old vocabulary first, and replays
+    # only records it has not seen.
+    replayed: dict = {}
+    again = train_head(target.model, target.tokenizer, records[:5], init=result.head,
+                       config=TrainConfig(depth=3, epochs=1, held_out=0.0), replayed=replayed)
+    assert again.head.vocab.tolist()[:5] == result.head.vocab.tolist()
+    assert sorted(replayed) == [1, 2, 3, 4, 5]
+    seen = replayed[1]
+    train_head(target.model, target.tokenizer, records[:6], init=again.head,
+               config=TrainConfig(depth=3, epochs=1, held_out=0.0), replayed=replayed)
+    assert replayed[1] is seen and sorted(replayed) == [1, 2, 3, 4, 5, 6]
+
+
+def test_speculator_adds_the_head_only_where_one_is_trained(target, tmp_path, monkeypatch):
+    from agentspec import SpecConfig, Speculator
+    from agentspec.drafters.policy import CostModel
+
+    monkeypatch.setenv("AGENTSPEC_HOME", str(tmp_path))
+    cost = CostModel(base=0.05, per_token=0.001)
+
+    def names(**kw):
+        return [d.name for d in Speculator(target.fork(), cost=cost, **kw).drafters]
+
+    assert "head" not in names()
+    save_head(head_path(target.fingerprint, "s"), random_head(target, [1, 2]),
+              {"fingerprint": target.fingerprint})
+    assert "head" in names()
+    assert "head" not in names(config=SpecConfig(draft_head=False))
