@@ -357,7 +357,7 @@ def run_task(
         for call in range(max_calls_per_turn):
             sent = tuple(dict(m) for m in messages)
             completion = generate([dict(m) for m in sent], grammar)
-            calls, errors = parse_tool_calls(completion)
+            calls, errors = _reply_calls(completion, constrained=grammar is not None)
             results = [env.execute(c) for c in calls] + errors
             traces.append(CallTrace(task.id, turn, call, sent, completion, tuple(calls),
                                     tuple(results), tuple(errors), grammar))
@@ -368,6 +368,14 @@ def run_task(
                 break
             messages.extend(_result_message(r, tool_role) for r in results)
     return traces
+
+
+def _reply_calls(completion: str, *, constrained: bool) -> tuple[list[ToolCall], list[str]]:
+    """The calls of a reply. Under the grammar a reply is a call list exactly when it starts
+    with ``[`` (the grammar's two branches); plain text is never read as a call attempt."""
+    if constrained and not completion.lstrip().startswith("["):
+        return [], []
+    return parse_tool_calls(completion)
 
 
 def build_workload(
@@ -434,7 +442,8 @@ def parse_summary(traces: Sequence[CallTrace], tasks: Sequence[Task], *,
     """
     shown = {t.id: {d["name"] for d in task_tools(t.involved_classes,
                                                     tool_subsets=tool_subsets)[1]} for t in tasks}
-    attempted = [tr for tr in traces if tr.calls or tr.errors]
+    attempted = [tr for tr in traces if tr.calls or tr.errors
+                 or (tr.grammar is not None and tr.completion.lstrip().startswith("["))]
     valid = [tr for tr in attempted
              if not tr.errors and all(c.name in shown[tr.task_id] for c in tr.calls)]
     return {"replies": len(traces), "call_replies": len(attempted),

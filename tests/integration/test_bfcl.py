@@ -87,7 +87,7 @@ def test_agent_runs_real_tool_calls() -> None:
         "I created both.",
         '[{"name": "ls", "arguments": {}}]',
     ])
-    traces = bfcl.run_task(task, generate, env=env, max_turns=2)
+    traces = bfcl.run_task(task, generate, env=env, max_turns=2, constrain=False)  # the tolerant parser
     # Turn 0 ends on the plain answer; turn 1 makes 1 call, then "All done." ends it.
     assert [(t.turn, t.call) for t in traces] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
     documentation = env.instances["GorillaFileSystem"].root.contents["Documentation"]
@@ -147,3 +147,18 @@ def test_build_workload_splits_by_task(tmp_path: Path) -> None:
     assert loaded.errors == () and [i.messages for i in loaded.items] == [i.messages for i in items]
     with pytest.raises(ValueError, match="warmup_fraction"):
         bfcl.build_workload(tasks, generate, warmup_fraction=1.0)
+
+
+def test_under_the_grammar_only_a_call_list_is_a_call() -> None:
+    """Plain text with a code fence is an answer (the grammar's text branch), not a
+    malformed call; without the grammar the tolerant parser still reads it as an attempt."""
+    task = bfcl.load_tasks([FS_TASK])[0]
+    fenced = "Use this:\n```\nrm -r notes\n```"
+    for constrain, expected_errors in ((True, 0), (False, 1)):
+        traces = bfcl.run_task(task, scripted([fenced]), max_turns=1, constrain=constrain)
+        assert len(traces[0].errors) == expected_errors
+        assert (traces[0].grammar is not None) == constrain
+    summary = bfcl.parse_summary(
+        bfcl.run_task(task, scripted(['[{"name": "cd", "arguments": {"folder": "x"}}]', fenced]),
+                      max_turns=1), [task])
+    assert summary["call_replies"] == 1 and summary["parse_rate"] == 1.0
