@@ -9,7 +9,10 @@ the way the decode loop does, and reports per draft node:
   bits unpacked into the boolean mask the sampler applies), i.e. its time over its rows.
 
 With ``xgrammar`` installed it also times xgrammar's mask for the same JSON schemas, token by
-token, which is how the matcher was chosen (see :mod:`agentspec.grammar`). A figure, not a test.
+token (see :mod:`agentspec.grammar`). With ``--steps`` it also generates every measured line
+of the workload as a tool call (its grammar with ``"choice": "required"``), prompt lookup only,
+with the grammar's forced-token drafts on and off, and reports tokens per target step of each
+(the outputs must be equal). A figure, not a test.
 """
 
 from __future__ import annotations
@@ -100,6 +103,32 @@ def xgrammar_cost(tokenizer: Any, vocab_size: int, texts: list[tuple[dict[str, A
     return {"mask": percentiles(mask_s)} if mask_s else None
 
 
+def forced_steps(workload: Path, model: str, max_new_tokens: int) -> dict[str, Any]:
+    """Tokens per target step on required tool calls, forced-token drafts on against off."""
+    from agentspec import SamplingParams, SpecConfig, Speculator, load_target
+
+    target = load_target(model)
+    specs = {on: Speculator(target.fork(), config=SpecConfig(grammar_drafts=on))
+             for on in (True, False)}
+    totals = {on: [0, 0] for on in (True, False)}
+    equal = 0
+    items = [i for i in load_workload(workload, default_max_new_tokens=max_new_tokens).measure
+             if i.grammar is not None and i.grammar.get("type") == "tool_calls"]
+    for item in items:
+        grammar = compiled({**(item.grammar or {}), "choice": "required"})
+        outs = {}
+        for on, spec in specs.items():
+            gen = spec.generate([dict(m) for m in item.messages or ()], max_new_tokens,
+                                sampling=SamplingParams(grammar=grammar), record=False)
+            totals[on][0] += len(gen.token_ids)
+            totals[on][1] += gen.stats.steps
+            outs[on] = gen.token_ids
+        equal += outs[True] == outs[False]
+    return {"calls": len(items), "equal_outputs": equal,
+            **{f"tokens_per_step_{'with' if on else 'without'}_forced":
+               round(t / s, 3) if s else None for on, (t, s) in totals.items()}}
+
+
 def _call_list_schema(spec: dict[str, Any]) -> dict[str, Any] | None:
     """The JSON schema of a ``tool_calls`` spec's call list (xgrammar takes schemas only)."""
     if spec.get("type") != "tool_calls":
@@ -117,6 +146,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--steps", action="store_true",
+                        help="also tokens per step on required calls, forced drafts on vs off")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -141,6 +173,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for what, f in figures.items():
             print(f"{name:10s} {what:4s} per draft node: p50 {f['p50_us']:6.1f} us, "
                   f"p99 {f['p99_us']:6.1f} us, mean {f['mean_us']:6.1f} us ({f['n']} nodes)")
+    if args.steps:
+        result["forced_steps"] = steps = forced_steps(args.workload, args.model, args.max_new_tokens)
+        print(f"required calls on {steps['calls']} measured lines: tokens per step "
+              f"{steps['tokens_per_step_with_forced']} with forced-token drafts, "
+              f"{steps['tokens_per_step_without_forced']} without; equal outputs "
+              f"{steps['equal_outputs']} of {steps['calls']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))
