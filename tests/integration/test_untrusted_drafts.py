@@ -208,8 +208,9 @@ def test_random_drafts_never_change_the_output(monkeypatch, caplog):
 
 def test_a_loop_that_accepts_the_first_draft_token_unchecked_fails_it(monkeypatch, caplog):
     def accept_first(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
-                     generator: Any = None, *, uniforms: Any = None) -> Verdict:
-        verdict = verify(draft, logits, sampling, generator, uniforms=uniforms)
+                     generator: Any = None, *, uniforms: Any = None,
+                     allowed: Any = None) -> Verdict:
+        verdict = verify(draft, logits, sampling, generator, uniforms=uniforms, allowed=allowed)
         if draft.num_nodes and not verdict.path:  # wrong: trusts the draft's first token
             return Verdict((0,), (draft.token_ids[0],), verdict.next_token)
         return verdict
