@@ -20,6 +20,19 @@ def spec():
     return Speculator.from_pretrained("smollm2-135m-instruct", memory=None)
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Torch single-threaded for a module of tiny-tensor tests: intra-op threads only add
+    synchronisation cost there (7 ms per softmax when the machine is busy). Request it with
+    ``pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A PostgreSQL URL whose search_path is a fresh schema, dropped afterwards."""

@@ -37,12 +37,8 @@ DRAWS, WRONG_DRAWS, ALPHA = 2000, 400, 1e-3
 SAMPLING = SamplingParams(temperature=1.3)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny tensors: intra-op threads only add synchronisation cost (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @functools.cache

@@ -26,14 +26,8 @@ V, LENGTH, DRAWS, ALPHA = 4, 3, 50_000, 1e-3
 WRONG_DRAWS = 20_000  # enough power to reject each wrong verifier by a wide margin
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation cost (7 ms per softmax when the
-    machine is busy), so these tests run single-threaded."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny tensors: intra-op threads only add synchronisation cost (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_table(seed: int, scale: float = 1.5) -> dict[tuple[int, ...], torch.Tensor]:
