@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -270,14 +271,10 @@ class GrammarState:
 
     def _fill(self, row: int) -> None:
         v = self._bits[row]
+        started = time.perf_counter() if self.timing else 0.0
+        self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), self._words * 4)
         if self.timing:
-            import time
-
-            t0 = time.perf_counter()
-            self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), self._words * 4)
-            self.mask_seconds.append(time.perf_counter() - t0)
-        else:
-            self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), self._words * 4)
+            self.mask_seconds.append(time.perf_counter() - started)
         self._check()
 
     def _allows(self, row: int, token: int) -> bool:
