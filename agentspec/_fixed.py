@@ -24,21 +24,27 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentspec._kv import FixedKV, verifying_attention
+from agentspec._kv import FixedKV, live_keys, verifying_attention
 
 _PACKED: weakref.WeakKeyDictionary[Any, list[tuple[torch.nn.Module, Callable[..., Any]]]] = (
     weakref.WeakKeyDictionary())
 
 
 def _packed_forward(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``layer``'s product on oneDNN with its weight packed once (CPU, float32)."""
-    weight = layer.weight.detach().to_mkldnn()
-    bias = (layer.bias.detach() if layer.bias is not None
+    """``layer``'s product on oneDNN in float32 with its weight packed once (CPU).
+
+    A bfloat16 layer's weight is widened to float32 (exactly) and its output rounded back to
+    bfloat16: the float32 accumulation a bfloat16 GEMM does, in one reduction order for every
+    row count, where CPU bfloat16 kernels choose theirs by row count, thread count and
+    instruction set (AMX or not).
+    """
+    weight = layer.weight.detach().float().to_mkldnn()
+    bias = (layer.bias.detach().float() if layer.bias is not None
             else torch.zeros(layer.out_features)).to_mkldnn()
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).contiguous().to_mkldnn()  # [rows, in_features]
-        out = torch._C._nn.mkldnn_linear(rows, weight, bias).to_dense()
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous().to_mkldnn()  # [rows, in_features]
+        out = torch._C._nn.mkldnn_linear(rows, weight, bias).to_dense().to(x.dtype)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     return forward
@@ -48,14 +54,17 @@ def _packed_forward(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Te
 def engine_kernels(model: Any) -> Iterator[None]:
     """The engine's kernels for the forwards inside, the model's own outside them.
 
-    Attention always (see :mod:`agentspec._kv`). On the CPU in float32, also every linear
-    layer on oneDNN with packed weights: MKL's small-row products re-pack the weights on each
-    call (a 4-row step cost 1.7x a 1-row one) and use other kernels for 1, 2-3 and 4+ rows;
-    packed oneDNN products are 2x faster at 4 rows and share one order from 2 rows on.
+    Attention always (see :mod:`agentspec._kv`). On the CPU (float32 and bfloat16), also every
+    linear layer on oneDNN in float32 with packed weights (:func:`_packed_forward`): MKL's
+    small-row products re-pack the weights on each call (a 4-row step cost 1.7x a 1-row one)
+    and use other kernels for 1, 2-3 and 4+ rows; packed oneDNN products are 2x faster at 4
+    rows and share one order from 2 rows on. CPU bfloat16 products gave a row other bits at
+    another row count on one machine (CI's) and not on another: not a probe's to catch.
     """
     param = next(model.parameters())
     swaps: list[tuple[torch.nn.Module, Callable[..., Any]]] = []
-    if param.device.type == "cpu" and param.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+    if (param.device.type == "cpu" and param.dtype in (torch.float32, torch.bfloat16)
+            and torch.backends.mkldnn.is_available()):
         swaps = _PACKED.get(model) or []
         if not swaps:
             with torch.inference_mode():
@@ -98,6 +107,7 @@ class FixedForward:
         self._cols = torch.arange(kv.capacity, device=device)
         self.logits: torch.Tensor | None = None  # [width, vocab_size] after a run
         self._graph: Any = None
+        self._live = kv.capacity  # KV slots the staged forward can attend (host copy)
 
     def load(self, ids: list[int], depth: list[int], anc: np.ndarray, kv_len: int) -> None:
         """Stage one forward's inputs: ``n <= width`` rows of token ids, their depths below
@@ -108,6 +118,7 @@ class FixedForward:
         host[:n], host[n:w] = ids, ids[-1]
         host[w : w + n], host[w + n : 2 * w] = depth, np.arange(n, w)
         host[2 * w] = kv_len
+        self._live = kv_len + w
         full = self._host_anc.numpy()
         full[:] = False
         full[:n, :n] = anc
@@ -122,8 +133,9 @@ class FixedForward:
         (a prefill chunk) lets an eager forward skip the output head but for the last row."""
         if self._graph is not None:
             self._graph.replay()
-        else:
-            self._compute(None if logits else 1)
+        else:  # eager: attention reads only the KV blocks up to the last row (exact, faster)
+            with live_keys(self._live):
+                self._compute(None if logits else 1)
         assert self.logits is not None
         return self.logits
 

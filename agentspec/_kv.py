@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -78,17 +79,47 @@ class FixedKV:
 _ATTENTION = "agentspec_sdpa"
 
 
+KEY_BLOCK = 256
+"""Keys per attention block: every row's attention is reduced block by block in this fixed
+size, so neither the KV capacity nor how much of it a forward reads can change its bits."""
+
+_LIVE_KEYS: ContextVar[int | None] = ContextVar("agentspec_live_keys", default=None)
+
+
+@contextmanager
+def live_keys(n: int | None) -> Iterator[None]:
+    """Attend only the first ``n`` KV slots (rounded up to whole blocks) in the forwards inside.
+
+    Exact: the slots past a forward's last row are masked for every row, and a block holding
+    only masked keys adds exact zeros (see :func:`_gqa_sdpa`). Eager forwards only: a captured
+    CUDA graph reads the whole capacity.
+    """
+    token = _LIVE_KEYS.set(n)
+    try:
+        yield
+    finally:
+        _LIVE_KEYS.reset(token)
+
+
 def _gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
               value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
               scaling: float | None = None, is_causal: bool | None = None,
               **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Attention as two matrix products and a softmax, in float32, over the whole KV.
+    """Attention in float32, reduced in blocks of :data:`KEY_BLOCK` keys in a fixed order.
 
     Not SDPA: the CPU flash kernel splits a forward's queries into blocks, and the same query
-    row gave other bits at row 27 than at row 47 of a forward; plain products compute every row
-    alike. Grouped key/value heads are read once per group of query heads (no ``repeat_kv``
-    copy of the fixed-capacity KV). Any other call (no boolean mask, dropout, softcap, ...)
-    takes transformers' own sdpa path.
+    row gave other bits at row 27 than at row 47 of a forward. And not one softmax and one
+    product over the whole KV either: their reductions over the keys are blocked by the
+    kernels according to the KV's length, so growing the capacity (or reading less of it)
+    changed every row's bits. Here each row's scores are maxed over all keys (a max is exact in
+    any order), exponentiated, and summed and multiplied with the values within blocks of a
+    fixed size; the blocks' sums are added one after the other, first block first, and the
+    output is divided by the sum at the end. A block past a row's keys holds only masked
+    scores and adds exact zeros, so the result is the same bits for any capacity.
+
+    Grouped key/value heads are read once per group of query heads (no ``repeat_kv`` copy of
+    the fixed-capacity KV). Any other call (no boolean mask, dropout, softcap, ...) takes
+    transformers' own sdpa path.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -100,17 +131,35 @@ def _gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     batch, heads, width, dim = query.shape
-    kv_heads, capacity = key.shape[1], key.shape[2]
+    kv_heads = key.shape[1]
     groups = heads // kv_heads
     scale = scaling if scaling is not None else dim ** -0.5
+    live = _LIVE_KEYS.get()
+    length = key.shape[2] if live is None else min(key.shape[2], -(-live // KEY_BLOCK) * KEY_BLOCK)
+    key, value = key[:, :, :length], value[:, :, :length]
+    mask = attention_mask[..., :length]
+    pad = -length % KEY_BLOCK
+    if pad:  # a capacity off the block size: masked zero keys make up the last block
+        key = torch.nn.functional.pad(key, (0, 0, 0, pad))
+        value = torch.nn.functional.pad(value, (0, 0, 0, pad))
+        mask = torch.nn.functional.pad(mask, (0, pad), value=False)
+    blocks = (length + pad) // KEY_BLOCK
     # Query heads j * groups .. j * groups + groups - 1 share key/value head j (repeat_kv's order).
-    q = query.reshape(batch, kv_heads, groups * width, dim).float()  # [b, kv_heads, g * w, dim]
-    scores = torch.matmul(q, key.float().transpose(-1, -2)) * scale  # [b, kv_heads, g * w, capacity]
-    mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1)  # [b, 1, g, w, capacity]
-    scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, groups * width, capacity),
-                                float("-inf"))
-    out = torch.matmul(scores.softmax(dim=-1), value.float())  # [b, kv_heads, g * w, dim]
-    out = out.reshape(batch, heads, width, dim).to(query.dtype)
+    q = query.reshape(batch, kv_heads, 1, groups * width, dim).float()  # [b, kvh, 1, g * w, dim]
+    k = key.float().reshape(batch, kv_heads, blocks, KEY_BLOCK, dim)
+    v = value.float().reshape(batch, kv_heads, blocks, KEY_BLOCK, dim)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [b, kvh, blocks, g * w, KEY_BLOCK]
+    allowed = (mask[:, :, None].expand(-1, -1, groups, -1, -1)  # [b, 1, g, w, keys]
+               .reshape(mask.shape[0], 1, groups * width, blocks, KEY_BLOCK).transpose(2, 3))
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True).amax(dim=2, keepdim=True)  # [b, kvh, 1, g * w, 1]
+    weights = torch.exp(scores - top)  # every row attends itself: ``top`` is finite
+    sums = weights.sum(dim=-1)  # [b, kvh, blocks, g * w]
+    parts = torch.matmul(weights, v)  # [b, kvh, blocks, g * w, dim]
+    total, out = sums[:, :, 0], parts[:, :, 0]
+    for b in range(1, blocks):  # one after the other: trailing blocks add exact zeros
+        total, out = total + sums[:, :, b], out + parts[:, :, b]
+    out = (out / total[..., None]).reshape(batch, heads, width, dim).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 

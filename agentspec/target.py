@@ -251,7 +251,8 @@ class HFTarget:
         if not self._widths_checked:
             self._widths_checked = True
             known = _WIDTH_CLASS.setdefault(self.model, {})
-            asked = (self.widths, str(self.device), str(next(self.model.parameters()).dtype))
+            asked = (self.widths, str(self.device), str(next(self.model.parameters()).dtype),
+                     torch.get_num_threads())  # CPU kernels split rows by thread count
             if asked in known:  # probed already on another HFTarget of this model
                 self.widths = known[asked]
                 return self.widths

@@ -41,8 +41,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def _bfcl_prompts(n: int) -> list:
     # The first measured calls of the BFCL workload as shipped before it was re-recorded under
     # the tool-call grammar (2026-11-23), pinned so that re-recording never changes this test.
-    # With the re-recorded workload's first four, the bf16 checks below fail: an open defect
-    # (see the session note of 2026-11-23 and BENCHMARKS.md).
+    # Their 1,100-token prompts found the capacity defect (attention reduced over the whole KV,
+    # whose length depended on the drafts' widths), fixed by blocked attention (agentspec/_kv.py).
     path = Path(__file__).parent / "data" / "bfcl_invariance_prompts.jsonl"
     items = load_workload(path, default_max_new_tokens=MAX_NEW).measure[:n]
     return [list(item.messages or ()) for item in items]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from agentspec._kv import FixedKV, _gqa_sdpa, verifying_attention
+from agentspec._kv import FixedKV, _gqa_sdpa, live_keys, verifying_attention
 
 
 def _rows(n: int, start: int = 0) -> torch.Tensor:
@@ -71,3 +71,40 @@ def test_verifying_attention_switches_sdpa_models_only_and_restores():
     with pytest.raises(RuntimeError), verifying_attention(sdpa):
         raise RuntimeError("a failing forward")
     assert sdpa.config._attn_implementation == "sdpa"
+
+
+def _one_softmax_attention(query, key, value, mask, scale):
+    """The deliberately wrong attention (the engine's before 2026-11-23): one softmax and one
+    product over the whole KV, whose reductions the kernels block by the KV's length."""
+    groups = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = (query @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2)
+
+
+def _at_capacity(capacity: int, live: int, gen: torch.Generator):
+    """The same 24 query rows over the same ``live`` keys in a KV of ``capacity`` slots whose
+    other slots hold stale values (masked)."""
+    torch.manual_seed(1)
+    query = torch.randn(1, 6, 24, 64)
+    key, value = torch.randn(1, 2, capacity, 64), torch.randn(1, 2, capacity, 64)
+    key[:, :, :live] = torch.randn(1, 2, live, 64, generator=gen)
+    value[:, :, :live] = torch.randn(1, 2, live, 64, generator=gen)
+    mask = torch.zeros(1, 1, 24, capacity, dtype=torch.bool)
+    mask[..., : live - 24] = True
+    mask[..., live - 24 : live] = torch.ones(24, 24, dtype=torch.bool).tril()
+    return query, key, value, mask
+
+
+def test_gqa_attention_rows_do_not_depend_on_the_kv_capacity_or_the_keys_read():
+    module = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    outs, wrong = [], []
+    for capacity in (768, 1280, 4096):
+        query, key, value, mask = _at_capacity(capacity, 700, torch.Generator().manual_seed(0))
+        outs.append(_gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0])
+        with live_keys(700):  # only the blocks up to the last live key
+            outs.append(_gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0])
+        wrong.append(_one_softmax_attention(query, key, value, mask, 0.125))
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    torch.testing.assert_close(outs[0], wrong[0], atol=1e-5, rtol=1e-5)  # the same attention
+    assert not all(torch.equal(w, wrong[0]) for w in wrong)  # the wrong one fails the check
