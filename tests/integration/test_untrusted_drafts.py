@@ -41,7 +41,7 @@ pytestmark = pytest.mark.slow
 
 MAX_NEW = 10
 MIN_DRAFTS = 2000
-EXAMPLES = 30
+EXAMPLES = 40
 SOURCES = 32  # hostile sources in the chain mode
 PROMPTS: list[Any] = [
     [{"role": "user", "content": "Name two prime numbers."}],
