@@ -76,33 +76,40 @@ def test_verifying_attention_switches_sdpa_models_only_and_restores():
 def _one_softmax_attention(query, key, value, mask, scale):
     """The deliberately wrong attention (the engine's before 2026-11-23): one softmax and one
     product over the whole KV, whose reductions the kernels block by the KV's length."""
-    groups = query.shape[1] // key.shape[1]
-    k, v = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    scores = (query @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
-    return (scores.softmax(-1) @ v).transpose(1, 2)
+    batch, heads, width, dim = query.shape
+    kv_heads, capacity = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    q = query.reshape(batch, kv_heads, groups * width, dim)
+    scores = torch.matmul(q, key.transpose(-1, -2)) * scale
+    allowed = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * width, capacity)
+    out = torch.matmul(scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1), value)
+    return out.reshape(batch, heads, width, dim).transpose(1, 2)
 
 
-def _at_capacity(capacity: int, live: int, gen: torch.Generator):
-    """The same 24 query rows over the same ``live`` keys in a KV of ``capacity`` slots whose
-    other slots hold stale values (masked)."""
-    torch.manual_seed(1)
-    query = torch.randn(1, 6, 24, 64)
-    key, value = torch.randn(1, 2, capacity, 64), torch.randn(1, 2, capacity, 64)
-    key[:, :, :live] = torch.randn(1, 2, live, 64, generator=gen)
-    value[:, :, :live] = torch.randn(1, 2, live, 64, generator=gen)
-    mask = torch.zeros(1, 1, 24, capacity, dtype=torch.bool)
-    mask[..., : live - 24] = True
-    mask[..., live - 24 : live] = torch.ones(24, 24, dtype=torch.bool).tril()
+LIVE = 1120  # the keys a row attends: a BFCL prompt's length, where the wrong one differs
+
+
+def _at_capacity(capacity: int):
+    """The same 16 query rows (SmolLM2's 9 query and 3 key/value heads) over the same ``LIVE``
+    keys in a KV of ``capacity`` slots; the other slots hold stale values, masked."""
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 9, 16, 64, generator=gen)
+    key, value = torch.randn(1, 3, capacity, 64), torch.randn(1, 3, capacity, 64)
+    key[:, :, :LIVE] = torch.randn(1, 3, LIVE, 64, generator=gen)
+    value[:, :, :LIVE] = torch.randn(1, 3, LIVE, 64, generator=gen)
+    mask = torch.zeros(1, 1, 16, capacity, dtype=torch.bool)
+    mask[..., : LIVE - 16] = True
+    mask[..., LIVE - 16 : LIVE] = torch.ones(16, 16, dtype=torch.bool).tril()
     return query, key, value, mask
 
 
 def test_gqa_attention_rows_do_not_depend_on_the_kv_capacity_or_the_keys_read():
     module = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)
     outs, wrong = [], []
-    for capacity in (768, 1280, 4096):
-        query, key, value, mask = _at_capacity(capacity, 700, torch.Generator().manual_seed(0))
+    for capacity in (1280, 1536, 4096):
+        query, key, value, mask = _at_capacity(capacity)
         outs.append(_gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0])
-        with live_keys(700):  # only the blocks up to the last live key
+        with live_keys(LIVE):  # only the blocks up to the last live key
             outs.append(_gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0])
         wrong.append(_one_softmax_attention(query, key, value, mask, 0.125))
     assert all(torch.equal(o, outs[0]) for o in outs)
