@@ -12,6 +12,17 @@ PG_HINT = ("PostgreSQL tests need AGENTSPEC_TEST_PG_URL; to run them: "
            "AGENTSPEC_TEST_PG_URL=$(bash .ci/postgres.sh) make test")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``pytest -n 2`` (``make test``) each worker runs torch on one thread: two workers
+    on the 2 cores instead of four threads fighting over them. Subprocesses inherit it."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = "1"
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session")
 def spec():
     """The real packaged SmolLM2-135M-Instruct with prompt lookup only (no memory)."""
