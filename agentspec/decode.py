@@ -98,8 +98,6 @@ def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: 
     uniforms = None if sampling.greedy else torch.rand(
         max_new_tokens, generator=generator, device=target.device)  # [max_new_tokens]
     while produced < max_new_tokens:
-        if not target.holds(context.tokens):  # another call used the target since our last step
-            target.start(context.tokens)
         # 2. Propose, leaving room for the recovered/bonus token; drafts are untrusted.
         room = max_new_tokens - produced - 1
         proposal = drafter.propose(context, max_tokens=room) if room > 0 else EMPTY_DRAFT
@@ -111,7 +109,11 @@ def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: 
             draft, allowed = grammar.constrain(draft, room=max(room, 0),
                                                max_nodes=target.max_draft_nodes,
                                                force=grammar_drafts)
-        # 3. Score the last committed token and the whole draft in one forward.
+        # 3. Score the last committed token and the whole draft in one forward, on a KV that
+        # holds this generation: checked here, after the drafters ran (one may have used the
+        # target for a call of its own) and after other calls since our last step.
+        if not target.holds(context.tokens):
+            target.start(context.tokens)
         logits = target.score(context.tokens[-1], draft)  # [num_nodes + 1, vocab_size]
         # 4. Verify exactly (one host sync), deciding only on spine rows.
         rows = None if uniforms is None else uniforms[_row_offsets(draft, produced)]

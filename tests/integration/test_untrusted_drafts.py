@@ -255,3 +255,25 @@ def test_a_raising_drafter_is_logged_once_and_skipped(caplog):
     logged = [r for r in caplog.records if "raises" in r.getMessage()]
     assert len(logged) == 1 and "propose" in logged[0].getMessage()
     assert all(g.stats.accepted.get("oracle", 0) > 0 for g in gens)  # the other source drafts on
+
+
+def test_a_drafter_that_runs_a_call_on_the_target_mid_step_changes_nothing():
+    """A drafter may share the target with other calls: here each of its proposals first runs
+    a whole generation of another prompt on it, between the loop's checks and its forward."""
+    class Meddler:
+        name = "meddler"
+
+        def begin(self, context): pass
+
+        def propose(self, context, *, max_tokens):
+            Speculator(_target(), speculate=False, cost=FLAT).generate(PROMPTS[0], 2)
+            done = len(context.tokens) - context.prompt_len
+            return Draft.chain(reference[done : done + max_tokens][:3], self.name)
+
+        def observe(self, context, draft, verdict): pass
+
+        def end(self, context): pass
+
+    reference = _reference(1, None)
+    spec = Speculator(_target(), drafters=[Meddler()], cost=FLAT)
+    assert spec.generate(PROMPTS[1], MAX_NEW).token_ids == reference
