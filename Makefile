@@ -25,7 +25,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy agentspec adapters stores
 
 test: lint
-	$(VENV)/bin/pytest -q -ra -n 2 --timeout=900 --durations=30
+	$(VENV)/bin/pytest -q -ra -n 2 --dist worksteal --timeout=900 --durations=30
 
 demo: $(STAMP)
 	$(VENV)/bin/agentspec demo

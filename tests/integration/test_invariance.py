@@ -2,13 +2,14 @@
 
 No drafter, memory row (poisoned too), tree shape, draft length or earlier call (prefix reuse)
 changes a single token: every generation below equals plain decoding without prefix reuse,
-greedy and seeded-sampled. And every row of a verification forward equals, bitwise, the same
-row scored alone.
+greedy and seeded-sampled, in bf16 (the dtype where a rounding difference flips tokens; fp32
+outputs are checked the same way by test_untrusted_drafts.py and test_memory_exactness.py).
+And every row of a verification forward equals, bitwise, the same row scored alone (both).
 
-The same file shows that the check can fail: a target whose forwards take the draft's own
+The same file shows that the checks can fail: a target whose forwards take the draft's own
 width (``widths`` 1..64, the dynamic shapes of the engine before fixed widths) on the model's
-own CPU bf16 products computes rows in other orders, and its speculative output differs from
-its plain output.
+own CPU bf16 products computes rows in other orders; a target whose verification rows are
+one bf16 step off here and there changes outputs.
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def _outputs(spec: Speculator, **kw) -> list[tuple[int, ...]]:
             for i, p in enumerate(PROMPTS)]
 
 
-@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+@pytest.mark.parametrize("dtype_name", ["bf16"])  # fp32: test_untrusted_drafts, test_memory_exactness
 def test_no_draft_changes_the_output(dtype_name, tmp_path):
     refs = _reference(dtype_name)
     encode = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST).encode
