@@ -4,11 +4,13 @@ Two pieces:
 
 - :class:`FixedKV`: per-layer key and value buffers of a fixed capacity (static addresses, so a
   forward can be captured as a CUDA graph). A forward writes its rows at the slots in
-  ``FixedKV.slots`` (a device tensor) and attends over all ``capacity`` rows through its mask:
-  rows past the committed length hold stale values that the mask hides. Rolling back a chain is
+  ``FixedKV.slots`` (a device tensor) and attends through its mask (a captured graph over all
+  ``capacity`` rows, an eager forward over the blocks up to its last row): rows past the
+  committed length hold stale values that the mask hides. Rolling back a chain is
   moving the committed length; nothing is copied.
-- ``agentspec_sdpa`` attention: for the masked forwards of the engine, attention as plain
-  products in float32 (every query row computed alike, wherever it sits in its forward),
+- ``agentspec_sdpa`` attention: for the masked forwards of the engine, attention as products
+  in float32 reduced in fixed blocks of keys (every query row computed alike, wherever it sits
+  in its forward and however long the KV),
   reading grouped key/value heads once per group instead of copying the whole fixed-capacity
   KV with ``repeat_kv``.
   :func:`verifying_attention` switches a model to it for one forward and back, so a model
@@ -16,8 +18,8 @@ Two pieces:
 
 Why fixed shapes: a row's logits must not depend on how many other rows its forward had, or
 on how long the KV was, or drafts would change outputs (see ``docs/architecture.md``). With
-the KV at a fixed capacity and the query width from one measured reduction class, every row
-meets the same kernels in the same order, whatever the draft (``tests/integration/test_invariance.py``).
+attention reduced in fixed key blocks and the query width from one measured reduction class,
+every row meets the same kernels in the same order, whatever the draft (``tests/integration/test_invariance.py``).
 """
 
 from __future__ import annotations

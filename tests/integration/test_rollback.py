@@ -20,15 +20,19 @@ from .helpers import CheckingTarget, OracleTreeDrafter
 ATOL = 1e-3
 
 
+def _oracle_tree(spec, target, prompt, max_new: int):
+    """Plain decoding's output, and a Speculator on ``target`` whose trees hide it off the spine."""
+    reference = list(Speculator(spec.target, speculate=False).generate(prompt, max_new).token_ids)
+    return reference, Speculator(target, drafters=[OracleTreeDrafter(reference, target.vocab_size)],
+                                 cost=DEFAULT_COST)
+
+
 @pytest.mark.slow
 def test_rollback_chains_and_trees(spec):
     target = CheckingTarget(spec.target.model, spec.target.tokenizer, atol=ATOL)
-    prompt = GROUNDED[2]
-    reference = list(Speculator(spec.target, speculate=False).generate(prompt, 12).token_ids)
     # Trees whose accepted path skips nodes, then prompt-lookup chains, then sampling.
-    tree = Speculator(target, drafters=[OracleTreeDrafter(reference, target.vocab_size)],
-                     cost=DEFAULT_COST)
-    assert list(tree.generate(prompt, 12).token_ids) == reference
+    reference, tree = _oracle_tree(spec, target, GROUNDED[2], 12)
+    assert list(tree.generate(GROUNDED[2], 12).token_ids) == reference
     Speculator(target, cost=DEFAULT_COST).generate(GROUNDED[1], 12)
     Speculator(target, cost=DEFAULT_COST).generate(GROUNDED[1], 8, sampling=SamplingParams(temperature=1.0, seed=3))
     assert target.checked_rows >= 30
@@ -68,9 +72,6 @@ class _NoRollback(CheckingTarget):
 @pytest.mark.slow
 def test_a_target_that_keeps_rejected_rows_fails_the_check(spec):
     target = _NoRollback(spec.target.model, spec.target.tokenizer, atol=ATOL)
-    prompt = GROUNDED[2]
-    reference = list(Speculator(spec.target, speculate=False).generate(prompt, 6).token_ids)
-    tree = Speculator(target, drafters=[OracleTreeDrafter(reference, target.vocab_size)],
-                      cost=DEFAULT_COST)
+    _, tree = _oracle_tree(spec, target, GROUNDED[2], 6)
     with pytest.raises(AssertionError, match="not close"):
-        tree.generate(prompt, 6)
+        tree.generate(GROUNDED[2], 6)
