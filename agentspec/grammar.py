@@ -26,11 +26,13 @@ from __future__ import annotations
 import functools
 import json
 import re
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from agentspec.tree import common_prefix_len, spine_length
@@ -199,8 +201,11 @@ def _tool_spec(tool: Any, index: int) -> tuple[str, dict[str, Any]]:
 
 
 def compiled(spec: Mapping[str, Any]) -> Grammar:
-    """:meth:`Grammar.from_spec`, compiled once per distinct spec (a process-wide cache)."""
-    return _compiled(json.dumps(spec, sort_keys=True))
+    """:meth:`Grammar.from_spec`, compiled once per distinct spec (a process-wide cache).
+
+    The cache key keeps the spec's key order: a schema's ``properties`` order is the order the
+    grammar writes them in (a key-sorted copy would put ``punchline`` before ``setup``)."""
+    return _compiled(json.dumps(spec))
 
 
 @functools.lru_cache(maxsize=256)
@@ -230,7 +235,12 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> Any
 
 def unpack_bits(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """llguidance's bitmask ``[rows, ceil(vocab / 32)]`` int32 -> bool ``[rows, vocab_size]``
-    (True = allowed), on the bitmask's device."""
+    (True = allowed), on the bitmask's device. Bit ``t & 31`` of word ``t >> 5`` is token t."""
+    if bits.device.type == "cpu" and sys.byteorder == "little":
+        # numpy unpacks bytes in one pass (~10x the shift-and-mask below on a 49k vocabulary);
+        # int32 words are little-endian here, so byte b of word w holds tokens 32w+8b..+7.
+        flat = np.unpackbits(bits.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
+        return torch.from_numpy(flat[:, :vocab_size]).view(torch.bool)
     shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
     allowed = (bits.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]
     return allowed.view(bits.shape[0], -1)[:, :vocab_size].bool()
