@@ -87,6 +87,8 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
                           generator, grammar, grammar_drafts)
     finally:
         guarded.end(context)
+        if grammar is not None:
+            grammar.close()  # its matcher serves the next call of the same grammar
 
 
 def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: SamplingParams,

@@ -27,6 +27,7 @@ import functools
 import json
 import re
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,11 +70,16 @@ class Grammar:
         kind: ``"json_schema"``, ``"tool_calls"``, ``"regex"`` or ``"lark"``.
         spec: llguidance's grammar text (what the matcher compiles).
         tools: for ``tool_calls``, the names of the tools a call may name.
+        or_text: the output is either text valid under ``spec`` or free text that does not
+            start like JSON (its first character is none of ``{``, ``[`` or whitespace): the
+            first token decides which, and after a text start nothing is constrained
+            (``tool_calls`` with ``choice="auto"``).
     """
 
     kind: str
     spec: str = field(repr=False)
     tools: tuple[str, ...] = ()
+    or_text: bool = False
 
     def __post_init__(self) -> None:
         llg = _llguidance()
@@ -145,12 +151,11 @@ class Grammar:
         schema = {"type": "array", "items": one, "minItems": 1} if as_list else one
         schema = {**schema, "x-guidance": JSON_LAYOUT}
         llg = _llguidance()
-        if choice != "auto":
-            return cls("tool_calls", llg.LLMatcher.grammar_from_json_schema(schema), tuple(names))
-        # Text may not start with what a call starts with, so a reply is one or the other.
-        lark = (f"start: call | TEXT\ncall: %json {json.dumps(schema)}\n"
-                "TEXT: /[^{\\[\\s][\\s\\S]*/\n")
-        return cls("tool_calls", llg.LLMatcher.grammar_from_lark(lark), tuple(names))
+        # "auto": a call, or text that may not start like one (see ``or_text``). Not one Lark
+        # grammar ``call | TEXT``: masking free text through a lexer walks the whole vocabulary
+        # every token (~0.1-0.3 ms each here), for a mask that allows everything.
+        return cls("tool_calls", llg.LLMatcher.grammar_from_json_schema(schema), tuple(names),
+                   or_text=choice == "auto")
 
     @classmethod
     def regex(cls, pattern: str) -> Grammar:
@@ -215,22 +220,71 @@ def _compiled(spec_json: str) -> Grammar:
 
 # -- the tokenizer bridge ----------------------------------------------------------------------
 
-_TOKENIZERS: dict[tuple[int, int, tuple[int, ...]], tuple[Any, Any]] = {}
+_TOKENIZERS: dict[tuple[int, int, tuple[int, ...], bool], tuple[Any, Any]] = {}
+_LOCK = threading.Lock()
+# The first character of free text under ``or_text``: anything but what JSON starts with.
+TEXT_START = "start: TEXT\nTEXT: /[^{\\[\\s][\\s\\S]*/\n"
+POOL_SIZE = 8  # idle matchers kept per grammar
 
 
-def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> Any:
+def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], *,
+                 json_slices: bool = False) -> Any:
     """llguidance's view of a Hugging Face tokenizer (built once, ~1 s; cached per tokenizer).
 
     ``vocab_size`` is the model's logit width; ``eos_ids`` are the tokens that end a
-    generation, allowed exactly where the grammar is complete."""
+    generation, allowed exactly where the grammar is complete. ``json_slices``: llguidance's
+    vocabulary slices tuned for JSON strings (its mask ~1.5x faster on tool calls here; the
+    slices are an optimisation and never change a mask)."""
     eos = tuple(sorted(eos_ids))
-    key = (id(tokenizer), vocab_size, eos)
-    hit = _TOKENIZERS.get(key)
+    key = (id(tokenizer), vocab_size, eos, json_slices)
+    with _LOCK:
+        hit = _TOKENIZERS.get(key)
     if hit is None or hit[0] is not tokenizer:
         llg = _llguidance()
         made = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos) or None)
-        hit = _TOKENIZERS[key] = (tokenizer, made)
+        if json_slices:
+            made = made.with_slices(llg.LLTokenizer.json_slices())
+        with _LOCK:
+            hit = _TOKENIZERS[key] = (tokenizer, made)
     return hit[1]
+
+
+class _Compiled:
+    """One grammar on one tokenizer, shared by the requests that use it: idle matchers (a new
+    one costs ~5 ms to build, and a used one has warm lexer caches) and the mask of the empty
+    output, which every request starts with."""
+
+    def __init__(self, ll_tok: Any, spec: str) -> None:
+        self.ll_tok, self.spec = ll_tok, spec
+        self.idle: list[Any] = []
+        self.initial: torch.Tensor | None = None  # int32 [words]
+
+    def take(self) -> Any:
+        with _LOCK:
+            if self.idle:
+                return self.idle.pop()
+        return _llguidance().LLMatcher(self.ll_tok, self.spec, log_level=0)
+
+    def give_back(self, matcher: Any) -> None:
+        if matcher.is_error() or not matcher.reset():
+            return
+        with _LOCK:
+            if len(self.idle) < POOL_SIZE:
+                self.idle.append(matcher)
+
+
+_SHARED: dict[tuple[int, str], _Compiled] = {}
+
+
+def _shared(ll_tok: Any, spec: str) -> _Compiled:
+    key = (id(ll_tok), spec)  # ll_tok lives in _TOKENIZERS, so its id is not reused
+    with _LOCK:
+        hit = _SHARED.get(key)
+        if hit is None:
+            if len(_SHARED) >= 256:  # a process that builds grammars without end: start over
+                _SHARED.clear()
+            hit = _SHARED[key] = _Compiled(ll_tok, spec)
+    return hit
 
 
 def unpack_bits(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -248,7 +302,8 @@ def unpack_bits(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 class GrammarState:
     """One request's grammar matcher: masks for draft rows, forced tokens, and the committed
-    state (advanced by :meth:`advance` with each step's tokens).
+    state (advanced by :meth:`advance` with each step's tokens). :meth:`close` hands the
+    matcher back for the next request of the same grammar.
 
     Args:
         grammar: the constraint.
@@ -260,29 +315,59 @@ class GrammarState:
 
     def __init__(self, grammar: Grammar, tokenizer: Any, *, vocab_size: int,
                  eos_ids: Sequence[int], device: torch.device | str = "cpu") -> None:
-        llg = _llguidance()
         self.grammar = grammar
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self.matcher = llg.LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar.spec,
-                                     log_level=0)
+        ll_tok = ll_tokenizer(tokenizer, vocab_size, eos_ids,
+                              json_slices=grammar.kind in ("json_schema", "tool_calls"))
+        self._shared = _shared(ll_tok, grammar.spec)
+        self.matcher = self._shared.take()
         self._check()
         # Stop tokens are checked against masks but never consumed: llguidance cannot roll a
         # matcher back over the end of its grammar, and nothing follows a stop token anyway.
         self.eos = frozenset(int(t) for t in eos_ids)
         self._words = (vocab_size + 31) // 32
+        # "grammar": the matcher decides; "undecided": an or_text grammar before its first
+        # token (which may start text or the grammar's output); "text": free from here on.
+        self.mode = "undecided" if grammar.or_text else "grammar"
+        self._text_start = self._initial(_shared(ll_tok, _text_start_spec())) \
+            if grammar.or_text else None
+        self._committed = 0  # committed tokens the matcher holds
         self._bits = torch.zeros((1, self._words), dtype=torch.int32)  # grown on demand
         self.mask_seconds: list[float] = []  # per computed row, when timing (see the bench)
         self.timing = False
+
+    def close(self) -> None:
+        """Hand the matcher back to this grammar's pool (reset); the state is spent."""
+        if self.matcher is not None:
+            self._shared.give_back(self.matcher)
+            self.matcher = None
 
     def _check(self) -> None:
         if self.matcher.is_error():
             raise GrammarError(f"the {self.grammar.kind} grammar failed: {self.matcher.get_error()}")
 
+    def _initial(self, shared: _Compiled) -> torch.Tensor:
+        """The mask of a grammar's empty output (computed once per grammar and tokenizer)."""
+        if shared.initial is None:
+            matcher = shared.take()
+            bits = torch.zeros(self._words, dtype=torch.int32)
+            matcher.unsafe_compute_mask_ptr(bits.data_ptr(), self._words * 4)
+            if matcher.is_error():
+                raise GrammarError(f"the {self.grammar.kind} grammar failed: {matcher.get_error()}")
+            shared.give_back(matcher)
+            shared.initial = bits
+        return shared.initial
+
     def _fill(self, row: int) -> None:
         v = self._bits[row]
         started = time.perf_counter() if self.timing else 0.0
-        self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), self._words * 4)
+        if row == 0 and self._committed == 0:  # every request starts here: computed once
+            v.copy_(self._initial(self._shared))
+            if self._text_start is not None and self.mode == "undecided":
+                v.bitwise_or_(self._text_start)
+        else:
+            self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), self._words * 4)
         if self.timing:
             self.mask_seconds.append(time.perf_counter() - started)
         self._check()
@@ -292,12 +377,20 @@ class GrammarState:
             return False
         return bool((int(self._bits[row, token >> 5]) >> (token & 31)) & 1)
 
-    def allowed_now(self) -> torch.Tensor:
-        """Mask of the committed state: bool ``[1, vocab_size]`` on the device."""
+    def _starts_text(self, token: int) -> bool:
+        """An or_text grammar's first token that begins free text (never the grammar's: text
+        may not start like JSON, and JSON starts with ``{`` or ``[``)."""
+        bits = self._text_start
+        return bits is not None and 0 <= token < self.vocab_size \
+            and bool((int(bits[token >> 5]) >> (token & 31)) & 1)
+
+    def allowed_now(self) -> torch.Tensor | None:
+        """Mask of the committed state: bool ``[1, vocab_size]`` on the device, or None where
+        nothing is constrained any more (free text)."""
         return self.constrain(Draft(), room=0, max_nodes=0, force=False)[1]
 
     def constrain(self, draft: Draft, *, room: int, max_nodes: int,
-                  force: bool = True) -> tuple[Draft, torch.Tensor]:
+                  force: bool = True) -> tuple[Draft, torch.Tensor | None]:
         """The draft cut to what the grammar allows, extended by forced tokens, with the mask
         of every row to score.
 
@@ -316,26 +409,33 @@ class GrammarState:
         Returns:
             ``(draft, allowed)``: ``allowed`` is bool ``[num_nodes + 1, vocab_size]`` on the
             device, row 0 the mask after the committed tokens, row ``i + 1`` after node ``i``
-            (rows off the spine, whose samples never decide a token, allow everything).
+            (rows off the spine, whose samples never decide a token, allow everything); None
+            once an or_text grammar's output has started as free text.
         """
+        if self.mode == "text":
+            return draft, None
         spine = min(spine_length(draft.parents), room, max_nodes)
         self._grow(max(spine, room if force else 0, max_nodes) + 1)
         self._fill(0)
         consumed = 0  # spine nodes kept; the matcher holds all of them but a final stop token
         ended = False
+        free = False  # the spine's first token starts free text: nothing after it is masked
         for node in range(spine):
             token = draft.token_ids[node]
-            if not self._allows(node, token):
+            if not (free or self._allows(node, token)):
                 break
             if token in self.eos:  # kept as the spine's last node; its row decides nothing
                 consumed, ended = consumed + 1, True
                 break
+            if free or (node == 0 and self._starts_text(token)):
+                consumed, free = consumed + 1, True
+                continue
             if not self.matcher.consume_token(token):
                 break
             consumed += 1
             self._fill(consumed)
         forced: list[int] = []
-        if force and not ended and not self.matcher.is_stopped():
+        if force and not ended and not free and not self.matcher.is_stopped():
             limit = min(room, max_nodes) - consumed
             for token in self.matcher.compute_ff_tokens()[:max(limit, 0)]:
                 if not self._allows(consumed + len(forced), token) or not self.matcher.consume_token(token):
@@ -344,18 +444,21 @@ class GrammarState:
                 self._fill(consumed + len(forced))
         spine_ids = [*draft.token_ids[:consumed], *forced]
         sources = [draft.source_of(i) for i in range(consumed)] + [GRAMMAR_SOURCE] * len(forced)
-        # Alternatives: children of the root or of a kept spine node that the parent's mask allows.
+        # Alternatives: children of the root or of a kept spine node that the parent's mask
+        # allows (after a free-text start every mask allows everything).
         alternatives = [i for i in range(spine_length(draft.parents), draft.num_nodes)
                         if draft.parents[i] < consumed - ended
-                        and self._allows(draft.parents[i] + 1, draft.token_ids[i])]
+                        and ((free and draft.parents[i] >= 0)
+                             or self._allows(draft.parents[i] + 1, draft.token_ids[i]))]
         alternatives = [i for i in alternatives if not (draft.parents[i] == consumed - 1
                                                         and forced and draft.token_ids[i] == forced[0])]
         alternatives = alternatives[:max(max_nodes - len(spine_ids), 0)]
-        walked = consumed - ended + len(forced)  # tokens the matcher consumed
-        rows = 1 + walked  # rows with their own mask (after a stop token: all allowed)
-        if not forced and not ended and alternatives \
+        walked = 0 if free else consumed - ended + len(forced)  # tokens the matcher consumed
+        rows = 1 + walked  # rows with their own mask (after a stop token or free text: all allowed)
+        if not forced and not ended and not free and alternatives \
                 and draft.parents[alternatives[0]] == consumed - 1 \
-                and draft.token_ids[alternatives[0]] not in self.eos:
+                and draft.token_ids[alternatives[0]] not in self.eos \
+                and not (consumed == 0 and self._starts_text(draft.token_ids[alternatives[0]])):
             # The first alternative now continues the spine (its node follows the spine's
             # end): its row decides the step's next token, so it gets its own mask too.
             if self.matcher.consume_token(draft.token_ids[alternatives[0]]):
@@ -391,15 +494,41 @@ class GrammarState:
     def advance(self, tokens: Sequence[int]) -> None:
         """Commit a step's tokens (each one allowed: they were drawn from masked rows)."""
         for token in tokens:
-            if self.matcher.is_stopped() or int(token) in self.eos:
+            token = int(token)
+            if self.mode == "text":
+                return
+            if self.mode == "undecided":
+                if self._starts_text(token):
+                    self.mode = "text"
+                    return
+                self.mode = "grammar"
+            if self.matcher.is_stopped() or token in self.eos:
                 return  # the stop token that ends the output
-            if not self.matcher.consume_token(int(token)):
+            if not self.matcher.consume_token(token):
                 self._check()
+            self._committed += 1
+
+    def rollback(self, count: int) -> None:
+        """Undo the last ``count`` committed tokens (ones the matcher holds: not a stop token,
+        not free text)."""
+        if not 0 <= count <= self._committed:
+            raise ValueError(f"can roll back 0..{self._committed} committed tokens, got {count}")
+        if count:
+            self.matcher.rollback(count)
+            self._check()
+            self._committed -= count
+            if self._committed == 0 and self.grammar.or_text:
+                self.mode = "undecided"
 
     @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more but a stop token."""
-        return self.matcher.is_stopped()
+        return self.mode != "text" and self.matcher.is_stopped()
+
+
+@functools.lru_cache(maxsize=1)
+def _text_start_spec() -> str:
+    return _llguidance().LLMatcher.grammar_from_lark(TEXT_START)
 
 
 class GrammarLogitsProcessor:
@@ -414,26 +543,34 @@ class GrammarLogitsProcessor:
 
     def __init__(self, grammar: Grammar, tokenizer: Any, *, vocab_size: int,
                  eos_ids: Sequence[int], prompt_len: int) -> None:
-        self.state = GrammarState(grammar, tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
+        self._args = (grammar, tokenizer, vocab_size, tuple(eos_ids))
+        self.state = self._fresh()
         self.prompt_len = prompt_len
         self.consumed: list[int] = []
+
+    def _fresh(self) -> GrammarState:
+        grammar, tokenizer, vocab_size, eos_ids = self._args
+        return GrammarState(grammar, tokenizer, vocab_size=vocab_size, eos_ids=eos_ids)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[0] != 1:
             raise ValueError(f"GrammarLogitsProcessor takes batch size 1, got {input_ids.shape[0]}")
-        # Assisted generation (prompt lookup) calls with candidate prefixes it may reject:
-        # roll back to the common prefix, then consume the rest.
+        # Assisted generation (prompt lookup) calls with candidate prefixes it may reject: on
+        # a rejected token start over from a pooled matcher and consume the kept prefix.
         generated = input_ids[0, self.prompt_len:].tolist()
         keep = common_prefix_len(self.consumed, generated)
         if keep < len(self.consumed):
-            self.state.matcher.rollback(len(self.consumed) - keep)
-            del self.consumed[keep:]
-        for token in generated[keep:]:
-            if not self.state.matcher.consume_token(int(token)):
-                raise GrammarError(f"generate produced token {token} the grammar forbids: "
-                                   f"{self.state.matcher.get_error()}")
-            self.consumed.append(int(token))
-        allowed = self.state.allowed_now().to(scores.device)  # [1, vocab_size]
+            self.state.close()
+            self.state, self.consumed, keep = self._fresh(), [], 0
+        try:
+            self.state.advance(generated[keep:])
+        except GrammarError as exc:
+            raise GrammarError(f"generate produced tokens the grammar forbids: {exc}") from exc
+        self.consumed = generated
+        allowed = self.state.allowed_now()  # [1, vocab_size] or None: free text
+        if allowed is None:
+            return scores
+        allowed = allowed.to(scores.device)
         width = min(scores.shape[-1], allowed.shape[-1])
         out = scores.clone()
         out[:, :width] = scores[:, :width].masked_fill(~allowed[:, :width], float("-inf"))

@@ -140,3 +140,71 @@ def test_seeded_sample_does_not_depend_on_drafts(spec: Speculator, poisoned: Spe
     plain = Speculator(spec.target.fork(), speculate=False).generate(prompt, MAX_NEW, sampling=sampling)
     for other in (spec, poisoned):
         assert other.generate(prompt, MAX_NEW, sampling=sampling).token_ids == plain.token_ids
+
+
+def _mask(matcher: Any, vocab_size: int) -> torch.Tensor:
+    from agentspec.grammar import unpack_bits
+
+    bits = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
+    matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.shape[1] * 4)
+    return unpack_bits(bits, vocab_size)
+
+
+def test_auto_is_the_union_of_a_call_and_free_text(spec: Speculator) -> None:
+    """choice="auto" at the first token allows what the call grammar allows plus every token
+    the one Lark grammar ``call | TEXT`` allows as a text start; after a text start nothing
+    is masked, after a call start the call's mask applies."""
+    import llguidance
+
+    from agentspec.grammar import TEXT_START, GrammarState, ll_tokenizer
+
+    vocab, eos = spec.target.vocab_size, sorted(spec.stop_token_ids)
+    auto, required = Grammar.tool_calls(TOOLS, choice="auto"), Grammar.tool_calls(TOOLS)
+    call_schema = json.loads(required.spec)["grammars"][0]["json_schema"]
+    lark = (f"start: call | TEXT\ncall: %json {json.dumps(call_schema)}\n"
+            "TEXT: /[^{\\[\\s][\\s\\S]*/\n")
+    ll_tok = ll_tokenizer(spec.tokenizer, vocab, eos)
+    union = llguidance.LLMatcher(ll_tok, llguidance.LLMatcher.grammar_from_lark(lark), log_level=0)
+    text = _mask(llguidance.LLMatcher(ll_tok, llguidance.LLMatcher.grammar_from_lark(TEXT_START),
+                                      log_level=0), vocab)
+    call_only = GrammarState(required, spec.tokenizer, vocab_size=vocab, eos_ids=eos).allowed_now()
+    state = GrammarState(auto, spec.tokenizer, vocab_size=vocab, eos_ids=eos)
+    first = state.allowed_now()
+    assert torch.equal(first & text, _mask(union, vocab) & text)  # text starts: as the union
+    assert torch.equal(first & ~text, call_only)  # call starts: the call grammar's own mask
+    assert not (first & ~_mask(union, vocab)).any()
+    assert not torch.equal(call_only, first)  # a mask without the text part fails the check
+    brace = spec.tokenizer.encode('{"', add_special_tokens=False)
+    state.advance(brace)
+    union.consume_tokens(brace)
+    assert torch.equal(state.allowed_now(), _mask(union, vocab))
+    state.rollback(len(brace))
+    state.advance(spec.tokenizer.encode("Hello", add_special_tokens=False))
+    assert state.allowed_now() is None and not state.done
+
+
+def test_json_slices_and_pooled_matchers_do_not_change_a_mask(spec: Speculator) -> None:
+    """Masks along real calls are the same with llguidance's JSON slices, without slices, and
+    from a matcher reused by a second request."""
+    import llguidance
+
+    from agentspec.grammar import GrammarState, ll_tokenizer
+
+    vocab, eos = spec.target.vocab_size, sorted(spec.stop_token_ids)
+    grammar = Grammar.tool_calls(TOOLS, as_list=True)
+    plain = llguidance.LLMatcher(ll_tokenizer(spec.tokenizer, vocab, eos).with_slices([]),
+                                 grammar.spec, log_level=0)
+    text = ('[{"name": "get_weather", "arguments": {"city": "São Paulo \\"centro\\"", '
+            '"unit": "celsius"}}, {"name": "magic_function", "arguments": {"input": -12}}]')
+    ids = spec.tokenizer.encode(text, add_special_tokens=False)
+    first = GrammarState(grammar, spec.tokenizer, vocab_size=vocab, eos_ids=eos)
+    matcher = first.matcher
+    first.advance(ids[:5])
+    first.close()
+    second = GrammarState(grammar, spec.tokenizer, vocab_size=vocab, eos_ids=eos)
+    assert second.matcher is matcher  # from the pool, reset
+    for token in ids:
+        assert torch.equal(second.allowed_now(), _mask(plain, vocab))
+        second.advance([token])
+        assert plain.consume_token(token)
+    assert second.done

@@ -142,9 +142,9 @@ def exact_distribution(target: TableTarget) -> dict[tuple[int, ...], float]:
             if token == EOS:
                 out[seq] = out.get(seq, 0.0) + p
                 continue
-            state.matcher.consume_token(token)
+            state.advance([token])
             visit(seq + (token,), p)
-            state.matcher.rollback(1)
+            state.rollback(1)
 
     visit((), 1.0)
     return out
