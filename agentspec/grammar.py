@@ -257,7 +257,15 @@ class _Compiled:
     def __init__(self, ll_tok: Any, spec: str) -> None:
         self.ll_tok, self.spec = ll_tok, spec
         self.idle: list[Any] = []
-        self.initial: torch.Tensor | None = None  # int32 [words]
+        # The masks of the outputs seen so far, by token path: [mask or None, children]. A
+        # mask is a function of the grammar and the tokens consumed, and calls of one tool set
+        # share their skeleton (``[{"name": "``, a tool's name, its keys), which costs the
+        # most to mask (the choice points); so every call after the first reads them here.
+        self.root: list[Any] = [None, {}]
+
+    @property
+    def initial(self) -> torch.Tensor | None:
+        return self.root[0]
 
     def take(self) -> Any:
         with _LOCK:
@@ -274,6 +282,18 @@ class _Compiled:
 
 
 _SHARED: dict[tuple[int, str], _Compiled] = {}
+MASK_CACHE_BYTES = 64 << 20  # all grammars' cached masks together, at most
+_cached_bytes = 0
+
+
+def _child(node: list[Any] | None, token: int) -> list[Any] | None:
+    """The trie node after ``token`` (made on first use), or None past the cache's budget."""
+    if node is None:
+        return None
+    hit = node[1].get(token)
+    if hit is None and _cached_bytes < MASK_CACHE_BYTES:
+        hit = node[1].setdefault(token, [None, {}])
+    return hit
 
 
 def _shared(ll_tok: Any, spec: str) -> _Compiled:
@@ -282,7 +302,9 @@ def _shared(ll_tok: Any, spec: str) -> _Compiled:
         hit = _SHARED.get(key)
         if hit is None:
             if len(_SHARED) >= 256:  # a process that builds grammars without end: start over
+                global _cached_bytes
                 _SHARED.clear()
+                _cached_bytes = 0
             hit = _SHARED[key] = _Compiled(ll_tok, spec)
     return hit
 
@@ -333,6 +355,7 @@ class GrammarState:
         self._text_start = self._initial(_shared(ll_tok, _text_start_spec())) \
             if grammar.or_text else None
         self._committed = 0  # committed tokens the matcher holds
+        self._path: list[list[Any] | None] = [self._shared.root]  # trie node per committed prefix
         self._bits = torch.zeros((1, self._words), dtype=torch.int32)  # grown on demand
         self.mask_seconds: list[float] = []  # per computed row, when timing (see the bench)
         self.timing = False
@@ -356,21 +379,27 @@ class GrammarState:
             if matcher.is_error():
                 raise GrammarError(f"the {self.grammar.kind} grammar failed: {matcher.get_error()}")
             shared.give_back(matcher)
-            shared.initial = bits
-        return shared.initial
+            shared.root[0] = bits
+        return shared.root[0]
 
-    def _fill(self, row: int) -> None:
+    def _fill(self, row: int, node: list[Any] | None) -> None:
+        """Row ``row``'s mask: the matcher's current state, whose trie node is ``node``."""
+        global _cached_bytes
         v = self._bits[row]
         started = time.perf_counter() if self.timing else 0.0
-        if row == 0 and self._committed == 0:  # every request starts here: computed once
-            v.copy_(self._initial(self._shared))
-            if self._text_start is not None and self.mode == "undecided":
-                v.bitwise_or_(self._text_start)
+        cached = None if node is None else node[0]
+        if cached is not None:
+            v.copy_(cached)
         else:
             self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), self._words * 4)
+            self._check()
+            if node is not None:
+                node[0] = v.clone()
+                _cached_bytes += self._words * 4
+        if row == 0 and self.mode == "undecided":  # or a text start
+            v.bitwise_or_(self._text_start)
         if self.timing:
             self.mask_seconds.append(time.perf_counter() - started)
-        self._check()
 
     def _allows(self, row: int, token: int) -> bool:
         if not 0 <= token < self.vocab_size:
@@ -416,7 +445,8 @@ class GrammarState:
             return draft, None
         spine = min(spine_length(draft.parents), room, max_nodes)
         self._grow(max(spine, room if force else 0, max_nodes) + 1)
-        self._fill(0)
+        trie = self._path[-1]  # the trie node of the matcher's state
+        self._fill(0, trie)
         consumed = 0  # spine nodes kept; the matcher holds all of them but a final stop token
         ended = False
         free = False  # the spine's first token starts free text: nothing after it is masked
@@ -433,7 +463,8 @@ class GrammarState:
             if not self.matcher.consume_token(token):
                 break
             consumed += 1
-            self._fill(consumed)
+            trie = _child(trie, token)
+            self._fill(consumed, trie)
         forced: list[int] = []
         if force and not ended and not free and not self.matcher.is_stopped():
             limit = min(room, max_nodes) - consumed
@@ -441,7 +472,8 @@ class GrammarState:
                 if not self._allows(consumed + len(forced), token) or not self.matcher.consume_token(token):
                     break
                 forced.append(token)
-                self._fill(consumed + len(forced))
+                trie = _child(trie, token)
+                self._fill(consumed + len(forced), trie)
         spine_ids = [*draft.token_ids[:consumed], *forced]
         sources = [draft.source_of(i) for i in range(consumed)] + [GRAMMAR_SOURCE] * len(forced)
         # Alternatives: children of the root or of a kept spine node that the parent's mask
@@ -461,10 +493,11 @@ class GrammarState:
                 and not (consumed == 0 and self._starts_text(draft.token_ids[alternatives[0]])):
             # The first alternative now continues the spine (its node follows the spine's
             # end): its row decides the step's next token, so it gets its own mask too.
-            if self.matcher.consume_token(draft.token_ids[alternatives[0]]):
+            token = draft.token_ids[alternatives[0]]
+            if self.matcher.consume_token(token):
                 walked += 1
                 rows += 1
-                self._fill(walked)
+                self._fill(walked, _child(trie, token))
         self.matcher.rollback(walked)
         self._check()
         if consumed == draft.num_nodes and not forced:
@@ -482,7 +515,7 @@ class GrammarState:
         allowed = torch.ones((out.num_nodes + 1, self.vocab_size), dtype=torch.bool,
                              device=self.device)
         allowed[:rows] = unpack_bits(self._bits[:rows].to(self.device), self.vocab_size)
-        if not bool(allowed[:rows].any(dim=-1).all()):
+        if not bool(self._bits[:rows].ne(0).any(dim=-1).all()):  # on the packed words: 32x less
             raise GrammarError(f"the {self.grammar.kind} grammar allows no token here "
                                "(its tokenizer does not match the model's vocabulary?)")
         return out, allowed
@@ -507,6 +540,7 @@ class GrammarState:
             if not self.matcher.consume_token(token):
                 self._check()
             self._committed += 1
+            self._path.append(_child(self._path[-1], token))
 
     def rollback(self, count: int) -> None:
         """Undo the last ``count`` committed tokens (ones the matcher holds: not a stop token,
@@ -517,6 +551,7 @@ class GrammarState:
             self.matcher.rollback(count)
             self._check()
             self._committed -= count
+            del self._path[len(self._path) - count:]
             if self._committed == 0 and self.grammar.or_text:
                 self.mode = "undecided"
 

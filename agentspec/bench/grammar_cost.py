@@ -1,18 +1,26 @@
 """``python -m agentspec.bench.grammar_cost``: what a grammar costs per draft node on this CPU.
 
-Walks real tool-call replies (the assistant calls recorded in a BFCL workload, each under its
-line's grammar) through :meth:`agentspec.grammar.GrammarState.constrain` as one draft chain,
-the way the decode loop does, and reports per draft node:
+Walks real tool calls through :meth:`agentspec.grammar.GrammarState.constrain` as one draft
+chain each, the way the decode loop does, and reports per draft node:
 
-- ``mask``: llguidance computing one row's token mask (the matcher's own work);
+- ``mask``: llguidance computing one row's token mask (or the copy of a cached one);
 - ``node``: the whole per-node cost of ``constrain`` (check, consume, mask, roll back, and the
   bits unpacked into the boolean mask the sampler applies), i.e. its time over its rows.
 
+The calls (``--source live``, the default) are the ground-truth answers of BFCL's
+``live_multiple`` requests (real user requests to deployed agents), rendered as this project's
+call lists under a grammar of the request's own tool set. Agent traffic repeats its tool sets,
+so the first half of the calls (in file order) is walked once untimed, as the engine's earlier
+calls would have (matchers pooled, per-grammar caches filled), and the second half is timed,
+each call walked once: no timed call was seen before. ``--source workload`` times the
+assistant calls recorded in a workload's histories instead (few; each walked ``--repeats``
+times after one warm walk).
+
 With ``xgrammar`` installed it also times xgrammar's mask for the same JSON schemas, token by
-token (see :mod:`agentspec.grammar`). With ``--steps`` it also generates every measured line
-of the workload as a tool call (its grammar with ``"choice": "required"``), prompt lookup only,
-with the grammar's forced-token drafts on and off, and reports tokens per target step of each
-(the outputs must be equal). A figure, not a test.
+token. With ``--steps`` it also generates every measured line of the workload as a tool call
+(its grammar with ``"choice": "required"``), prompt lookup only, with the grammar's
+forced-token drafts on and off, and reports tokens per target step of each (the outputs must
+be equal). A figure, not a test.
 """
 
 from __future__ import annotations
@@ -54,52 +62,115 @@ def percentiles(seconds: list[float]) -> dict[str, float]:
             "p99_us": float(np.percentile(us, 99)), "mean_us": float(us.mean())}
 
 
+def _value(options: Any) -> Any:
+    """BFCL's first accepted value of an argument (nested objects hold option lists too)."""
+    value = options[0] if isinstance(options, list) and options else options
+    if isinstance(value, dict):
+        return {k: _value(v) for k, v in value.items() if not _omitted(v)}
+    return value
+
+
+def _omitted(options: Any) -> bool:
+    return isinstance(options, list) and bool(options) and options[0] == ""
+
+
+def live_calls(limit: int | None = None) -> list[tuple[dict[str, Any], str]]:
+    """``(grammar spec, call list)`` for BFCL live_multiple's ground truths, in file order: the
+    request's tool set as a required call list, the answer's arguments in schema order."""
+    from agentspec.bench.bfcl import json_schema_of
+    from agentspec.bench.bfcl_live import data_file, load_entries
+
+    answers_path = data_file().parent / "possible_answer" / data_file().name
+    with answers_path.open(encoding="utf-8") as f:
+        answers = {a["id"]: a["ground_truth"] for a in map(json.loads, filter(str.strip, f))}
+    out = []
+    for entry in load_entries():
+        truth = answers.get(entry["id"])
+        if not truth:
+            continue
+        tools = [{"name": d["name"], "parameters": json_schema_of(d["parameters"])}
+                 for d in entry["function"]]
+        order = {t["name"]: list(t["parameters"].get("properties", {})) for t in tools}
+        calls = []
+        for call in truth:
+            (name, args), = call.items()
+            keys = sorted((k for k in args if not _omitted(args[k])),
+                          key=lambda k: order.get(name, []).index(k) if k in order.get(name, []) else 1 << 30)
+            calls.append({"name": name, "arguments": {k: _value(args[k]) for k in keys}})
+        spec = {"type": "tool_calls", "tools": tools, "choice": "required", "as_list": True}
+        out.append((spec, json.dumps(calls, ensure_ascii=False)))
+    return out[:limit]
+
+
+def _walk(state: GrammarState, ids: list[int]) -> int:
+    """Constrain the reply as one draft chain; the number of its tokens the grammar allows."""
+    out, _ = state.constrain(Draft.chain(ids, "reply"), room=len(ids), max_nodes=len(ids),
+                             force=False)
+    return out.num_nodes
+
+
 def llguidance_cost(tokenizer: Any, vocab_size: int, eos: list[int],
-                    texts: list[tuple[dict[str, Any], str]], repeats: int) -> dict[str, Any]:
+                    texts: list[tuple[dict[str, Any], str]], repeats: int,
+                    held_out: bool) -> dict[str, Any]:
+    """Per-node costs. ``held_out``: the first half warms, the second half is timed once
+    each; else every reply is walked once to warm and ``repeats`` times timed."""
     mask_s: list[float] = []
     node_s: list[float] = []
-    for spec, text in texts:
-        state = GrammarState(compiled(spec), tokenizer, vocab_size=vocab_size, eos_ids=eos)
+    refused = 0
+    half = len(texts) // 2 if held_out else 0
+    for k, (spec, text) in enumerate(texts):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        draft = Draft.chain(ids, "reply")
-        for r in range(repeats + 1):
-            state.timing = r > 0  # the first walk warms the matcher's caches
+        state = GrammarState(compiled(spec), tokenizer, vocab_size=vocab_size, eos_ids=eos)
+        walks = 1 if held_out else repeats + 1
+        for r in range(walks):
+            timed = k >= half if held_out else r > 0
+            state.timing = timed
             state.mask_seconds.clear()
             t0 = time.perf_counter()
-            out, _ = state.constrain(draft, room=len(ids), max_nodes=len(ids), force=False)
+            kept = _walk(state, ids)
             elapsed = time.perf_counter() - t0
-            if r > 0:
+            if kept < len(ids):  # BFCL's answer breaks its own schema (a type, an enum)
+                refused += r == 0
+                break
+            if timed:
                 mask_s.extend(state.mask_seconds)
-                node_s.append(elapsed / (out.num_nodes + 1))
-    return {"mask": percentiles(mask_s), "node": percentiles(node_s)}
+                node_s.append(elapsed / (kept + 1))
+        state.close()
+    return {"mask": percentiles(mask_s), "node": percentiles(node_s), "refused_calls": refused}
 
 
 def xgrammar_cost(tokenizer: Any, vocab_size: int, texts: list[tuple[dict[str, Any], str]],
-                  repeats: int) -> dict[str, Any] | None:
+                  repeats: int, held_out: bool) -> dict[str, Any] | None:
+    """xgrammar's mask for the same calls, on the same protocol as :func:`llguidance_cost`."""
     try:
         import xgrammar
     except ImportError:
         return None
     info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-    compiler = xgrammar.GrammarCompiler(info)
+    compiler = xgrammar.GrammarCompiler(info)  # caches compiled schemas itself
     bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
     mask_s: list[float] = []
-    for spec, text in texts:
+    half = len(texts) // 2 if held_out else 0
+    for k, (spec, text) in enumerate(texts):
         schema = _call_list_schema(spec)
         if schema is None:
             continue
         grammar = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
                                                separators=(", ", ": "))
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        for r in range(repeats + 1):
+        for r in range(1 if held_out else repeats + 1):
+            timed = k >= half if held_out else r > 0
             matcher = xgrammar.GrammarMatcher(grammar)
+            times = []
             for token in ids:
                 t0 = time.perf_counter()
                 matcher.fill_next_token_bitmask(bitmask)
-                if r > 0:
-                    mask_s.append(time.perf_counter() - t0)
+                times.append(time.perf_counter() - t0)
                 if not matcher.accept_token(token):
+                    times = []  # refused by this schema: not a call of it
                     break
+            if timed:
+                mask_s.extend(times)
     return {"mask": percentiles(mask_s)} if mask_s else None
 
 
@@ -142,14 +213,23 @@ def _call_list_schema(spec: dict[str, Any]) -> dict[str, Any] | None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--source", choices=("live", "workload"), default="live",
+                        help="live: BFCL live_multiple's ground-truth calls, first half warm, "
+                             "second half timed once (default); workload: the calls in "
+                             "--workload's histories, each timed --repeats times")
     parser.add_argument("--workload", type=Path, default=data_dir() / "bfcl.jsonl")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--limit", type=int, default=None, help="at most this many live calls")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--steps", action="store_true",
                         help="also tokens per step on required calls, forced drafts on vs off")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
+    for name in ("repeats", "limit", "max_new_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     from transformers import AutoTokenizer
 
     from agentspec.target import load_target
@@ -158,19 +238,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     tokenizer = AutoTokenizer.from_pretrained(target.tokenizer.name_or_path) \
         if not hasattr(target.tokenizer, "backend_tokenizer") else target.tokenizer
     eos = [int(target.tokenizer.eos_token_id)]
-    texts = replies(args.workload)
+    held_out = args.source == "live"
+    texts = live_calls(args.limit) if held_out else replies(args.workload)
     if not texts:
         raise SystemExit(f"no constrained assistant tool calls in {args.workload}")
-    result: dict[str, Any] = {"replies": len(texts),
-              "tokens": statistics.fmean(len(tokenizer(t)["input_ids"]) for _, t in texts),
-              "llguidance": llguidance_cost(tokenizer, target.vocab_size, eos, texts, args.repeats),
-              "xgrammar": xgrammar_cost(tokenizer, target.vocab_size, texts, args.repeats)}
+    result: dict[str, Any] = {
+        "source": args.source, "calls": len(texts),
+        "timed_calls": len(texts) - len(texts) // 2 if held_out else len(texts),
+        "tokens": statistics.fmean(len(tokenizer(t)["input_ids"]) for _, t in texts),
+        "llguidance": llguidance_cost(tokenizer, target.vocab_size, eos, texts, args.repeats,
+                                      held_out),
+        "xgrammar": xgrammar_cost(tokenizer, target.vocab_size, texts, args.repeats, held_out)}
+    print(f"{result['calls']} calls ({args.source}), {result['timed_calls']} timed, "
+          f"{result['tokens']:.1f} tokens each; llguidance refused "
+          f"{result['llguidance']['refused_calls']} (answers outside their own schema)")
     for name in ("llguidance", "xgrammar"):
         figures = result[name]
         if figures is None:
             print(f"{name}: not installed")
             continue
         for what, f in figures.items():
+            if not isinstance(f, dict):
+                continue
             print(f"{name:10s} {what:4s} per draft node: p50 {f['p50_us']:6.1f} us, "
                   f"p99 {f['p99_us']:6.1f} us, mean {f['mean_us']:6.1f} us ({f['n']} nodes)")
     if args.steps:
