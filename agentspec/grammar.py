@@ -396,8 +396,8 @@ class GrammarState:
             if node is not None:
                 node[0] = v.clone()
                 _cached_bytes += self._words * 4
-        if row == 0 and self.mode == "undecided":  # or a text start
-            v.bitwise_or_(self._text_start)
+        if row == 0 and self.mode == "undecided" and self._text_start is not None:
+            v.bitwise_or_(self._text_start)  # or a text start
         if self.timing:
             self.mask_seconds.append(time.perf_counter() - started)
 
