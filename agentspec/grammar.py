@@ -410,7 +410,7 @@ class GrammarState:
         """An or_text grammar's first token that begins free text (never the grammar's: text
         may not start like JSON, and JSON starts with ``{`` or ``[``)."""
         bits = self._text_start
-        return bits is not None and 0 <= token < self.vocab_size \
+        return self.mode == "undecided" and bits is not None and 0 <= token < self.vocab_size \
             and bool((int(bits[token >> 5]) >> (token & 31)) & 1)
 
     def allowed_now(self) -> torch.Tensor | None:
