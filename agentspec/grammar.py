@@ -15,10 +15,10 @@ with probability one, so each costs a row of the forward, never a step.
 
 The matcher is llguidance (MIT, no dependencies): forced-token sequences and rollback are
 primitives of its API, which is exactly what speculation needs. It is not the faster mask on
-this CPU: ``python -m agentspec.bench.grammar_cost`` measured xgrammar's mask at p50 2.9 us /
-p99 15.5 us per draft node against llguidance's 21 us / 325 us on the same BFCL call replies
-(BENCHMARKS.md, "Grammar-constrained decoding"); moving the masks to xgrammar (keeping
-llguidance's forced tokens or computing them from the mask) is open work.
+this CPU even with pooled matchers and masks cached by token path (below): on held-out BFCL
+calls ``python -m agentspec.bench.grammar_cost`` measured xgrammar's mask at p50 2.8 us / p99
+66 us per draft node against llguidance's 17 us / 187 us (BENCHMARKS.md, "Grammar-constrained
+decoding"); moving the masks to xgrammar (keeping llguidance's forced tokens) is open work.
 """
 
 from __future__ import annotations
@@ -251,8 +251,8 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], *,
 
 class _Compiled:
     """One grammar on one tokenizer, shared by the requests that use it: idle matchers (a new
-    one costs ~5 ms to build, and a used one has warm lexer caches) and the mask of the empty
-    output, which every request starts with."""
+    one costs ~5 ms to build, and a used one has warm lexer caches) and the masks computed so
+    far, by token path (the root's is the empty output's, which every request starts with)."""
 
     def __init__(self, ll_tok: Any, spec: str) -> None:
         self.ll_tok, self.spec = ll_tok, spec
@@ -262,10 +262,6 @@ class _Compiled:
         # share their skeleton (``[{"name": "``, a tool's name, its keys), which costs the
         # most to mask (the choice points); so every call after the first reads them here.
         self.root: list[Any] = [None, {}]
-
-    @property
-    def initial(self) -> torch.Tensor | None:
-        return self.root[0]
 
     def take(self) -> Any:
         with _LOCK:
@@ -372,7 +368,7 @@ class GrammarState:
 
     def _initial(self, shared: _Compiled) -> torch.Tensor:
         """The mask of a grammar's empty output (computed once per grammar and tokenizer)."""
-        if shared.initial is None:
+        if shared.root[0] is None:
             matcher = shared.take()
             bits = torch.zeros(self._words, dtype=torch.int32)
             matcher.unsafe_compute_mask_ptr(bits.data_ptr(), self._words * 4)
