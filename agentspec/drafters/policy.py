@@ -26,7 +26,8 @@ DEFAULT_COST_POINTS = ((1, 0.0724), (2, 0.0788), (3, 0.0920), (4, 0.0747), (6, 0
                        (48, 0.2354), (64, 0.2657))
 _TABLE_NODES = 130  # covers the 64-node tree budget and the 64-token depth bound
 # Bumped when the measurement or the engine changes, so older cached curves are measured again.
-COST_CACHE_VERSION = 5  # 5: fixed-width forwards, float32 attention, packed CPU linears
+# 6: interleaved rounds, a non-decreasing curve, one step per forward width.
+COST_CACHE_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -173,15 +174,21 @@ class Acceptance:
         self.misses = self.decay * self.misses + (1.0 if accepted < drafted else 0.0)
 
 
-def measure_cost(target: Any, *, sizes: tuple[int, ...] = (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63),
-                 context: int = 1024,
-                 repeats: int = 3, cache_file: Path | None = None) -> CostModel:
+def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: int = 1024,
+                 repeats: int = 5, cache_file: Path | None = None) -> CostModel:
     """Time the target's forward over ``1 + n`` draft tokens at about ``context`` tokens of KV.
 
     One prefill, then each timed step is rolled back (all drafts rejected), so the context
-    grows by one token per measurement. The fastest of ``repeats`` runs counts (noise from
-    other processes only ever adds time). Cached as JSON in ``cache_file`` (per model
-    fingerprint and device) when given.
+    grows by one token per measurement. ``sizes`` default: the widest draft of each of the
+    target's forward widths (``target.widths``: every draft up to a width costs that width's
+    forward), else a spread of sizes up to 63.
+
+    Noise from other processes only ever adds time, and it comes in bursts. So the sizes are
+    timed in interleaved rounds (a burst slows one round of every size, not every round of
+    one size), each size keeps its fastest round, and a size is never dearer than a larger
+    one (the curve is the running minimum from the right: a forward over more tokens cannot be
+    the cheaper). Cached as JSON in ``cache_file`` (per model fingerprint and device) when
+    given; a cache of another :data:`COST_CACHE_VERSION` is measured again.
     """
     if cache_file is not None and cache_file.exists():
         try:
@@ -193,23 +200,52 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] = (0, 1, 2, 3, 5, 7, 11,
             pass  # a damaged cache file is measured again
     from agentspec.types import Draft, Verdict
 
-    context = max(2, min(context, target.max_context - max(sizes) - len(sizes) * (repeats + 1) - 2))
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    widest = max(sizes) if sizes else 63
+    context = max(2, min(context, target.max_context - widest - (len(sizes) if sizes else 12) * (repeats + 1) - 2))
     prompt = [1 + t % (target.vocab_size - 1) for t in range(context)]
-    target.start(prompt)
-    points: list[tuple[int, float]] = []
-    for n in sizes:
-        draft = Draft.chain([7] * n, "cost") if n else Draft()
-        best = float("inf")
-        for _ in range(repeats + 1):  # the first run warms up
+    target.start(prompt)  # the first forward settles the target's widths (HFTarget.check_widths)
+    widths = tuple(getattr(target, "widths", ()) or ())
+    if sizes is None:
+        sizes = tuple(w - 1 for w in widths) if widths else (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63)
+    sizes = tuple(sorted(set(sizes)))
+    best = {n: float("inf") for n in sizes}
+    for round_ in range(repeats + 1):  # round 0 warms every size up and is not counted
+        for n in sizes:
+            draft = Draft.chain([7] * n, "cost") if n else Draft()
             t0 = time.perf_counter()
             logits = target.score(prompt[-1], draft)
             float(logits[0, 0])  # wait for the device
-            best = min(best, time.perf_counter() - t0)
+            if round_:
+                best[n] = min(best[n], time.perf_counter() - t0)
             target.commit(draft, Verdict((), (), prompt[-1]))
-        points.append((n + 1, best))
-    model = CostModel.fit(points)
+    model = CostModel.fit(cost_points(best, widths))
     if cache_file is not None:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         cache_file.write_text(json.dumps({"version": COST_CACHE_VERSION, "base": model.base,
-                                          "per_token": model.per_token, "points": points}))
+                                          "per_token": model.per_token,
+                                          "points": [list(p) for p in model.points]}))
     return model
+
+
+def cost_points(best: dict[int, float], widths: tuple[int, ...] = ()) -> list[tuple[int, float]]:
+    """``(tokens scored, seconds)`` points from the fastest time per draft size: made
+    non-decreasing (the running minimum from the right), and with ``widths`` a step per width
+    (a point at each end of a width's range, so interpolation stays flat inside it)."""
+    sizes = sorted(best)
+    floor = float("inf")
+    clean: dict[int, float] = {}
+    for n in reversed(sizes):
+        floor = min(floor, best[n])
+        clean[n] = floor
+    if not widths:
+        return [(n + 1, clean[n]) for n in sizes]
+    points: list[tuple[int, float]] = []
+    low = 1
+    for w in widths:
+        inside = [clean[n] for n in sizes if low <= n + 1 <= w]
+        if inside:
+            points += [(low, min(inside))] + ([(w, min(inside))] if w > low else [])
+        low = w + 1
+    return points

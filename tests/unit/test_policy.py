@@ -11,6 +11,7 @@ from agentspec.drafters.policy import (
     Acceptance,
     CostModel,
     best_length,
+    cost_points,
     expected_tokens,
     measure_cost,
 )
@@ -54,8 +55,23 @@ def test_cost_cache_is_used_and_older_versions_are_measured_again(tmp_path):
     cache.write_text(json.dumps({"base": 1.6, "per_token": 0.06, "points": [[1, 1.1]]}))  # v1
     target = _FakeTarget()
     model = measure_cost(target, sizes=(0, 3), context=16, repeats=1, cache_file=cache)
-    assert target.scored == [1, 1, 4, 4] and model.base < 1.0
+    assert target.scored == [1, 4, 1, 4] and model.base < 1.0  # rounds interleave the sizes
     assert json.loads(cache.read_text())["version"] == COST_CACHE_VERSION
+
+
+def test_cost_points_undo_load_bursts_and_step_by_width():
+    # A curve measured while another job ran (seen on this CPU): 8 and 12 tokens took seconds.
+    burst = {0: 0.15, 1: 0.14, 3: 0.12, 7: 5.4, 11: 3.4, 15: 0.16, 31: 0.2, 63: 0.28}
+    points = cost_points(burst)
+    assert [sec for _, sec in points] == sorted(sec for _, sec in points)  # non-decreasing
+    assert dict(points)[8] == 0.16 and dict(points)[1] == 0.12
+    stepped = CostModel.fit(cost_points({1: 0.10, 3: 0.11, 7: 0.12, 15: 0.15}, (2, 4, 8, 16)))
+    assert stepped.seconds(0) == stepped.seconds(1) == 0.10  # one width-2 forward either way
+    assert stepped.seconds(4) == stepped.seconds(7) == 0.12  # 5-8 tokens: the width-8 forward
+    assert stepped.seconds(8) == 0.15
+    # The raw times as points (what the curve was before) keep the burst: a wrong curve.
+    raw = CostModel.fit([(n + 1, sec) for n, sec in sorted(burst.items())])
+    assert raw.seconds(7) > 10 * raw.seconds(15)
 
 
 class _FakeTarget:
