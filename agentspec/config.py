@@ -66,7 +66,8 @@ class SpecConfig:
 
     Attributes:
         max_draft_tokens: upper bound on a draft's depth (tokens along one path).
-        ngram_min / ngram_max: prompt lookup match lengths (in tokens).
+        ngram_min / ngram_max: prompt lookup match lengths (in tokens); one-token matches
+            (``ngram_min`` 1) are drafted only where nothing longer matches.
         max_tree_nodes: node budget when several candidates merge into a tree.
         trees: verify tree drafts where the target's attention can take a tree mask; False
             verifies each step's best chain only.
@@ -77,7 +78,7 @@ class SpecConfig:
     """
 
     max_draft_tokens: int = 64
-    ngram_min: int = 2
+    ngram_min: int = 1
     ngram_max: int = 4
     max_tree_nodes: int = 64
     trees: bool = True

@@ -42,7 +42,7 @@ from agentspec.untrusted import MAX_SCAN, Guarded, sanitize
 # Per-token acceptance before any evidence: remembered completions are usually right, and one
 # that has matched every generated token so far ("memory/follow") almost always.
 PRIORS = {"memory": 0.85, "memory/follow": 0.97, "suffix": 0.6, "prompt_lookup": 0.5,
-          "model": 0.6, "head": 0.5}
+          "prompt_lookup/1": 0.2, "model": 0.6, "head": 0.5}
 # How often a tree's alternative branch is right where the first one was wrong, before evidence.
 ALTERNATIVE_PRIOR = 0.3
 # A skipped drafter is asked again once the skipped steps took this many times its own cost.

@@ -3,6 +3,12 @@
 Sources are the request's own tokens (prompt and generated text) and any extra sequences the
 caller provides (a session's earlier outputs and tool results). The longest n-gram match wins;
 among equal lengths, the request itself, whose most recent occurrence is preferred.
+
+Where no longer n-gram matches, a single token does (``ngram_min`` 1, the default): a weak
+guess, but where a forward's cost is flat over its first few rows (the CPU's narrowest forward
+widths, a GPU's one width) a wrong guess costs nothing and a right one a step. Such proposals
+carry their own acceptance class (:attr:`acceptance_key` ``"prompt_lookup/1"``), so the drafter
+chain sizes them by their own, lower, acceptance and they never dilute the longer matches'.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ class PromptLookupDrafter:
 
     def __init__(self, config: SpecConfig | None = None) -> None:
         self.config = config or SpecConfig()
+        # The acceptance class of the last proposal, read by the drafter chain right after
+        # ``propose`` within the same step: "prompt_lookup/1" for a one-token match.
+        self.acceptance_key = self.name
 
     def _indexes(self, context: DraftContext) -> _Indexes:
         def make() -> _Indexes:
@@ -60,6 +69,7 @@ class PromptLookupDrafter:
         n, seq, start = self.best_match(context)
         if n == 0:
             return EMPTY_DRAFT
+        self.acceptance_key = self.name if n > 1 else f"{self.name}/1"
         # The whole continuation: the drafter chain sizes it from measured costs and acceptance.
         return Draft.chain(seq[start : start + max_tokens], self.name)
 

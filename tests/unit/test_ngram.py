@@ -54,3 +54,18 @@ def test_prompt_lookup_uses_extra_sources():
     ctx = DraftContext(tokens=[50, 60, 70], prompt_len=3, extra_sources=([1, 60, 70, 80, 90],))
     drafter.begin(ctx)
     assert drafter.propose(ctx, max_tokens=5).token_ids == (80, 90)
+
+
+def test_one_token_matches_only_where_nothing_longer_does_and_in_their_own_class():
+    drafter = PromptLookupDrafter()
+    longer = DraftContext(tokens=[1, 2, 3, 9, 2, 4, 1, 2], prompt_len=8)
+    drafter.begin(longer)
+    assert drafter.propose(longer, max_tokens=3).token_ids == (3, 9, 2)  # "1 2", not "2"
+    assert drafter.acceptance_key == "prompt_lookup"
+    single = DraftContext(tokens=[5, 6, 7, 8, 6], prompt_len=5)
+    drafter.begin(single)
+    assert drafter.propose(single, max_tokens=2).token_ids == (7, 8)
+    assert drafter.acceptance_key == "prompt_lookup/1"
+    strict = PromptLookupDrafter(SpecConfig(ngram_min=2))
+    strict.begin(single)
+    assert strict.propose(single, max_tokens=2).num_nodes == 0
