@@ -14,7 +14,9 @@ requests). An agent serving one tool set sees many requests against the same too
   consecutive calls share their system prompt, as in a deployed agent.
 
 Each line is one LLM call: a system prompt listing the tools as JSON schemas and asking for a
-JSON list of calls, then the request's own messages. The selection is by frequency and size
+JSON list of calls, then the request's own messages, and (``choice``, default ``"required"``)
+the grammar of that reply: a JSON list of calls of the tool set's tools with arguments valid
+under their schemas, as an agent framework asks with ``tool_choice="required"``. The selection is by frequency and size
 only, fixed before any drafter ran on it. No model runs to build it: the file is a pure
 function of the BFCL data (``agentspec bench build-bfcl-live``).
 """
@@ -95,6 +97,16 @@ def _messages(entry: Mapping[str, Any]) -> list[dict[str, str]]:
     return [{"role": "system", "content": system}, *rest]
 
 
+def reply_grammar(functions: Sequence[Mapping[str, Any]], choice: str = "required") -> dict[str, Any]:
+    """The grammar spec of the reply: a JSON list of calls of ``functions`` (BFCL's parameter
+    schemas in standard JSON Schema); ``choice="auto"`` also allows plain text."""
+    from agentspec.bench.bfcl import json_schema_of
+
+    tools = [{"name": f["name"], "parameters": json_schema_of(f.get("parameters") or {})}
+             for f in functions]
+    return {"type": "tool_calls", "tools": tools, "choice": choice, "as_list": True}
+
+
 def _scope(functions: Sequence[Mapping[str, Any]]) -> str:
     return "bfcl-live-" + "+".join(str(f["name"]) for f in functions)
 
@@ -102,13 +114,19 @@ def _scope(functions: Sequence[Mapping[str, Any]]) -> str:
 def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOOL_SETS,
                    warmup: int = WARMUP, measure: int = MEASURE,
                    max_doc_chars: int = MAX_DOC_CHARS,
-                   max_new_tokens: int = MAX_NEW_TOKENS) -> list[WorkloadItem]:
+                   max_new_tokens: int = MAX_NEW_TOKENS,
+                   choice: str | None = "required") -> list[WorkloadItem]:
     """The workload lines: all warmup lines, then the measured ones; within each phase the
     requests of one tool set come together, as consecutive requests to one deployed agent.
+    ``choice``: each line's reply grammar (:func:`reply_grammar`: ``"required"`` or ``"auto"``),
+    or None for unconstrained replies.
 
     Raises:
-        ValueError: a count is not positive, or fewer than ``tool_sets`` tool sets qualify.
+        ValueError: a count is not positive, ``choice`` is unknown, or fewer than
+            ``tool_sets`` tool sets qualify.
     """
+    if choice not in ("required", "auto", None):
+        raise ValueError(f"choice must be 'required', 'auto' or None, got {choice!r}")
     for name, value in (("tool_sets", tool_sets), ("warmup", warmup), ("measure", measure),
                         ("max_doc_chars", max_doc_chars), ("max_new_tokens", max_new_tokens)):
         if value < 1:
@@ -128,7 +146,8 @@ def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOO
         for key in chosen:
             for i in range(lo, hi):
                 entry = by_set[key][i]
+                grammar = None if choice is None else reply_grammar(entry["function"], choice)
                 items.append(WorkloadItem(id=str(entry["id"]), scope=_scope(entry["function"]),
                                           phase=phase, messages=tuple(_messages(entry)),
-                                          max_new_tokens=max_new_tokens))
+                                          max_new_tokens=max_new_tokens, grammar=grammar))
     return items

@@ -291,6 +291,9 @@ def build_bfcl(
 def build_bfcl_live(
     out: Annotated[Path, typer.Option("--out", help="The workload file to write.")],
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 96,
+    choice: Annotated[str, typer.Option(
+        "--choice", help="Each reply's grammar: 'required' (a JSON list of calls of the tool "
+        "set's tools), 'auto' (such a list or plain text) or 'none' (unconstrained).")] = "required",
 ) -> None:
     """Write the single-turn BFCL workload (live_multiple requests over recurring tool sets).
 
@@ -298,10 +301,13 @@ def build_bfcl_live(
     """
     if max_new_tokens < 1:
         fail(f"max-new-tokens must be a positive integer, got {max_new_tokens}", EXIT_USAGE)
+    if choice not in ("required", "auto", "none"):
+        fail(f"choice must be required, auto or none, got {choice!r}", EXIT_USAGE)
     from agentspec.bench import bfcl_live
     from agentspec.bench.workload import write_workload
 
-    items = bfcl_live.build_workload(bfcl_live.load_entries(), max_new_tokens=max_new_tokens)
+    items = bfcl_live.build_workload(bfcl_live.load_entries(), max_new_tokens=max_new_tokens,
+                                     choice=None if choice == "none" else choice)
     n = write_workload(out, items)
     warm = sum(i.phase == "warmup" for i in items)
     console.print(f"wrote {n} calls ({warm} warmup, {n - warm} measure) over "

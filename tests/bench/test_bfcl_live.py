@@ -49,3 +49,22 @@ def test_the_shipped_file_is_what_the_builder_makes_from_bfcl(tmp_path: Path) ->
     assert not workload.errors
     assert (len(workload.warmup), len(workload.measure)) == (60, 24)
     assert {i.scope for i in workload.measure} <= {i.scope for i in workload.warmup}
+
+
+def test_each_line_carries_its_tool_sets_call_grammar() -> None:
+    entries = [_entry(i, "a") for i in range(5)]
+    entries[0]["function"][0]["parameters"] = {"type": "dict", "properties": {"x": {"type": "float"}}}
+    for e in entries[1:]:
+        e["function"] = entries[0]["function"]
+    items = bfcl_live.build_workload(entries, tool_sets=1, warmup=3, measure=2)
+    grammar = items[0].grammar
+    assert grammar == {"type": "tool_calls", "choice": "required", "as_list": True,
+                       "tools": [{"name": "a", "parameters": {
+                           "type": "object", "properties": {"x": {"type": "number"}}}}]}
+    assert all(i.grammar == grammar for i in items)
+    from agentspec.grammar import Grammar
+    assert Grammar.from_spec(grammar).tools == ("a",)  # BFCL's "dict"/"float" compile
+    bare = bfcl_live.build_workload(entries, tool_sets=1, warmup=3, measure=2, choice=None)
+    assert all(i.grammar is None for i in bare)
+    with pytest.raises(ValueError, match="choice"):
+        bfcl_live.build_workload(entries, tool_sets=1, warmup=3, measure=2, choice="any")
