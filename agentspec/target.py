@@ -165,11 +165,17 @@ class HFTarget:
             checked on first use (:meth:`check_widths`). On CUDA one width, 64, captured as a
             CUDA graph (cuBLAS picks kernels by row count; the forward is launch-bound anyway).
         cuda_graphs: capture the forwards as CUDA graphs (CUDA only; default on).
+        prefill_widths: wider forwards for prompt chunks only, kept where they compute the
+            same bits as the widest of ``widths`` (:meth:`check_widths`). Default on the CPU
+            (128, 256): a 256-row chunk costs about half as much per token as a 64-row one
+            (measured: an 869-token prompt in 2.3 s instead of 4.1 s, transformers' own
+            single forward 1.7 s); none on CUDA, where a captured 64-row graph is cheap.
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str = "model",
                  reuse_prefix: bool = True, widths: tuple[int, ...] | None = None,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True,
+                 prefill_widths: tuple[int, ...] | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -180,6 +186,10 @@ class HFTarget:
         if list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
             raise ValueError(f"widths must be distinct positive ints, smallest first, got {widths}")
         self.cuda_graphs = cuda_graphs and cuda
+        wide = (() if cuda else (128, 256)) if prefill_widths is None else tuple(prefill_widths)
+        self.prefill_widths = tuple(w for w in wide if w > self.widths[-1])
+        if list(self.prefill_widths) != sorted(set(self.prefill_widths)):
+            raise ValueError(f"prefill_widths must be distinct ints, smallest first, got {prefill_widths}")
         self._kv_ids: list[int] = []  # the token ids whose rows the KV holds, in order
         self._root = -1  # the last committed token, scored by ``score``
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
@@ -188,7 +198,7 @@ class HFTarget:
         self._kv: FixedKV | None = None
         self._kv_len = 0
         self._forwards: dict[int, FixedForward] = {}
-        self._widths_checked = widths is not None and len(self.widths) == 1
+        self._widths_checked = widths is not None and len(self.widths) == 1 and not self.prefill_widths
         # Set by a drafter that reads the target's final hidden state (the draft head): then
         # ``score`` keeps ``hidden`` [rows, hidden], row r at position ``hidden_position + r``.
         # Read only (a hook on the output embedding's input): never used to decide a token.
@@ -251,10 +261,11 @@ class HFTarget:
         if not self._widths_checked:
             self._widths_checked = True
             known = _WIDTH_CLASS.setdefault(self.model, {})
-            asked = (self.widths, str(self.device), str(next(self.model.parameters()).dtype),
+            asked = (self.widths, self.prefill_widths, str(self.device),
+                     str(next(self.model.parameters()).dtype),
                      torch.get_num_threads())  # CPU kernels split rows by thread count
             if asked in known:  # probed already on another HFTarget of this model
-                self.widths = known[asked]
+                self.widths, self.prefill_widths = known[asked]
                 return self.widths
             gen = torch.Generator().manual_seed(0)
             n = self.widths[0]
@@ -266,7 +277,22 @@ class HFTarget:
                 warn_once(f"{self.name}: forward widths {sorted(set(self.widths) - set(same))} "
                           f"compute rows in another order on this {self.device.type}; using {same}")
                 self.widths = same
-            known[asked] = self.widths
+            if self.prefill_widths:
+                # A prompt chunk's rows must be the bits a decode-width forward gives them (a
+                # prefix written by one call is reused by the next): a whole widest-width
+                # chain, compared row for row.
+                n = self.widths[-1]
+                ids = torch.randint(0, self.vocab_size, (n,), generator=gen).tolist()
+                anc = np.tril(np.ones((n, n), dtype=bool))
+                ref = self._forward_rows(ids, list(range(n)), anc, width=n)
+                kept = tuple(w for w in self.prefill_widths if torch.equal(
+                    self._forward_rows(ids, list(range(n)), anc, width=w), ref))
+                if kept != self.prefill_widths:
+                    warn_once(f"{self.name}: prefill widths "
+                              f"{sorted(set(self.prefill_widths) - set(kept))} compute rows in "
+                              f"another order on this {self.device.type}; using {kept}")
+                    self.prefill_widths = kept
+            known[asked] = (self.widths, self.prefill_widths)
         return self.widths
 
     def _forward_rows(self, ids: list[int], depth: list[int], anc: np.ndarray, *,
@@ -275,9 +301,10 @@ class HFTarget:
         (``logits=False``: the KV rows are what counts; the logits may be fewer)."""
         n = len(ids)
         if width is None:
-            width = next((w for w in self.widths if w >= n), None)
+            width = next((w for w in (*self.widths, *self.prefill_widths) if w >= n), None)
             if width is None:
-                raise ValueError(f"a forward of {n} rows is wider than the widest, {self.widths[-1]}")
+                widest = (self.prefill_widths or self.widths)[-1]
+                raise ValueError(f"a forward of {n} rows is wider than the widest, {widest}")
         self._reserve(self._kv_len + width)
         forward = self._forwards.get(width)
         if forward is None:
@@ -316,13 +343,14 @@ class HFTarget:
         """Prepare the KV for a new generation: every prompt token but the last.
 
         Rows of the longest common prefix with what the KV holds are kept (``reuse_prefix``);
-        only the rest of the prompt is prefilled, in chunks of the widest width.
+        only the rest of the prompt is prefilled, in chunks of the widest width (a prefill
+        width where one is kept), the last chunk in the narrowest width that holds it.
         """
         self.check_widths()
         wanted = list(prompt_ids[:-1])
         keep = common_prefix_len(self._kv_ids, wanted) if self.reuse_prefix else 0
         self._kv_len, self._kv_ids = keep, wanted[:keep]
-        chunk = self.widths[-1]
+        chunk = (self.prefill_widths or self.widths)[-1]
         causal = np.tril(np.ones((chunk, chunk), dtype=bool))
         for begin in range(keep, len(wanted), chunk):
             ids = wanted[begin : begin + chunk]
@@ -339,7 +367,8 @@ class HFTarget:
     def fork(self) -> HFTarget:
         """Another target on the same weights with a KV of its own (cheap: no copy)."""
         twin = HFTarget(self.model, self.tokenizer, name=self.name, reuse_prefix=self.reuse_prefix,
-                        widths=self.widths, cuda_graphs=self.cuda_graphs)
+                        widths=self.widths, cuda_graphs=self.cuda_graphs,
+                        prefill_widths=self.prefill_widths)
         twin._widths_checked = self._widths_checked
         return twin
 

@@ -218,3 +218,31 @@ def test_rows_that_depend_on_the_draft_change_bf16_outputs():
     changed = [i for i, prompt in enumerate(PROMPTS[:16])
                if spec.generate(prompt, MAX_NEW, sampling=_sampling(i)).token_ids != refs[i]]
     assert changed, "rows off by one bf16 step in verifications matched plain decoding everywhere"
+
+
+def _prefill_keys(target: HFTarget, ids: list[int]) -> list[torch.Tensor]:
+    target.start(ids)
+    assert target._kv is not None
+    return [k[:, :, : target._kv_len].clone() for k in target._kv.keys]
+
+
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+def test_wide_prefill_chunks_write_the_rows_decode_widths_write(dtype_name):
+    """A prompt prefilled in 256- and 128-row chunks holds the same KV bits as one prefilled in
+    64-row chunks (the rows a decode-width forward writes, which a later call may reuse); the
+    model's own one-forward prefill, another reduction order, does not."""
+    spec = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST)
+    ids = spec.encode(PROMPTS[-1])
+    assert len(ids) > 256 + 128  # a 256 chunk, then the rest in a 128 or 256 one
+    wide = _fresh(dtype_name)
+    narrow = _fresh(dtype_name, prefill_widths=())
+    assert wide.check_widths() and wide.prefill_widths == (128, 256)
+    keys = _prefill_keys(wide, ids)
+    assert 256 in wide._forwards and not any(w > 64 for w in narrow._forwards)
+    ref = _prefill_keys(narrow, ids)
+    assert all(torch.equal(a, b) for a, b in zip(keys, ref, strict=True))
+    # The deliberately wrong prefill: transformers' own forward over the whole prompt.
+    with torch.inference_mode():
+        cache = wide.model(torch.tensor([ids[:-1]]), use_cache=True).past_key_values
+    own = [layer.keys for layer in cache.layers]
+    assert not all(torch.equal(a, b.to(a.dtype)) for a, b in zip(own, ref, strict=True))
