@@ -49,7 +49,8 @@ PACKAGED_MODELS = {
 }
 _MARKER = "agentspec-converted.json"
 # check_widths results per model: one probe per loaded model, not per HFTarget over it.
-_WIDTH_CLASS: weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], tuple[int, ...]]] = (
+_WIDTH_CLASS: weakref.WeakKeyDictionary[
+    Any, dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]]] = (
     weakref.WeakKeyDictionary())
 
 
