@@ -18,6 +18,12 @@ records the warmup lines and every earlier measured line, as in ``agentspec benc
   chosen with hindsight and cut one token past its accepted length: an upper bound on what any
   policy choosing among these drafters' proposals can reach.
 
+A line with a grammar (the workload's ``grammar`` field) is replayed under it when the replay
+is given the target's vocabulary (:class:`Constraint`; the bench does this): every draft is
+cut and extended as the decode loop does (:meth:`agentspec.grammar.GrammarState.constrain`:
+forbidden tokens pruned, forced tokens appended), the ceiling's candidates too, so the
+ceiling counts the grammar's free tokens that ``agentspec`` gets.
+
 ``host ms/step`` is the drafter's own time per step (propose and observe; for the ceiling it
 includes asking every drafter), measured in the replay on this machine. ``modeled speedup`` is
 plain decoding's cost (one forward per output token) over the policy's
@@ -32,7 +38,7 @@ import json
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,10 +67,31 @@ class Line:
     output_ids: tuple[int, ...]
     output_text: str
     max_new_tokens: int
+    grammar: Mapping[str, Any] | None = None
 
     @property
     def stopped(self) -> bool:
         return len(self.output_ids) < self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a replay needs to decode lines under their grammars: the target's tokenizer, its
+    logit width and its stop tokens."""
+
+    tokenizer: Any
+    vocab_size: int
+    stop_ids: frozenset[int]
+    max_nodes: int = 63
+
+    def state(self, line: Line) -> Any:
+        """A fresh grammar state for ``line``, or None when it has no grammar."""
+        if line.grammar is None:
+            return None
+        from agentspec.grammar import GrammarState, compiled
+
+        return GrammarState(compiled(line.grammar), self.tokenizer, vocab_size=self.vocab_size,
+                            eos_ids=sorted(self.stop_ids))
 
 
 @dataclass
@@ -118,6 +145,8 @@ class Hindsight:
         self.drafters = list(drafters)
         self.output: tuple[int, ...] = ()
         self.prompt_len = 0
+        # The line's grammar, applied to each candidate as the decode loop would (or None).
+        self.constrain: Callable[[Draft, int], Draft] | None = None
 
     def begin(self, context: DraftContext) -> None:
         for d in self.drafters:
@@ -128,6 +157,8 @@ class Hindsight:
         best, best_path = EMPTY_DRAFT, -1
         for drafter in self.drafters:
             draft = drafter.propose(context, max_tokens=max_tokens)
+            if self.constrain is not None:
+                draft = self.constrain(draft, max_tokens)
             path = accepted_path(draft, todo) if draft.num_nodes else []
             if draft.num_nodes and len(path) > best_path:
                 best, best_path = draft, len(path)
@@ -147,20 +178,31 @@ class Hindsight:
 
 
 def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
-           cost: CostModel = DEFAULT_COST) -> Totals:
+           cost: CostModel = DEFAULT_COST, constraint: Constraint | None = None) -> Totals:
     """Run ``drafter`` over every line's known greedy output; totals over measured lines.
 
     Lines are replayed in order; each one's output is recorded into ``memory`` afterwards
-    (warmup lines included), as ``agentspec bench`` does.
+    (warmup lines included), as ``agentspec bench`` does. With ``constraint``, lines with a
+    grammar are decoded under it (see the module docstring).
     """
     totals = Totals()
     for line in lines:
         context = DraftContext(tokens=list(line.prompt_ids), prompt_len=len(line.prompt_ids),
                                scope=line.scope, key_text=line.key_text if memory else "",
                                sampling=SamplingParams())
+        grammar = constraint.state(line) if constraint is not None else None
         if isinstance(drafter, Hindsight):
             drafter.output, drafter.prompt_len = line.output_ids, len(line.prompt_ids)
-        steps, seconds, accepted, host = _replay_line(line, drafter, context, cost)
+            drafter.constrain = None if grammar is None or constraint is None else (
+                lambda d, room, g=grammar, c=constraint: g.constrain(
+                    d, room=max(room, 0), max_nodes=c.max_nodes)[0])
+        try:
+            steps, seconds, accepted, host = _replay_line(
+                line, drafter, context, cost, grammar,
+                constraint.max_nodes if constraint is not None else 0)
+        finally:
+            if grammar is not None:
+                grammar.close()
         if memory is not None and line.output_ids:
             memory.record(scope=line.scope, model=MODEL, request_text=line.key_text,
                           key_text=line.key_text, completion_text=line.output_text,
@@ -175,8 +217,8 @@ def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
     return totals
 
 
-def _replay_line(line: Line, drafter: Drafter, context: DraftContext,
-                 cost: CostModel) -> tuple[int, float, Counter[str], float]:
+def _replay_line(line: Line, drafter: Drafter, context: DraftContext, cost: CostModel,
+                 grammar: Any = None, max_nodes: int = 0) -> tuple[int, float, Counter[str], float]:
     # What the steps commit: the output, then the stop token where one ended it.
     todo = [*line.output_ids, _STOP] if line.stopped else list(line.output_ids)
     drafter.begin(context)
@@ -187,8 +229,12 @@ def _replay_line(line: Line, drafter: Drafter, context: DraftContext,
             started = time.perf_counter()
             draft = drafter.propose(context, max_tokens=room) if room > 0 else EMPTY_DRAFT
             host += time.perf_counter() - started
+            if grammar is not None:  # as the decode loop: prune what it forbids, add what it forces
+                draft = grammar.constrain(draft, room=max(room, 0), max_nodes=max_nodes)[0]
             path = accepted_path(draft, [*todo[done:], _STOP])
             new = todo[done : done + len(path) + 1]
+            if grammar is not None:
+                grammar.advance([t for t in new if t != _STOP])
             verdict = Verdict(tuple(path), tuple(draft.token_ids[n] for n in path), new[-1])
             context.tokens.extend(t for t in new if t != _STOP)
             done += len(new)
@@ -223,21 +269,24 @@ def policies(memory: Any, cost: CostModel) -> dict[str, Callable[[], Drafter]]:
 
 
 def run_policies(lines: Sequence[Line], names: Sequence[str] = POLICIES,
-                 cost: CostModel = DEFAULT_COST) -> dict[str, Totals]:
-    """Every named policy over ``lines``, each with a fresh memory of its own."""
+                 cost: CostModel = DEFAULT_COST,
+                 constraint: Constraint | None = None) -> dict[str, Totals]:
+    """Every named policy over ``lines``, each with a fresh memory of its own (with
+    ``constraint``: lines with a grammar decoded under it)."""
     from agentspec.memory import CompletionMemory
     from agentspec.stores import SQLStore
 
     out: dict[str, Totals] = {}
     for name in names:
         if name in ("prompt-lookup", "ceiling-pld"):
-            out[name] = replay(lines, policies(None, cost)[name](), cost=cost)
+            out[name] = replay(lines, policies(None, cost)[name](), cost=cost,
+                               constraint=constraint)
             continue
         with tempfile.TemporaryDirectory(prefix="agentspec-replay-") as tmp:
             memory = CompletionMemory(SQLStore(f"sqlite:///{Path(tmp) / 'memory.db'}"))
             try:
                 out[name] = replay(lines, policies(memory, cost)[name](), memory=memory,
-                                   cost=cost)
+                                   cost=cost, constraint=constraint)
             finally:
                 memory.close()
     return out
@@ -245,13 +294,15 @@ def run_policies(lines: Sequence[Line], names: Sequence[str] = POLICIES,
 
 def bench_ceiling(workload: Any, warmup_outputs: dict[str, tuple[int, ...]],
                   requests: Sequence[Any], tokenizer: Any,
-                  max_new_tokens: int | None = None) -> float:
+                  max_new_tokens: int | None = None,
+                  constraint: Constraint | None = None) -> float:
     """The ceiling's tokens per step over a greedy bench run's measured requests.
 
     The bench's own greedy outputs (the agentspec system's on warmup lines, hf-greedy's on
     measured ones; equal to the target's greedy output, as ``exact`` checks) replace a
     generation pass: the replay then costs seconds. ``max_new_tokens`` is the bench's budget
-    override (``None``: each line's own).
+    override (``None``: each line's own); ``constraint``: lines with a grammar are replayed
+    under it, forced tokens included.
     """
     from agentspec.bench.harness import prompt_of
     from agentspec.bench.report import REFERENCE
@@ -272,8 +323,8 @@ def bench_ceiling(workload: Any, warmup_outputs: dict[str, tuple[int, ...]],
                           tuple(encode_prompt(tokenizer, prompt)), conversation_key(prompt),
                           tuple(out), tokenizer.decode(list(out)),
                           budgets.get(item.id) or max_new_tokens or item.max_new_tokens
-                          or len(out) + 1))
-    return run_policies(lines, ["ceiling"])["ceiling"].tokens_per_step
+                          or len(out) + 1, item.grammar))
+    return run_policies(lines, ["ceiling"], constraint=constraint)["ceiling"].tokens_per_step
 
 
 def generate_lines(workload_path: Path, model: str, default_max_new_tokens: int) -> list[Line]:
@@ -283,6 +334,7 @@ def generate_lines(workload_path: Path, model: str, default_max_new_tokens: int)
     from agentspec import Speculator
     from agentspec.bench.harness import prompt_of
     from agentspec.bench.workload import load_workload
+    from agentspec.grammar import compiled
     from agentspec.memory import conversation_key
 
     workload = load_workload(workload_path, default_max_new_tokens=default_max_new_tokens)
@@ -291,9 +343,11 @@ def generate_lines(workload_path: Path, model: str, default_max_new_tokens: int)
     for item in track(workload.items, description="greedy outputs"):
         prompt = prompt_of(item)
         budget = item.max_new_tokens or default_max_new_tokens
-        gen = spec.generate(prompt, budget)
+        sampling = SamplingParams(grammar=None if item.grammar is None else compiled(item.grammar))
+        gen = spec.generate(prompt, budget, sampling=sampling)
         lines.append(Line(item.id, item.phase, item.scope, tuple(spec.encode(prompt)),
-                          conversation_key(prompt), gen.token_ids, gen.text, budget))
+                          conversation_key(prompt), gen.token_ids, gen.text, budget,
+                          item.grammar))
     return lines
 
 
@@ -305,7 +359,8 @@ def save_lines(lines: Sequence[Line], path: Path) -> None:
 def load_lines(path: Path) -> list[Line]:
     rows = json.loads(path.read_text(encoding="utf-8"))
     return [Line(r["id"], r["phase"], r["scope"], tuple(r["prompt_ids"]), r["key_text"],
-                 tuple(r["output_ids"]), r["output_text"], int(r["max_new_tokens"]))
+                 tuple(r["output_ids"]), r["output_text"], int(r["max_new_tokens"]),
+                 r.get("grammar"))
             for r in rows]
 
 
@@ -352,7 +407,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cost is not None:
         points = json.loads(args.cost.read_text(encoding="utf-8"))["points"]
         cost = CostModel.fit([(int(t), float(sec)) for t, sec in points])
-    print(table(run_policies(lines, names, cost)))
+    constraint = None
+    if any(line.grammar is not None for line in lines):  # replayed under their grammars
+        from agentspec import load_target
+        from agentspec.speculator import _stop_ids
+
+        target = load_target(args.model)
+        constraint = Constraint(target.tokenizer, target.vocab_size, _stop_ids(target),
+                                target.max_draft_nodes)
+    print(table(run_policies(lines, names, cost, constraint)))
     return 0
 
 

@@ -121,3 +121,25 @@ def test_versus_names_the_best_single_source_and_the_share_of_the_ceiling():
         "w: agentspec/agentspec-pld 1.25x (tokens/s); agentspec tok/step 90% of the replay "
         "ceiling (3.00)")
     assert versus({"agentspec-pld": {"tokens_per_second": 1.0}}, 3.0) == {}
+
+
+def test_lines_with_a_grammar_are_replayed_under_it_forced_tokens_included():
+    from transformers import AutoTokenizer
+
+    from agentspec.target import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m-instruct")[1]))
+    grammar = {"type": "tool_calls", "as_list": True, "choice": "required", "tools": [
+        {"name": "get_weather", "parameters": {"type": "object", "required": ["city"],
+                                               "properties": {"city": {"type": "string"}}}}]}
+    output = tok.encode('[{"name": "get_weather", "arguments": {"city": "Paris"}}]')
+    line = rp.Line("g", "measure", "s", (1, 2, 3), "key g", tuple(output), "text", 64, grammar)
+    constraint = rp.Constraint(tok, len(tok), frozenset({tok.eos_token_id}))
+    plain = rp.replay([line], NoDrafter())
+    forced = rp.replay([line], NoDrafter(), constraint=constraint)
+    assert plain.steps == len(output) + 1 and plain.tokens == forced.tokens
+    # The skeleton (name, key, braces) is forced: the steps left are the value's tokens, the
+    # list's end (another call could follow) and the stop.
+    assert forced.steps <= 6 and forced.accepted["grammar"] >= len(output) - 6
+    ceiling = rp.run_policies([line], ["ceiling"], constraint=constraint)["ceiling"]
+    assert ceiling.steps <= forced.steps
