@@ -19,6 +19,9 @@ this CPU even with pooled matchers and masks cached by token path (below): on he
 calls ``python -m agentspec.bench.grammar_cost`` measured xgrammar's mask at p50 2.8 us / p99
 66 us per draft node against llguidance's 17 us / 187 us (BENCHMARKS.md, "Grammar-constrained
 decoding"); moving the masks to xgrammar (keeping llguidance's forced tokens) is open work.
+A grammar's first use on a tokenizer walks its examples (one call of each tool; see
+:attr:`Grammar.examples`), so the first request of a new tool set finds the skeleton's masks
+cached and its lexer states built, as xgrammar's compile-time mask cache would have them.
 """
 
 from __future__ import annotations
@@ -74,12 +77,18 @@ class Grammar:
             start like JSON (its first character is none of ``{``, ``[`` or whitespace): the
             first token decides which, and after a text start nothing is constrained
             (``tool_calls`` with ``choice="auto"``).
+        examples: texts valid under the grammar (one call of each tool, a value of the
+            schema), walked once when the grammar is first used on a tokenizer, so that its
+            skeleton's masks (the tool-name choice, keys, braces) are cached and its lexer
+            states built before any request needs them (see :class:`GrammarState`). Never
+            part of a mask's computation: they only fill caches.
     """
 
     kind: str
     spec: str = field(repr=False)
     tools: tuple[str, ...] = ()
     or_text: bool = False
+    examples: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         llg = _llguidance()
@@ -119,7 +128,7 @@ class Grammar:
         layout ``{"key": value, "other": 1}``."""
         obj = _schema_dict(schema, "schema")
         return cls("json_schema", _llguidance().LLMatcher.grammar_from_json_schema(
-            {**obj, "x-guidance": JSON_LAYOUT}))
+            {**obj, "x-guidance": JSON_LAYOUT}), examples=_examples([example_value(obj)]))
 
     @classmethod
     def tool_calls(cls, tools: Sequence[Mapping[str, Any]], *, choice: str = "required",
@@ -154,8 +163,10 @@ class Grammar:
         # "auto": a call, or text that may not start like one (see ``or_text``). Not one Lark
         # grammar ``call | TEXT``: masking free text through a lexer walks the whole vocabulary
         # every token (~0.1-0.3 ms each here), for a mask that allows everything.
+        examples = [{"name": name, "arguments": example_value(params)} for name, params in specs]
         return cls("tool_calls", llg.LLMatcher.grammar_from_json_schema(schema), tuple(names),
-                   or_text=choice == "auto")
+                   or_text=choice == "auto",
+                   examples=_examples([[e] for e in examples] if as_list else examples))
 
     @classmethod
     def regex(cls, pattern: str) -> Grammar:
@@ -175,6 +186,37 @@ class Grammar:
         if not isinstance(grammar, str) or not grammar.strip():
             raise GrammarError(f"lark needs a grammar text, got {grammar!r}")
         return cls("lark", _llguidance().LLMatcher.grammar_from_lark(grammar))
+
+
+def example_value(schema: Any, depth: int = 0) -> Any:
+    """A plausible value of a JSON schema (every declared property, the first enum value or
+    ``anyOf`` branch, one array item): a text to warm a grammar's caches with. Best effort: a
+    value the schema refuses only warms less (the walk stops at its first refused token)."""
+    if not isinstance(schema, Mapping) or depth > 8:
+        return "a"
+    if "const" in schema:
+        return schema["const"]
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
+        return schema["enum"][0]
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return example_value(schema[key][0], depth + 1)
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object" or (kind is None and isinstance(schema.get("properties"), Mapping)):
+        props = schema.get("properties")
+        return {str(k): example_value(v, depth + 1)
+                for k, v in (props.items() if isinstance(props, Mapping) else ())}
+    if kind == "array":
+        items = schema.get("items")
+        return [example_value(items, depth + 1)] if isinstance(items, Mapping) else []
+    return {"integer": 1, "number": 1, "boolean": True, "null": None}.get(str(kind), "example")
+
+
+def _examples(values: Sequence[Any]) -> tuple[str, ...]:
+    """The values as JSON text in the grammars' layout (``JSON_LAYOUT``)."""
+    return tuple(json.dumps(v, ensure_ascii=False) for v in values)
 
 
 def _schema_dict(schema: Any, what: str) -> dict[str, Any]:
@@ -262,6 +304,37 @@ class _Compiled:
         # share their skeleton (``[{"name": "``, a tool's name, its keys), which costs the
         # most to mask (the choice points); so every call after the first reads them here.
         self.root: list[Any] = [None, {}]
+        self.warmed = False  # the grammar's examples were walked (see ``warm``)
+
+    def warm(self, token_lists: Sequence[Sequence[int]], words: int) -> None:
+        """Walk texts valid under the grammar once (the first request does, before its
+        prefill): every mask along them is computed into the token-path cache and the lexer
+        states they pass through are built, in a pooled matcher that the requests reuse. A
+        walk stops at the first token the grammar refuses; nothing else depends on it."""
+        global _cached_bytes
+        with _LOCK:
+            if self.warmed:
+                return
+            self.warmed = True
+        matcher = self.take()
+        try:
+            for ids in token_lists:
+                node: list[Any] | None = self.root
+                for token in [*ids, None]:
+                    if node is not None and node[0] is None:
+                        bits = torch.zeros(words, dtype=torch.int32)
+                        matcher.unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
+                        if matcher.is_error():
+                            return
+                        node[0] = bits
+                        _cached_bytes += words * 4
+                    if token is None or matcher.is_stopped() or not matcher.consume_token(token):
+                        break
+                    node = _child(node, token)
+                if not matcher.reset():
+                    return
+        finally:
+            self.give_back(matcher)
 
     def take(self) -> Any:
         with _LOCK:
@@ -339,6 +412,9 @@ class GrammarState:
         ll_tok = ll_tokenizer(tokenizer, vocab_size, eos_ids,
                               json_slices=grammar.kind in ("json_schema", "tool_calls"))
         self._shared = _shared(ll_tok, grammar.spec)
+        if grammar.examples and not self._shared.warmed:
+            self._shared.warm([tokenizer.encode(text, add_special_tokens=False)
+                               for text in grammar.examples], (vocab_size + 31) // 32)
         self.matcher = self._shared.take()
         self._check()
         # Stop tokens are checked against masks but never consumed: llguidance cannot roll a

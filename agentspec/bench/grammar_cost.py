@@ -116,11 +116,18 @@ def llguidance_cost(tokenizer: Any, vocab_size: int, eos: list[int],
     each; else every reply is walked once to warm and ``repeats`` times timed."""
     mask_s: list[float] = []
     node_s: list[float] = []
+    setup_s: list[float] = []  # a timed call's grammar seen for the first time: compile + warm-up
+    seen: set[str] = set()
     refused = 0
     half = len(texts) // 2 if held_out else 0
     for k, (spec, text) in enumerate(texts):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        key = json.dumps(spec)
+        t0 = time.perf_counter()
         state = GrammarState(compiled(spec), tokenizer, vocab_size=vocab_size, eos_ids=eos)
+        if key not in seen and k >= half:
+            setup_s.append(time.perf_counter() - t0)
+        seen.add(key)
         walks = 1 if held_out else repeats + 1
         for r in range(walks):
             timed = k >= half if held_out else r > 0
@@ -136,7 +143,8 @@ def llguidance_cost(tokenizer: Any, vocab_size: int, eos: list[int],
                 mask_s.extend(state.mask_seconds)
                 node_s.append(elapsed / (kept + 1))
         state.close()
-    return {"mask": percentiles(mask_s), "node": percentiles(node_s), "refused_calls": refused}
+    return {"mask": percentiles(mask_s), "node": percentiles(node_s), "refused_calls": refused,
+            **({"new_grammar_setup": percentiles(setup_s)} if setup_s else {})}
 
 
 def xgrammar_cost(tokenizer: Any, vocab_size: int, texts: list[tuple[dict[str, Any], str]],
@@ -150,13 +158,19 @@ def xgrammar_cost(tokenizer: Any, vocab_size: int, texts: list[tuple[dict[str, A
     compiler = xgrammar.GrammarCompiler(info)  # caches compiled schemas itself
     bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
     mask_s: list[float] = []
+    setup_s: list[float] = []
+    seen: set[str] = set()
     half = len(texts) // 2 if held_out else 0
     for k, (spec, text) in enumerate(texts):
         schema = _call_list_schema(spec)
         if schema is None:
             continue
-        grammar = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False,
-                                               separators=(", ", ": "))
+        key = json.dumps(schema)
+        t0 = time.perf_counter()
+        grammar = compiler.compile_json_schema(key, any_whitespace=False, separators=(", ", ": "))
+        if key not in seen and k >= half:
+            setup_s.append(time.perf_counter() - t0)
+        seen.add(key)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         for r in range(1 if held_out else repeats + 1):
             timed = k >= half if held_out else r > 0
@@ -171,7 +185,9 @@ def xgrammar_cost(tokenizer: Any, vocab_size: int, texts: list[tuple[dict[str, A
                     break
             if timed:
                 mask_s.extend(times)
-    return {"mask": percentiles(mask_s)} if mask_s else None
+    if not mask_s:
+        return None
+    return {"mask": percentiles(mask_s), **({"new_grammar_setup": percentiles(setup_s)} if setup_s else {})}
 
 
 def forced_steps(workload: Path, model: str, max_new_tokens: int) -> dict[str, Any]:
@@ -259,6 +275,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             continue
         for what, f in figures.items():
             if not isinstance(f, dict):
+                continue
+            if what == "new_grammar_setup":
+                print(f"{name:10s} per new grammar (compile{' + warm-up' if name == 'llguidance' else ''}): "
+                      f"p50 {f['p50_us'] / 1000:6.1f} ms, p99 {f['p99_us'] / 1000:6.1f} ms "
+                      f"({f['n']} grammars)")
                 continue
             print(f"{name:10s} {what:4s} per draft node: p50 {f['p50_us']:6.1f} us, "
                   f"p99 {f['p99_us']:6.1f} us, mean {f['mean_us']:6.1f} us ({f['n']} nodes)")

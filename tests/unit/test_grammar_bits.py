@@ -56,3 +56,54 @@ def test_compiled_keeps_the_schemas_property_order() -> None:
         "punchline": {"type": "string"}, "setup": {"type": "string"}}}}
     other = json.loads(compiled(reordered).spec)["grammars"][0]["json_schema"]
     assert list(other["properties"]) == ["punchline", "setup"]  # a distinct grammar, not a cache hit
+
+
+def test_example_values_follow_the_schema() -> None:
+    from agentspec.grammar import Grammar, example_value
+
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}, "days": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "opt": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}}
+    assert example_value(schema) == {"city": "example", "unit": "c", "days": 1,
+                                     "tags": ["example"], "opt": True}
+    grammar = Grammar.tool_calls([{"name": "w", "parameters": schema}], as_list=True)
+    assert grammar.examples == ('[{"name": "w", "arguments": {"city": "example", "unit": "c", '
+                                '"days": 1, "tags": ["example"], "opt": true}}]',)
+    assert grammar == Grammar.tool_calls([{"name": "w", "parameters": schema}], as_list=True)
+
+
+def test_warmed_masks_equal_the_masks_a_cold_matcher_computes() -> None:
+    """The examples' walk fills the per-grammar mask cache; a call walked on the warmed
+    grammar gets, row for row, the masks of a grammar that was never warmed."""
+    from transformers import AutoTokenizer
+
+    from agentspec import grammar as g
+    from agentspec.target import resolve_model_dir
+    from agentspec.types import Draft
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m-instruct")[1]))
+    tools = [{"name": n, "parameters": {"type": "object", "required": ["q"], "properties": {
+        "q": {"type": "string"}, "n": {"type": "integer"}}}} for n in ("search_web", "search_docs")]
+    warm = g.Grammar.tool_calls(tools, as_list=True)
+    # The same language in another grammar text (its own caches), never warmed.
+    cold = g.Grammar.tool_calls(tools[::-1], as_list=True)
+    object.__setattr__(cold, "examples", ())
+    ids = tok.encode('[{"name": "search_docs", "arguments": {"q": "rust borrow", "n": 3}}]',
+                     add_special_tokens=False)
+    masks = {}
+    for name, grammar in (("warm", warm), ("cold", cold)):
+        state = g.GrammarState(grammar, tok, vocab_size=len(tok), eos_ids=[tok.eos_token_id])
+        cached = sum(1 for _ in _trie_nodes(state._shared.root) if _[0] is not None)
+        assert (cached > 10) == (name == "warm")  # the examples' paths were cached
+        out, masks[name] = state.constrain(Draft.chain(ids, "x"), room=len(ids), max_nodes=len(ids),
+                                           force=False)
+        assert out.num_nodes == len(ids)
+        state.close()
+    assert torch.equal(masks["warm"], masks["cold"])
+
+
+def _trie_nodes(node):
+    yield node
+    for child in node[1].values():
+        yield from _trie_nodes(child)
