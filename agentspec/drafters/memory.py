@@ -22,6 +22,8 @@ from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 # Match strength of a candidate that has matched every generated token so far (n-gram
 # realignments score their match length, at most 8).
 _FOLLOWING = 100
+# Cosine similarity of a request's own earlier completion (identical key text, up to rounding).
+_SAME_REQUEST = 0.999
 
 
 @dataclass
@@ -96,7 +98,14 @@ class MemoryDrafter:
             req.children, req.owners = {}, []
             return EMPTY_DRAFT
         chains.sort(key=lambda c: c[0], reverse=True)
-        self.acceptance_key = "memory/follow" if chains[0][0][0] == _FOLLOWING else self.name
+        # "memory/follow": the best candidate has matched every generated token so far. Before
+        # the first token every candidate trivially has, so only the request's own repeat
+        # (similarity ~1) counts then: the neighbours' first steps, right for a few tokens of
+        # a shared opening and wrong after, would drag the class down for the real followers.
+        (strength, similarity), _, _ = chains[0]
+        following = strength == _FOLLOWING and (
+            len(context.tokens) > context.prompt_len or similarity >= _SAME_REQUEST)
+        self.acceptance_key = "memory/follow" if following else self.name
         tokens, parents, owners = merge_chains([(c[1], str(c[2])) for c in chains],
                                                min(self.max_nodes, max(max_tokens, 1) * len(chains)))
         req.owners = [int(o) for o in owners]

@@ -98,3 +98,23 @@ def test_suffix_drafter_is_scope_isolated(memory):
     c = ctx(generated=[2, 3], scope="b")
     drafter.begin(c)
     assert drafter.propose(c, max_tokens=2).num_nodes == 0
+
+
+def test_a_neighbour_is_a_follower_only_once_it_matched_a_token(memory):
+    """Before the first token every candidate 'follows': only the request's own repeat is
+    drafted in the high-acceptance class then; a neighbour joins it after a matched token."""
+    remember(memory, [10, 11, 12, 13], key=KEY + " and sort them")
+    drafter = MemoryDrafter(memory, "m")
+    c = ctx()
+    drafter.begin(c)
+    draft = drafter.propose(c, max_tokens=4)
+    assert draft.token_ids == (10, 11, 12, 13) and drafter.acceptance_key == "memory"
+    c.tokens += [10]
+    drafter.observe(c, draft, Verdict((), (), 10))
+    assert drafter.propose(c, max_tokens=4).token_ids == (11, 12, 13)
+    assert drafter.acceptance_key == "memory/follow"
+    remember(memory, [20, 21], key=KEY)  # the very same request
+    same = ctx()
+    drafter.begin(same)
+    assert drafter.propose(same, max_tokens=2).token_ids[:2] == (20, 21)  # its spine first
+    assert drafter.acceptance_key == "memory/follow"
