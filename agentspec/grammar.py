@@ -312,7 +312,6 @@ class _Compiled:
         prefill): every mask along them is computed into the token-path cache and the lexer
         states they pass through are built, in a pooled matcher that the requests reuse. A
         walk stops at the first token the grammar refuses; nothing else depends on it."""
-        global _cached_bytes
         with _LOCK:
             if self.warmed:
                 return
@@ -322,13 +321,8 @@ class _Compiled:
             for ids in token_lists:
                 node: list[Any] | None = self.root
                 for token in [*ids, None]:
-                    if node is not None and node[0] is None:
-                        bits = torch.zeros(words, dtype=torch.int32)
-                        matcher.unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
-                        if matcher.is_error():
-                            return
-                        node[0] = bits
-                        _cached_bytes += words * 4
+                    if node is not None and node[0] is None and not _cache_mask(matcher, node, words):
+                        return
                     if token is None or matcher.is_stopped() or not matcher.consume_token(token):
                         break
                     node = _child(node, token)
@@ -354,6 +348,19 @@ class _Compiled:
 _SHARED: dict[tuple[int, str], _Compiled] = {}
 MASK_CACHE_BYTES = 64 << 20  # all grammars' cached masks together, at most
 _cached_bytes = 0
+
+
+def _cache_mask(matcher: Any, node: list[Any], words: int) -> bool:
+    """The matcher's current mask into trie node ``node`` (counted in the cache's budget);
+    False when the matcher failed."""
+    global _cached_bytes
+    bits = torch.zeros(words, dtype=torch.int32)
+    matcher.unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
+    if matcher.is_error():
+        return False
+    node[0] = bits
+    _cached_bytes += words * 4
+    return True
 
 
 def _child(node: list[Any] | None, token: int) -> list[Any] | None:
@@ -447,12 +454,9 @@ class GrammarState:
         """The mask of a grammar's empty output (computed once per grammar and tokenizer)."""
         if shared.root[0] is None:
             matcher = shared.take()
-            bits = torch.zeros(self._words, dtype=torch.int32)
-            matcher.unsafe_compute_mask_ptr(bits.data_ptr(), self._words * 4)
-            if matcher.is_error():
+            if not _cache_mask(matcher, shared.root, self._words):
                 raise GrammarError(f"the {self.grammar.kind} grammar failed: {matcher.get_error()}")
             shared.give_back(matcher)
-            shared.root[0] = bits
         return shared.root[0]
 
     def _fill(self, row: int, node: list[Any] | None) -> None:

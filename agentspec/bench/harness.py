@@ -335,12 +335,9 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
     ceiling = None
     if config.temperature == 0 and "agentspec" in systems:
         from agentspec.bench.replay import Constraint, bench_ceiling
-        from agentspec.speculator import _stop_ids
 
         ceiling = bench_ceiling(workload, warmup_outputs, requests, target.tokenizer,
-                                config.max_new_tokens,
-                                Constraint(target.tokenizer, target.vocab_size, _stop_ids(target),
-                                           target.max_draft_nodes))
+                                config.max_new_tokens, Constraint.of(target))
     notes = tuple(note for s in systems.values() if (note := getattr(s, "note", None)))
     # The machine may be shared: the 1/5/15-minute load at the end says how loaded it was.
     return BenchResult(str(workload.path), model, str(target.device), config,

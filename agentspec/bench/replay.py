@@ -84,6 +84,13 @@ class Constraint:
     stop_ids: frozenset[int]
     max_nodes: int = 63
 
+    @classmethod
+    def of(cls, target: Any) -> Constraint:
+        """The constraint of a loaded :class:`~agentspec.target.HFTarget`."""
+        from agentspec.speculator import _stop_ids
+
+        return cls(target.tokenizer, target.vocab_size, _stop_ids(target), target.max_draft_nodes)
+
     def state(self, line: Line) -> Any:
         """A fresh grammar state for ``line``, or None when it has no grammar."""
         if line.grammar is None:
@@ -191,15 +198,15 @@ def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
                                scope=line.scope, key_text=line.key_text if memory else "",
                                sampling=SamplingParams())
         grammar = constraint.state(line) if constraint is not None else None
+        constrain = None if grammar is None or constraint is None else (
+            lambda d, room, g=grammar, n=constraint.max_nodes: g.constrain(
+                d, room=max(room, 0), max_nodes=n)[0])
         if isinstance(drafter, Hindsight):
             drafter.output, drafter.prompt_len = line.output_ids, len(line.prompt_ids)
-            drafter.constrain = None if grammar is None or constraint is None else (
-                lambda d, room, g=grammar, c=constraint: g.constrain(
-                    d, room=max(room, 0), max_nodes=c.max_nodes)[0])
+            drafter.constrain = constrain
         try:
-            steps, seconds, accepted, host = _replay_line(
-                line, drafter, context, cost, grammar,
-                constraint.max_nodes if constraint is not None else 0)
+            steps, seconds, accepted, host = _replay_line(line, drafter, context, cost, grammar,
+                                                          constrain)
         finally:
             if grammar is not None:
                 grammar.close()
@@ -218,7 +225,8 @@ def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
 
 
 def _replay_line(line: Line, drafter: Drafter, context: DraftContext, cost: CostModel,
-                 grammar: Any = None, max_nodes: int = 0) -> tuple[int, float, Counter[str], float]:
+                 grammar: Any = None, constrain: Callable[[Draft, int], Draft] | None = None,
+                 ) -> tuple[int, float, Counter[str], float]:
     # What the steps commit: the output, then the stop token where one ended it.
     todo = [*line.output_ids, _STOP] if line.stopped else list(line.output_ids)
     drafter.begin(context)
@@ -229,8 +237,8 @@ def _replay_line(line: Line, drafter: Drafter, context: DraftContext, cost: Cost
             started = time.perf_counter()
             draft = drafter.propose(context, max_tokens=room) if room > 0 else EMPTY_DRAFT
             host += time.perf_counter() - started
-            if grammar is not None:  # as the decode loop: prune what it forbids, add what it forces
-                draft = grammar.constrain(draft, room=max(room, 0), max_nodes=max_nodes)[0]
+            if constrain is not None:  # as the decode loop: prune what it forbids, add what it forces
+                draft = constrain(draft, room)
             path = accepted_path(draft, [*todo[done:], _STOP])
             new = todo[done : done + len(path) + 1]
             if grammar is not None:
@@ -410,11 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     constraint = None
     if any(line.grammar is not None for line in lines):  # replayed under their grammars
         from agentspec import load_target
-        from agentspec.speculator import _stop_ids
 
-        target = load_target(args.model)
-        constraint = Constraint(target.tokenizer, target.vocab_size, _stop_ids(target),
-                                target.max_draft_nodes)
+        constraint = Constraint.of(load_target(args.model))
     print(table(run_policies(lines, names, cost, constraint)))
     return 0
 
