@@ -73,6 +73,10 @@ class SpecConfig:
             verifies each step's best chain only.
         grammar_drafts: under a grammar (``SamplingParams.grammar``), append the tokens it
             forces to every draft (free drafts: accepted with probability one).
+        lazy_masks: under a grammar with greedy decoding, compute a row's mask only where the
+            model's argmax is a token the grammar forbids (the draft's tokens are checked one
+            by one instead); the same outputs, a fraction of the grammar's cost. False
+            computes every row's mask (sampling always does).
         draft_head: draft with a trained recurrent head (``agentspec head train``) where one
             exists for the model and the request's scope under ``$AGENTSPEC_HOME``.
     """
@@ -83,6 +87,7 @@ class SpecConfig:
     max_tree_nodes: int = 64
     trees: bool = True
     grammar_drafts: bool = True
+    lazy_masks: bool = True
     draft_head: bool = True
 
     def __post_init__(self) -> None:

@@ -18,6 +18,7 @@ import torch
 from agentspec.config import SamplingParams
 from agentspec.grammar import GrammarState
 from agentspec.protocols import DraftContext, Drafter
+from agentspec.sampling import Mask
 from agentspec.target import HFTarget
 from agentspec.text import cut_at_stop
 from agentspec.tree import depths
@@ -61,7 +62,8 @@ class NoDrafter:
 def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
            sampling: SamplingParams, max_new_tokens: int, stop_token_ids: frozenset[int],
            generator: torch.Generator | None = None,
-           grammar_drafts: bool = True) -> Generator[Step, None, None]:
+           grammar_drafts: bool = True,
+           lazy_masks: bool = True) -> Generator[Step, None, None]:
     """Generate up to ``max_new_tokens`` tokens after ``context.tokens``, appending to it.
 
     Args:
@@ -74,6 +76,9 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
         generator: the explicit random source for sampling.
         grammar_drafts: with ``sampling.grammar``, append the tokens the grammar forces to
             every draft (free drafts; plain decoding turns them off).
+        lazy_masks: with ``sampling.grammar`` and greedy decoding, masks on demand
+            (:class:`~agentspec.grammar.LazyMasks`): a row is masked only where its argmax is
+            a token the grammar forbids. Same outputs.
     """
     grammar = None if sampling.grammar is None else GrammarState(
         sampling.grammar, target.tokenizer, vocab_size=target.vocab_size,
@@ -84,7 +89,7 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
     guarded.begin(context)
     try:
         yield from _steps(target, guarded, context, sampling, max_new_tokens, stop_token_ids,
-                          generator, grammar, grammar_drafts)
+                          generator, grammar, grammar_drafts, lazy_masks and sampling.greedy)
     finally:
         guarded.end(context)
         if grammar is not None:
@@ -94,7 +99,7 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
 def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: SamplingParams,
            max_new_tokens: int, stop_token_ids: frozenset[int],
            generator: torch.Generator | None, grammar: GrammarState | None,
-           grammar_drafts: bool) -> Iterator[Step]:
+           grammar_drafts: bool, lazy_masks: bool) -> Iterator[Step]:
     produced = 0
     # One uniform per output position, so a seeded sample does not depend on the drafts.
     uniforms = None if sampling.greedy else torch.rand(
@@ -106,11 +111,11 @@ def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: 
         draft = sanitize(proposal, vocab_size=target.vocab_size, room=room,
                          max_nodes=target.max_draft_nodes)
         # 2b. A grammar prunes what it forbids, adds what it forces, and masks every row.
-        allowed = None
+        allowed: Mask = None
         if grammar is not None:
             draft, allowed = grammar.constrain(draft, room=max(room, 0),
                                                max_nodes=target.max_draft_nodes,
-                                               force=grammar_drafts)
+                                               force=grammar_drafts, lazy=lazy_masks)
         # 3. Score the last committed token and the whole draft in one forward, on a KV that
         # holds this generation: checked here, after the drafters ran (one may have used the
         # target for a call of its own) and after other calls since our last step.

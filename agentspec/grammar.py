@@ -33,6 +33,7 @@ import re
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -306,6 +307,15 @@ class _Compiled:
         # most to mask (the choice points); so every call after the first reads them here.
         self.root: list[Any] = [None, {}]
         self.warmed = False  # the grammar's examples were walked (see ``warm``)
+        self.cached_bytes = 0  # of the masks in its trie
+
+    def forget(self) -> None:
+        """Drop the cached masks (the cache's budget is spent); the next request warms again."""
+        global _cached_bytes
+        _cached_bytes -= self.cached_bytes
+        self.cached_bytes = 0
+        self.root = [None, {}]
+        self.warmed = False
 
     def warm(self, token_lists: Sequence[Sequence[int]], words: int) -> None:
         """Walk texts valid under the grammar once (the first request does, before its
@@ -321,7 +331,7 @@ class _Compiled:
             for ids in token_lists:
                 node: list[Any] | None = self.root
                 for token in [*ids, None]:
-                    if node is not None and node[0] is None and not _cache_mask(matcher, node, words):
+                    if node is not None and node[0] is None and not _cache_mask(self, matcher, node, words):
                         return
                     if token is None or matcher.is_stopped() or not matcher.consume_token(token):
                         break
@@ -345,21 +355,31 @@ class _Compiled:
                 self.idle.append(matcher)
 
 
-_SHARED: dict[tuple[int, str], _Compiled] = {}
-MASK_CACHE_BYTES = 64 << 20  # all grammars' cached masks together, at most
+# The grammars in use, least recently used first.
+_SHARED: OrderedDict[tuple[int, str], _Compiled] = OrderedDict()
+MAX_GRAMMARS = 256
+# All grammars' cached masks together, at most; past 3/4 of it a new request drops the least
+# recently used grammars' masks (most masks of a value's text are never read again).
+MASK_CACHE_BYTES = 64 << 20
 _cached_bytes = 0
 
 
-def _cache_mask(matcher: Any, node: list[Any], words: int) -> bool:
-    """The matcher's current mask into trie node ``node`` (counted in the cache's budget);
-    False when the matcher failed."""
+def _keep(shared: _Compiled, node: list[Any], bits: torch.Tensor) -> None:
+    """Cache ``bits`` as trie node ``node``'s mask, counted in the budget."""
     global _cached_bytes
+    node[0] = bits
+    _cached_bytes += bits.numel() * 4
+    shared.cached_bytes += bits.numel() * 4
+
+
+def _cache_mask(shared: _Compiled, matcher: Any, node: list[Any], words: int) -> bool:
+    """The matcher's current mask into trie node ``node`` of ``shared``; False when the
+    matcher failed."""
     bits = torch.zeros(words, dtype=torch.int32)
     matcher.unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
     if matcher.is_error():
         return False
-    node[0] = bits
-    _cached_bytes += words * 4
+    _keep(shared, node, bits)
     return True
 
 
@@ -378,12 +398,22 @@ def _shared(ll_tok: Any, spec: str) -> _Compiled:
     with _LOCK:
         hit = _SHARED.get(key)
         if hit is None:
-            if len(_SHARED) >= 256:  # a process that builds grammars without end: start over
-                global _cached_bytes
-                _SHARED.clear()
-                _cached_bytes = 0
+            while len(_SHARED) >= MAX_GRAMMARS:  # a process that builds grammars without end
+                _SHARED.popitem(last=False)[1].forget()
             hit = _SHARED[key] = _Compiled(ll_tok, spec)
+        _SHARED.move_to_end(key)
+    _trim()
     return hit
+
+
+def _trim() -> None:
+    """Past 3/4 of the budget, drop the least recently used grammars' masks (the one in use
+    last)."""
+    with _LOCK:
+        for shared in list(_SHARED.values()):
+            if _cached_bytes <= MASK_CACHE_BYTES * 3 // 4:
+                break
+            shared.forget()
 
 
 def unpack_bits(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -423,6 +453,7 @@ class GrammarState:
         if grammar.examples and not self._shared.warmed:
             self._shared.warm([tokenizer.encode(text, add_special_tokens=False)
                                for text in grammar.examples], (vocab_size + 31) // 32)
+            _trim()
         self.matcher = self._shared.take()
         self._check()
         # Stop tokens are checked against masks but never consumed: llguidance cannot roll a
@@ -438,7 +469,11 @@ class GrammarState:
         self._path: list[list[Any] | None] = [self._shared.root]  # trie node per committed prefix
         self._bits = torch.zeros((1, self._words), dtype=torch.int32)  # grown on demand
         self.mask_seconds: list[float] = []  # per computed row, when timing (see the bench)
+        # Per constrain call, when timing: [seconds in the grammar (constrain, then the lazy
+        # masks' checks), rows scored].
+        self.step_costs: list[list[float]] = []
         self.timing = False
+        self._version = 0  # bumped by every change of the committed state or the walk
 
     def close(self) -> None:
         """Hand the matcher back to this grammar's pool (reset); the state is spent."""
@@ -454,14 +489,15 @@ class GrammarState:
         """The mask of a grammar's empty output (computed once per grammar and tokenizer)."""
         if shared.root[0] is None:
             matcher = shared.take()
-            if not _cache_mask(matcher, shared.root, self._words):
+            if not _cache_mask(shared, matcher, shared.root, self._words):
                 raise GrammarError(f"the {self.grammar.kind} grammar failed: {matcher.get_error()}")
             shared.give_back(matcher)
         return shared.root[0]
 
-    def _fill(self, row: int, node: list[Any] | None) -> None:
-        """Row ``row``'s mask: the matcher's current state, whose trie node is ``node``."""
-        global _cached_bytes
+    def _fill(self, row: int, node: list[Any] | None, first: bool | None = None) -> None:
+        """Row ``row``'s mask: the matcher's current state, whose trie node is ``node``.
+        ``first``: the state is the output's start (an or_text grammar also allows a text
+        start there); by default, row 0 is."""
         v = self._bits[row]
         started = time.perf_counter() if self.timing else 0.0
         cached = None if node is None else node[0]
@@ -471,12 +507,36 @@ class GrammarState:
             self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), self._words * 4)
             self._check()
             if node is not None:
-                node[0] = v.clone()
-                _cached_bytes += self._words * 4
-        if row == 0 and self.mode == "undecided" and self._text_start is not None:
+                _keep(self._shared, node, v.clone())
+        if (row == 0 if first is None else first) and self.mode == "undecided" \
+                and self._text_start is not None:
             v.bitwise_or_(self._text_start)  # or a text start
         if self.timing:
             self.mask_seconds.append(time.perf_counter() - started)
+
+    def _valid(self, token: int, node: list[Any] | None, first: bool) -> bool:
+        """Whether the matcher's current state (trie node ``node``; ``first``: the output's
+        start) allows ``token``, without computing its mask: a cached mask's bit, else
+        llguidance's check of that one token (what its mask would say, at a few us)."""
+        if not 0 <= token < self.vocab_size:
+            return False
+        if first and self._starts_text(token):
+            return True
+        bits = None if node is None else node[0]
+        if bits is None:
+            if token in self.eos:  # llguidance's masks allow a stop token where it may end
+                return bool(self.matcher.is_accepting())
+            if self.matcher.validate_tokens([token]) != 1:
+                return False
+            if not self.matcher.compute_ff_bytes():
+                return True
+            # Where the grammar forces bytes, llguidance's mask allows only the canonical
+            # tokens of them (after ``"name`` only ``":``, not ``"``), which a token check
+            # does not know: the mask decides.
+            self._grow(1)
+            self._fill(0, node, first)
+            bits = self._bits[0]
+        return bool((int(bits[token >> 5]) >> (token & 31)) & 1)
 
     def _allows(self, row: int, token: int) -> bool:
         if not 0 <= token < self.vocab_size:
@@ -493,10 +553,11 @@ class GrammarState:
     def allowed_now(self) -> torch.Tensor | None:
         """Mask of the committed state: bool ``[1, vocab_size]`` on the device, or None where
         nothing is constrained any more (free text)."""
-        return self.constrain(Draft(), room=0, max_nodes=0, force=False)[1]
+        allowed = self.constrain(Draft(), room=0, max_nodes=0, force=False)[1]
+        return allowed.full() if isinstance(allowed, LazyMasks) else allowed
 
-    def constrain(self, draft: Draft, *, room: int, max_nodes: int,
-                  force: bool = True) -> tuple[Draft, torch.Tensor | None]:
+    def constrain(self, draft: Draft, *, room: int, max_nodes: int, force: bool = True,
+                  lazy: bool = False) -> tuple[Draft, torch.Tensor | LazyMasks | None]:
         """The draft cut to what the grammar allows, extended by forced tokens, with the mask
         of every row to score.
 
@@ -511,25 +572,51 @@ class GrammarState:
             room: at most this many tokens along the spine (the generation's room).
             max_nodes: at most this many nodes in all.
             force: append forced tokens (off for plain decoding).
+            lazy: return :class:`LazyMasks` instead of computing every row's mask: the draft's
+                tokens are checked one by one (a cached mask's bit or llguidance's check of
+                that token) and a row's mask is computed only when greedy verification finds
+                the row's argmax forbidden. For greedy decoding; same outputs.
 
         Returns:
             ``(draft, allowed)``: ``allowed`` is bool ``[num_nodes + 1, vocab_size]`` on the
             device, row 0 the mask after the committed tokens, row ``i + 1`` after node ``i``
-            (rows off the spine, whose samples never decide a token, allow everything); None
-            once an or_text grammar's output has started as free text.
+            (rows off the spine, whose samples never decide a token, allow everything), or
+            with ``lazy`` the same masks as :class:`LazyMasks`; None once an or_text grammar's
+            output has started as free text.
         """
         if self.mode == "text":
             return draft, None
-        spine = min(spine_length(draft.parents), room, max_nodes)
-        self._grow(max(spine, room if force else 0, max_nodes) + 1)
+        started = time.perf_counter() if self.timing else 0.0
+        self._version += 1
+        first_alt = spine_length(draft.parents)
+        spine = min(first_alt, room, max_nodes)
+        if not lazy:
+            self._grow(max(spine, room if force else 0, max_nodes) + 1)
+        # Alternatives (off-spine nodes) by the row of their parent: each is checked at that
+        # row's state, while the matcher passes it.
+        by_row: dict[int, list[int]] = {}
+        for i in range(first_alt, draft.num_nodes):
+            by_row.setdefault(draft.parents[i] + 1, []).append(i)
+        allowed_alts: set[int] = set()
         trie = self._path[-1]  # the trie node of the matcher's state
-        self._fill(0, trie)
+
+        def allows(row: int, token: int) -> bool:  # at row ``row``'s state, the matcher's now
+            return self._valid(token, trie, row == 0) if lazy else self._allows(row, token)
+
+        def reach(row: int) -> None:  # the matcher is at row ``row``'s state
+            if not lazy:
+                self._fill(row, trie)
+            for i in by_row.get(row, ()):
+                if allows(row, draft.token_ids[i]):
+                    allowed_alts.add(i)
+
+        reach(0)
         consumed = 0  # spine nodes kept; the matcher holds all of them but a final stop token
         ended = False
         free = False  # the spine's first token starts free text: nothing after it is masked
         for node in range(spine):
             token = draft.token_ids[node]
-            if not (free or self._allows(node, token)):
+            if not (free or allows(node, token)):
                 break
             if token in self.eos:  # kept as the spine's last node; its row decides nothing
                 consumed, ended = consumed + 1, True
@@ -541,29 +628,30 @@ class GrammarState:
                 break
             consumed += 1
             trie = _child(trie, token)
-            self._fill(consumed, trie)
+            reach(consumed)
         forced: list[int] = []
         if force and not ended and not free and not self.matcher.is_stopped():
             limit = min(room, max_nodes) - consumed
             for token in self.matcher.compute_ff_tokens()[:max(limit, 0)]:
-                if not self._allows(consumed + len(forced), token) or not self.matcher.consume_token(token):
+                if not allows(consumed + len(forced), token) or not self.matcher.consume_token(token):
                     break
                 forced.append(token)
                 trie = _child(trie, token)
-                self._fill(consumed + len(forced), trie)
+                if not lazy:
+                    self._fill(consumed + len(forced), trie)
         spine_ids = [*draft.token_ids[:consumed], *forced]
         sources = [draft.source_of(i) for i in range(consumed)] + [GRAMMAR_SOURCE] * len(forced)
         # Alternatives: children of the root or of a kept spine node that the parent's mask
         # allows (after a free-text start every mask allows everything).
-        alternatives = [i for i in range(spine_length(draft.parents), draft.num_nodes)
+        alternatives = [i for i in range(first_alt, draft.num_nodes)
                         if draft.parents[i] < consumed - ended
-                        and ((free and draft.parents[i] >= 0)
-                             or self._allows(draft.parents[i] + 1, draft.token_ids[i]))]
+                        and ((free and draft.parents[i] >= 0) or i in allowed_alts)]
         alternatives = [i for i in alternatives if not (draft.parents[i] == consumed - 1
                                                         and forced and draft.token_ids[i] == forced[0])]
         alternatives = alternatives[:max(max_nodes - len(spine_ids), 0)]
         walked = 0 if free else consumed - ended + len(forced)  # tokens the matcher consumed
         rows = 1 + walked  # rows with their own mask (after a stop token or free text: all allowed)
+        walk = [] if free else [*draft.token_ids[:consumed - ended], *forced]  # those tokens
         if not forced and not ended and not free and alternatives \
                 and draft.parents[alternatives[0]] == consumed - 1 \
                 and draft.token_ids[alternatives[0]] not in self.eos \
@@ -574,7 +662,9 @@ class GrammarState:
             if self.matcher.consume_token(token):
                 walked += 1
                 rows += 1
-                self._fill(walked, _child(trie, token))
+                walk.append(token)
+                if not lazy:
+                    self._fill(walked, _child(trie, token))
         self.matcher.rollback(walked)
         self._check()
         if consumed == draft.num_nodes and not forced:
@@ -589,13 +679,23 @@ class GrammarState:
                     torch.tensor(forced, dtype=torch.long), draft.draft_probs.shape[-1]
                 ).to(draft.draft_probs)])
             out = Draft(tuple(ids), tuple(parents), tuple(sources), q) if ids else Draft()
-        allowed = torch.ones((out.num_nodes + 1, self.vocab_size), dtype=torch.bool,
-                             device=self.device)
-        allowed[:rows] = unpack_bits(self._bits[:rows].to(self.device), self.vocab_size)
-        if not bool(self._bits[:rows].ne(0).any(dim=-1).all()):  # on the packed words: 32x less
+        allowed: torch.Tensor | LazyMasks
+        if lazy:
+            allowed = LazyMasks(self, walk, out.num_nodes + 1)
+        else:
+            allowed = torch.ones((out.num_nodes + 1, self.vocab_size), dtype=torch.bool,
+                                 device=self.device)
+            allowed[:rows] = unpack_bits(self._bits[:rows].to(self.device), self.vocab_size)
+            self._nonempty(self._bits[:rows])
+        if self.timing:
+            self.step_costs.append([time.perf_counter() - started, out.num_nodes + 1])
+        return out, allowed
+
+    def _nonempty(self, bits: torch.Tensor) -> None:
+        """Raise where a row's packed mask allows nothing (checked on the words: 32x less)."""
+        if not bits.numpy().any(axis=-1).all():
             raise GrammarError(f"the {self.grammar.kind} grammar allows no token here "
                                "(its tokenizer does not match the model's vocabulary?)")
-        return out, allowed
 
     def _grow(self, rows: int) -> None:
         if self._bits.shape[0] < rows:
@@ -603,6 +703,7 @@ class GrammarState:
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Commit a step's tokens (each one allowed: they were drawn from masked rows)."""
+        self._version += 1
         for token in tokens:
             token = int(token)
             if self.mode == "text":
@@ -624,6 +725,7 @@ class GrammarState:
         not free text)."""
         if not 0 <= count <= self._committed:
             raise ValueError(f"can roll back 0..{self._committed} committed tokens, got {count}")
+        self._version += 1
         if count:
             self.matcher.rollback(count)
             self._check()
@@ -636,6 +738,88 @@ class GrammarState:
     def done(self) -> bool:
         """The grammar is complete and allows nothing more but a stop token."""
         return self.mode != "text" and self.matcher.is_stopped()
+
+
+class LazyMasks:
+    """The grammar's masks of one step's rows, computed only where greedy verification needs
+    one (:func:`agentspec.sampling.greedy_tokens`).
+
+    A row's masked argmax is its unmasked argmax wherever the grammar allows that token (the
+    first maximum overall is the first maximum among any set that contains it), so a row
+    needs its mask only when its argmax is a token the grammar forbids. The draft's own tokens
+    were checked by :meth:`GrammarState.constrain`, so a row whose argmax is the next walked
+    token needs nothing; any other row's argmax is checked at the row's state (a cached
+    mask's bit or llguidance's check of that token), and its mask computed only if that
+    fails. Valid until the grammar state moves on (the step's ``advance``).
+
+    Args:
+        state: the request's grammar state, at the step's committed tokens.
+        walk: the tokens the matcher walked for the step's rows: row ``r + 1`` is the state
+            after ``walk[:r + 1]``; rows past ``len(walk)`` allow everything.
+        num_rows: rows scored (``num_nodes + 1``).
+    """
+
+    def __init__(self, state: GrammarState, walk: Sequence[int], num_rows: int) -> None:
+        self.state, self.walk, self.num_rows = state, list(walk), num_rows
+        self.rows = 1 + len(self.walk)  # rows with a mask of their own
+        self.version = state._version
+
+    def forbidding(self, tokens: Sequence[int]) -> dict[int, torch.Tensor]:
+        """``{row: bool [vocab_size] mask on the device}`` for each row whose token in
+        ``tokens`` (one per row, at least :attr:`rows`) the grammar forbids there."""
+        st = self.state
+        if st._version != self.version or st.matcher is None:
+            raise GrammarError("these masks belong to a step the grammar state has moved past")
+        started = time.perf_counter() if st.timing else 0.0
+        check = [r for r in range(min(self.rows, len(tokens)))
+                 if not (r < len(self.walk) and tokens[r] == self.walk[r])]
+        out: dict[int, torch.Tensor] = {}
+        node = st._path[-1]
+        at = 0  # walk tokens the matcher consumed
+        try:
+            for r in check:
+                while at < r:
+                    if not st.matcher.consume_token(self.walk[at]):
+                        st._check()
+                    node = _child(node, self.walk[at])
+                    at += 1
+                if not st._valid(int(tokens[r]), node, r == 0):
+                    out[r] = self._mask(node, r == 0)
+        finally:
+            st.matcher.rollback(at)
+        st._check()
+        if st.timing and st.step_costs:
+            st.step_costs[-1][0] += time.perf_counter() - started
+        return out
+
+    def _mask(self, node: list[Any] | None, first: bool) -> torch.Tensor:
+        st = self.state
+        st._grow(1)
+        st._fill(0, node, first)
+        st._nonempty(st._bits[:1])
+        return unpack_bits(st._bits[:1].to(st.device), st.vocab_size)[0]
+
+    def full(self) -> torch.Tensor:
+        """Every row's mask: bool ``[num_rows, vocab_size]`` on the device (what
+        ``constrain`` returns without ``lazy``)."""
+        st = self.state
+        if st._version != self.version or st.matcher is None:
+            raise GrammarError("these masks belong to a step the grammar state has moved past")
+        out = torch.ones((self.num_rows, st.vocab_size), dtype=torch.bool, device=st.device)
+        node = st._path[-1]
+        at = 0
+        try:
+            for r in range(self.rows):
+                out[r] = self._mask(node, r == 0)
+                if r < len(self.walk):
+                    if not st.matcher.consume_token(self.walk[r]):
+                        st._check()
+                    node = _child(node, self.walk[r])
+                    at += 1
+        finally:
+            st.matcher.rollback(at)
+        st._check()
+        return out
 
 
 @functools.lru_cache(maxsize=1)

@@ -6,26 +6,58 @@ verifier preserves is, by construction, the distribution plain decoding samples 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import torch
 
 from agentspec.config import SamplingParams
 
 
-def apply_mask(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+class RowMasks(Protocol):
+    """A grammar's masks of a step's rows, computed on demand
+    (:class:`agentspec.grammar.LazyMasks`)."""
+
+    def forbidding(self, tokens: Sequence[int]) -> dict[int, torch.Tensor]:
+        """``{row: bool [vocab_size] mask}`` for each row whose token the grammar forbids."""
+        ...
+
+    def full(self) -> torch.Tensor:
+        """Every row's mask, bool ``[num_rows, vocab_size]``."""
+        ...
+
+
+# A grammar's masks: bool ``[num_rows, vocab_size]`` (True = allowed), on demand, or None.
+Mask = torch.Tensor | RowMasks | None
+
+
+def apply_mask(logits: torch.Tensor, allowed: Mask) -> torch.Tensor:
     """``logits`` ``[num_rows, vocab_size]`` with the tokens a grammar forbids at ``-inf``
     (``allowed``: bool, same shape; None: unconstrained, ``logits`` as they are)."""
     if allowed is None:
         return logits
+    if not isinstance(allowed, torch.Tensor):
+        allowed = allowed.full()
     return logits.masked_fill(~allowed, float("-inf"))
 
 
-def greedy_tokens(logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """The argmax of each row among its allowed tokens -> ``[num_rows]`` (on device)."""
-    return apply_mask(logits, allowed).argmax(dim=-1)
+def greedy_tokens(logits: torch.Tensor, allowed: Mask = None) -> torch.Tensor:
+    """The argmax of each row among its allowed tokens -> ``[num_rows]`` (on device).
+
+    With masks on demand (:class:`RowMasks`) only rows whose plain argmax the grammar forbids
+    are masked: where the grammar allows a row's argmax (the first maximum of the row), it is
+    also the first maximum among the allowed tokens, so the result is the same."""
+    if allowed is None or isinstance(allowed, torch.Tensor):
+        return apply_mask(logits, allowed).argmax(dim=-1)
+    top = logits.argmax(dim=-1)
+    fixes = allowed.forbidding(top.tolist())
+    for row, mask in fixes.items():
+        top[row] = logits[row].masked_fill(~mask, float("-inf")).argmax()
+    return top
 
 
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams,
-                    allowed: torch.Tensor | None = None) -> torch.Tensor:
+                    allowed: Mask = None) -> torch.Tensor:
     """Processed target distribution, row by row.
 
     Order as in vLLM and SGLang: the grammar's mask first (``allowed``), then as transformers'

@@ -239,7 +239,8 @@ class Speculator:
         steps = decode(self.target, drafter, context, sampling=sampling,
                        max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids,
                        generator=generator,
-                       grammar_drafts=self.speculate and self.config.grammar_drafts)
+                       grammar_drafts=self.speculate and self.config.grammar_drafts,
+                       lazy_masks=self.config.lazy_masks)
         try:
             while (step := self._step(steps)) is not None:
                 run.count(step)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from agentspec.config import SamplingParams
-from agentspec.sampling import greedy_tokens, logits_to_probs, sample, sample_inverse_cdf
+from agentspec.sampling import Mask, greedy_tokens, logits_to_probs, sample, sample_inverse_cdf
 from agentspec.tree import child_index, spine_length
 from agentspec.types import Draft, Verdict
 
@@ -38,7 +38,7 @@ from agentspec.types import Draft, Verdict
 def target_samples(logits: torch.Tensor, sampling: SamplingParams,
                    generator: torch.Generator | None,
                    uniforms: torch.Tensor | None = None,
-                   allowed: torch.Tensor | None = None) -> torch.Tensor:
+                   allowed: Mask = None) -> torch.Tensor:
     """One target draw per row of ``logits`` ``[num_nodes + 1, vocab_size]`` -> ``[num_nodes + 1]``.
 
     Sampled rows use ``uniforms`` ``[num_nodes + 1]`` (one per row, in [0, 1)) when given,
@@ -80,7 +80,7 @@ def walk(draft: Draft, samples: list[int]) -> Verdict:
 def verify_point_mass(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
                       generator: torch.Generator | None = None, *,
                       uniforms: torch.Tensor | None = None,
-                      allowed: torch.Tensor | None = None) -> Verdict:
+                      allowed: Mask = None) -> Verdict:
     """Exact acceptance of a point-mass draft (chain or tree); see the module docstring."""
     samples = target_samples(logits, sampling, generator, uniforms, allowed).tolist()  # one host sync
     return walk(draft, samples)
@@ -99,7 +99,7 @@ def cut_at_spine(draft: Draft, verdict: Verdict) -> Verdict:
 
 def verify_ratio(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
                  generator: torch.Generator | None = None, *,
-                 allowed: torch.Tensor | None = None) -> Verdict:
+                 allowed: Mask = None) -> Verdict:
     """Leviathan et al. (2023) Algorithm 1 for a chain drafted with probabilities q.
 
     Args:
@@ -138,7 +138,7 @@ def verify_ratio(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
 def verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
            generator: torch.Generator | None = None, *,
            uniforms: torch.Tensor | None = None,
-           allowed: torch.Tensor | None = None) -> Verdict:
+           allowed: Mask = None) -> Verdict:
     """Dispatch: the ratio test for drafts carrying probabilities, else the point-mass walk
     (with ``uniforms``, one per row, for its sampled rows). ``allowed``: the grammar's mask of
     each row (:mod:`agentspec.grammar`), or None."""

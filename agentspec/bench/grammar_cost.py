@@ -29,6 +29,8 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -216,6 +218,59 @@ def forced_steps(workload: Path, model: str, max_new_tokens: int) -> dict[str, A
                round(t / s, 3) if s else None for on, (t, s) in totals.items()}}
 
 
+@contextmanager
+def _timed_states() -> Iterator[list[GrammarState]]:
+    """Every :class:`GrammarState` made inside, timing its steps (``step_costs``)."""
+    states: list[GrammarState] = []
+    made = GrammarState.__init__
+
+    def init(self: GrammarState, *args: Any, **kwargs: Any) -> None:
+        made(self, *args, **kwargs)
+        self.timing = True
+        states.append(self)
+
+    GrammarState.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield states
+    finally:
+        GrammarState.__init__ = made  # type: ignore[method-assign]
+
+
+def decode_cost(workload: Path, model: str, max_new_tokens: int) -> dict[str, Any]:
+    """The grammar's cost per scored row in the decode loop (greedy, the default drafters),
+    masks on demand against every row's mask, generation by generation in turn on one target.
+
+    A step's grammar time (``constrain``, then the checks of the masks on demand) is spread
+    over the rows it scored; the percentiles are over rows. Outputs must be equal."""
+    from agentspec import SamplingParams, SpecConfig, Speculator, load_target
+
+    target = load_target(model)
+    specs = {lazy: Speculator(target.fork(), config=SpecConfig(lazy_masks=lazy))
+             for lazy in (True, False)}
+    per_row: dict[bool, list[float]] = {True: [], False: []}
+    per_step: dict[bool, list[float]] = {True: [], False: []}
+    equal = 0
+    items = [i for i in load_workload(workload, default_max_new_tokens=max_new_tokens).measure
+             if i.grammar is not None]
+    for k, item in enumerate(items):
+        grammar = compiled(dict(item.grammar or {}))
+        outs = {}
+        for lazy in ((True, False) if k % 2 == 0 else (False, True)):  # interleaved
+            with _timed_states() as states:
+                gen = specs[lazy].generate([dict(m) for m in item.messages or ()], max_new_tokens,
+                                           sampling=SamplingParams(grammar=grammar), record=False)
+            outs[lazy] = gen.token_ids
+            for state in states:
+                for seconds, rows in state.step_costs:
+                    per_row[lazy].extend([seconds / rows] * int(rows))
+                    per_step[lazy].append(seconds)
+        equal += outs[True] == outs[False]
+    return {"calls": len(items), "equal_outputs": equal,
+            **{f"{'lazy' if lazy else 'full'}_masks": {"row": percentiles(per_row[lazy]),
+                                                       "step": percentiles(per_step[lazy])}
+               for lazy in (True, False)}}
+
+
 def _call_list_schema(spec: dict[str, Any]) -> dict[str, Any] | None:
     """The JSON schema of a ``tool_calls`` spec's call list (xgrammar takes schemas only)."""
     if spec.get("type") != "tool_calls":
@@ -240,6 +295,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--steps", action="store_true",
                         help="also tokens per step on required calls, forced drafts on vs off")
+    parser.add_argument("--decode", type=Path, nargs="?", const=data_dir() / "bfcl-live.jsonl",
+                        default=None, metavar="WORKLOAD",
+                        help="also the grammar's cost per scored row in the decode loop, masks "
+                             "on demand vs every row's mask, on a workload's measured lines "
+                             "under their grammars (default: bfcl-live)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     for name in ("repeats", "limit", "max_new_tokens"):
@@ -289,6 +349,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{steps['tokens_per_step_with_forced']} with forced-token drafts, "
               f"{steps['tokens_per_step_without_forced']} without; equal outputs "
               f"{steps['equal_outputs']} of {steps['calls']}")
+    if args.decode:
+        result["decode"] = dec = decode_cost(args.decode, args.model, args.max_new_tokens)
+        print(f"decode loop on {dec['calls']} measured lines of {args.decode.name} (greedy, "
+              f"equal outputs {dec['equal_outputs']} of {dec['calls']}): grammar per scored row")
+        for name in ("lazy_masks", "full_masks"):
+            row, step = dec[name]["row"], dec[name]["step"]
+            print(f"  {name.replace('_', ' '):10s}: p50 {row['p50_us']:6.1f} us, p99 "
+                  f"{row['p99_us']:6.1f} us, mean {row['mean_us']:6.1f} us ({row['n']} rows); per "
+                  f"step p50 {step['p50_us']:6.1f} us, p99 {step['p99_us']:6.1f} us ({step['n']} steps)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1))

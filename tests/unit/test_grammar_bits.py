@@ -107,3 +107,39 @@ def _trie_nodes(node):
     yield node
     for child in node[1].values():
         yield from _trie_nodes(child)
+
+
+def test_a_spent_mask_budget_drops_the_least_recently_used_grammars_masks(monkeypatch) -> None:
+    """Past 3/4 of the budget a new request drops the masks of the grammars used longest ago
+    (never the ones it needs first); a dropped grammar warms again on its next use."""
+    from transformers import AutoTokenizer
+
+    from agentspec import grammar as g
+    from agentspec.target import resolve_model_dir
+
+    tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m-instruct")[1]))
+    words = (len(tok) + 31) // 32
+    grammars = [g.Grammar.tool_calls([{"name": f"tool_{k}", "parameters": {"type": "object", "properties": {
+        "x": {"type": "string"}}}}], as_list=True) for k in range(3)]
+
+    def use(grammar):
+        state = g.GrammarState(grammar, tok, vocab_size=len(tok), eos_ids=[tok.eos_token_id])
+        shared = state._shared
+        state.close()
+        return shared
+
+    monkeypatch.setattr(g, "_SHARED", type(g._SHARED)())
+    monkeypatch.setattr(g, "_cached_bytes", 0)
+    first = use(grammars[0])
+    per_grammar = first.cached_bytes
+    assert per_grammar >= 10 * words * 4  # the warm-up cached the skeleton's masks
+    # Room for two grammars' masks under 3/4 of the budget, not three.
+    monkeypatch.setattr(g, "MASK_CACHE_BYTES", (per_grammar * 5 // 2) * 4 // 3)
+    second = use(grammars[1])
+    assert first.warmed and second.warmed
+    third = use(grammars[2])
+    assert not first.warmed and first.cached_bytes == 0 and first.root == [None, {}]
+    assert second.warmed and third.warmed
+    assert g._cached_bytes == second.cached_bytes + third.cached_bytes
+    assert use(grammars[0]) is first and first.warmed  # warmed again; now second is the oldest
+    assert not second.warmed and third.warmed
