@@ -11,7 +11,9 @@ rolls back afterwards. A node its parent's mask forbids is pruned before scoring
 could never accept it). Where the grammar allows exactly one continuation (``{"name": "``, the
 keys of a schema, an enum value once its first token is chosen), those forced tokens are
 appended to the spine as free drafts (source ``"grammar"``): the masked target accepts them
-with probability one, so each costs a row of the forward, never a step.
+with probability one, so each costs a row of the forward, never a step. Under greedy decoding
+the rows' masks are computed on demand (:class:`LazyMasks`): only a row whose plain argmax the
+grammar forbids needs its mask to pick the argmax among the allowed tokens.
 
 The matcher is llguidance (MIT, no dependencies): forced-token sequences and rollback are
 primitives of its API, which is exactly what speculation needs. It is not the faster mask on

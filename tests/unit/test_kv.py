@@ -115,3 +115,24 @@ def test_gqa_attention_rows_do_not_depend_on_the_kv_capacity_or_the_keys_read():
     assert all(torch.equal(o, outs[0]) for o in outs)
     torch.testing.assert_close(outs[0], wrong[0], atol=1e-5, rtol=1e-5)  # the same attention
     assert not all(torch.equal(w, wrong[0]) for w in wrong)  # the wrong one fails the check
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gqa_attention_head_by_head_gives_the_all_heads_bits(monkeypatch, dtype) -> None:
+    """Long contexts multiply key/value head by head (``PER_HEAD_BLOCKS``): the same bits as
+    one product over all heads, at every width, for every mask (a tree's, a causal chunk's)."""
+    from agentspec import _kv
+
+    module = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    gen = torch.Generator().manual_seed(0)
+    for width, capacity, live in ((1, 2304, 2100), (2, 4096, 3000), (17, 2560, 2560), (64, 2048, 900)):
+        query = torch.randn(1, 9, width, 64, generator=gen).to(dtype)
+        key, value = (torch.randn(1, 3, capacity, 64, generator=gen).to(dtype) for _ in range(2))
+        mask = torch.rand(1, 1, width, capacity, generator=gen) < 0.7
+        mask[..., 0] = True
+        outs = []
+        for blocks in (1, 1 << 30):  # head by head everywhere; never
+            monkeypatch.setattr(_kv, "PER_HEAD_BLOCKS", blocks)
+            with live_keys(live):
+                outs.append(_gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0])
+        assert torch.equal(outs[0], outs[1]), (width, capacity)
