@@ -53,7 +53,10 @@ def train(ctx: typer.Context,
           scope: Annotated[str | None, typer.Option(
               "--scope", help="Train this scope's head; default every scope of the model.")] = None,
           model: ModelOpt = "smollm2-135m-instruct",
-          epochs: Annotated[int, typer.Option("--epochs", min=1)] = 4,
+          epochs: Annotated[int, typer.Option(
+              "--epochs", min=1, help="Passes over the training positions (cut at --max-steps).")] = 8,
+          max_steps: Annotated[int, typer.Option(
+              "--max-steps", min=1, help="Optimiser steps at most (64 positions each).")] = 1500,
           depth: Annotated[int, typer.Option("--depth", min=1, max=16)] = 6,
           limit: Annotated[int | None, typer.Option(
               "--limit", min=1, help="Train on the newest N completions only.")] = None,
@@ -65,6 +68,7 @@ def train(ctx: typer.Context,
     Example: agentspec head train --scope bfcl-GorillaFileSystem
     """
     from agentspec.drafters.head import head_path, load_head, save_head
+    from agentspec.drafters.head_rows import load_rows
     from agentspec.drafters.head_train import TrainConfig, train_head
     from agentspec.target import load_target
 
@@ -88,8 +92,13 @@ def train(ctx: typer.Context,
                     bar.update(task, completed=done, total=max(total, 1),
                                description=f"{name}: {label}")
 
-                result = train_head(target.model, target.tokenizer, records,
-                                    config=TrainConfig(depth=depth, epochs=epochs),
+                def rows_of(record: Any) -> Any:
+                    return load_rows(fingerprint, record.scope, record.request_text,
+                                     record.completion_ids)
+
+                result = train_head(target.model, target.tokenizer, records, rows_of=rows_of,
+                                    config=TrainConfig(depth=depth, epochs=epochs,
+                                                       max_steps=max_steps),
                                     init=init, progress=tick, replayed=replayed)
             meta = {"fingerprint": fingerprint, "model": target.name, "scope": name,
                     "trained_at": time.time(), "warm_start": init is not None,
@@ -132,7 +141,9 @@ def _save_replays(path: Path, replayed: dict[int, Any]) -> None:
     import torch
 
     tmp = _replay_file(path).with_suffix(f".tmp-{os.getpid()}")
-    torch.save({k: (r.tokens, r.hidden, r.logp) for k, r in replayed.items()}, tmp)
+    # replays from kept rows are rebuilt from them (no forward): not stored twice
+    torch.save({k: (r.tokens, r.hidden, r.logp) for k, r in replayed.items() if not r.kept_rows},
+               tmp)
     os.replace(tmp, _replay_file(path))
 
 

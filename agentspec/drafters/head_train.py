@@ -31,24 +31,34 @@ from agentspec.text import encode_prompt
 from agentspec.types import Record
 
 Progress = Callable[[int, int, str], None]
+# A record's kept rows, (tokens [L + 1], rows [L, hidden]), or None (see head_rows).
+RowsOf = Callable[[Record], "tuple[torch.Tensor, torch.Tensor] | None"]
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How to train. ``depth`` is the deepest token the head learns to draft."""
+    """How to train. ``depth`` is the deepest token the head learns to draft.
+
+    ``epochs`` passes over the training starts, cut at ``max_steps`` optimiser steps: a
+    large memory needs fewer passes, and the distillation's time stays bounded.
+    ``max_context``: records longer than this (prompt and completion) are left out; None:
+    the target's own context."""
 
     depth: int = 6
     epochs: int = 8
     lr: float = 2e-3
     batch_starts: int = 64
     held_out: float = 0.1
-    max_context: int = 2048
+    max_context: int | None = None
+    max_steps: int = 1500
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.depth < 1 or self.epochs < 1 or self.batch_starts < 1:
-            raise ValueError(f"depth, epochs and batch_starts must be >= 1, got {self.depth}, "
-                             f"{self.epochs}, {self.batch_starts}")
+        if self.depth < 1 or self.epochs < 1 or self.batch_starts < 1 or self.max_steps < 1:
+            raise ValueError(f"depth, epochs, batch_starts and max_steps must be >= 1, got "
+                             f"{self.depth}, {self.epochs}, {self.batch_starts}, {self.max_steps}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context must be >= 2 or None, got {self.max_context}")
         if not 0.0 <= self.held_out < 1.0:
             raise ValueError(f"held_out must be in [0, 1), got {self.held_out}")
 
@@ -62,6 +72,7 @@ class Replayed:
     tokens: torch.Tensor  # [L + 1]
     hidden: torch.Tensor  # [L + 1, hidden]
     logp: torch.Tensor  # [L + 1, V] float16
+    kept_rows: bool = False  # from the decode loop's kept rows (no forward)
 
 
 @dataclass
@@ -93,24 +104,40 @@ def vocabulary(records: Sequence[Record], tokenizer: Any, old: Sequence[int] = (
 
 @torch.inference_mode()
 def replay(model: Any, tokenizer: Any, records: Sequence[Record], vocab: torch.Tensor, *,
-           max_context: int = 2048, progress: Progress | None = None,
-           known: dict[int, Replayed] | None = None) -> list[Replayed]:
+           max_context: int | None = None, progress: Progress | None = None,
+           known: dict[int, Replayed] | None = None,
+           rows_of: RowsOf | None = None) -> list[Replayed]:
     """Run each record through the target (transformers' own forward; training needs no
     fixed shapes), reusing the KV of the prefix shared with the record before.
 
     ``known``: replays by record id, over the same ``vocab`` (taken as they are; the new
-    ones are added to it), so retraining replays only the records it has not seen."""
+    ones are added to it), so retraining replays only the records it has not seen.
+    ``rows_of``: the decode loop's own hidden rows of a record where they were kept
+    (:mod:`agentspec.drafters.head_rows`): such a record needs no forward (see
+    :func:`from_rows`)."""
     from transformers import DynamicCache
 
+    if max_context is None:
+        max_context = int(getattr(model.config, "max_position_embeddings", 2048))
     out: list[Replayed] = []
     cache: Any = None
     held: list[int] = []
-    lm_head = model.get_output_embeddings()
+    # only the head's vocabulary rows of the output embedding: the distributions are taken
+    # over it anyway, and the full 49k-262k-row product would dominate a replay
+    out_rows = model.get_output_embeddings().weight[vocab]  # [V, hidden]
+    out_bias = getattr(model.get_output_embeddings(), "bias", None)
+    out_bias = None if out_bias is None else out_bias[vocab]
     for n, record in enumerate(records):
         if progress is not None:
             progress(n, len(records), "replaying completions through the target")
         if known is not None and record.id is not None and record.id in known:
             out.append(known[record.id])
+            continue
+        kept = rows_of(record) if rows_of is not None else None
+        if kept is not None and kept[1].shape[0] >= 2:
+            out.append(from_rows(*kept, out_rows, out_bias))
+            if known is not None and record.id is not None:
+                known[record.id] = out[-1]
             continue
         prompt = encode_prompt(tokenizer, prompt_of(record))
         ids = prompt + list(record.completion_ids)
@@ -127,9 +154,9 @@ def replay(model: Any, tokenizer: Any, records: Sequence[Record], vocab: torch.T
         hidden = model.model(input_ids=torch.tensor([ids[keep:]]), past_key_values=cache,
                              use_cache=True).last_hidden_state[0, first - keep :]  # [L + 1, hidden]
         held = ids
-        # [L + 1, vocab_size]: after the last prompt token, ..., after the last completion token
-        logits = lm_head(hidden[1:])
-        logp = torch.log_softmax(logits[:, vocab].float(), dim=-1)  # [L + 1, V]
+        # after the last prompt token, ..., after the last completion token
+        logits = torch.nn.functional.linear(hidden[1:], out_rows, out_bias)  # [L + 1, V]
+        logp = torch.log_softmax(logits.float(), dim=-1)
         tokens = torch.tensor(ids[len(prompt) - 1 :])  # [L + 1]
         out.append(Replayed(tokens, hidden[:-1].float().clone(), logp.half()))
         if known is not None and record.id is not None:
@@ -139,26 +166,50 @@ def replay(model: Any, tokenizer: Any, records: Sequence[Record], vocab: torch.T
     return out
 
 
-def _batches(data: Sequence[Replayed], depth: int, batch: int,
-             rng: random.Random) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """Training starts, batched: (h [B, hidden], inputs [B, depth], targets [B, depth, V],
-    mask [B, depth]). Start j: h = hidden[j], inputs tokens[j .. j + depth - 1]."""
-    starts = [(r, j) for r, item in enumerate(data) for j in range(item.tokens.shape[0] - 1)]
-    rng.shuffle(starts)
-    out = []
-    for b in range(0, len(starts), batch):
-        chunk = starts[b : b + batch]
-        h = torch.stack([data[r].hidden[j] for r, j in chunk])
-        inputs, targets, mask = [], [], []
-        for r, j in chunk:
-            item = data[r]
-            rows = item.logp.shape[0]
-            ks = [min(j + k, rows - 1) for k in range(depth)]
-            inputs.append(item.tokens[ks])
-            targets.append(item.logp[ks].float())
-            mask.append(torch.tensor([j + k < rows for k in range(depth)]))
-        out.append((h, torch.stack(inputs), torch.stack(targets), torch.stack(mask)))
-    return out
+def from_rows(tokens: torch.Tensor, rows: torch.Tensor, out_rows: torch.Tensor,
+              out_bias: torch.Tensor | None = None) -> Replayed:
+    """A replay from kept rows: ``tokens`` = the last prompt token then the completion
+    (``L + 1``), ``rows[i]`` the row that processed ``tokens[i]`` (``L`` rows). The row that
+    predicted the last prompt token is not kept, so the replay starts one token later:
+    tokens ``1 .. L - 1``, each with the row that predicted it and the distribution after it
+    (from the next row), over the vocabulary rows ``out_rows``."""
+    hidden = rows.to(out_rows.dtype)
+    with torch.inference_mode():
+        logits = torch.nn.functional.linear(hidden[1:], out_rows, out_bias)  # [L - 1, V]
+        logp = torch.log_softmax(logits.float(), dim=-1)
+    return Replayed(tokens[1:-1].clone(), hidden[:-1].float().clone(), logp.half(), True)
+
+
+class _Starts:
+    """Every training start of the replays, laid out once: start ``g`` (a flat row index)
+    takes ``h = hidden[g]`` and inputs/targets at rows ``g .. g + depth - 1``, clipped to its
+    record's last row (``mask`` False past it)."""
+
+    def __init__(self, data: Sequence[Replayed], depth: int) -> None:
+        self.hidden = torch.cat([d.hidden for d in data])  # [rows, hidden]
+        self.tokens = torch.cat([d.tokens for d in data])  # [rows]
+        self.logp = torch.cat([d.logp for d in data])  # [rows, V] float16
+        starts, lasts, offset = [], [], 0
+        for d in data:
+            rows = int(d.tokens.shape[0])
+            starts.append(torch.arange(offset, offset + rows - 1))
+            lasts.append(torch.full((rows - 1,), offset + rows - 1))
+            offset += rows
+        self.starts = torch.cat(starts) if starts else torch.zeros(0, dtype=torch.long)
+        self.last = torch.cat(lasts) if lasts else torch.zeros(0, dtype=torch.long)
+        self.depth = depth
+
+    def __len__(self) -> int:
+        return int(self.starts.shape[0])
+
+    def batch(self, which: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                  torch.Tensor]:
+        """(h [B, hidden], inputs [B, depth], targets [B, depth, V], mask [B, depth])."""
+        g = self.starts[which]
+        ahead = g[:, None] + torch.arange(self.depth)  # [B, depth]
+        last = self.last[which][:, None]
+        rows = torch.minimum(ahead, last)
+        return self.hidden[g], self.tokens[rows], self.logp[rows].float(), ahead <= last
 
 
 def distill_loss(head: RecurrentHead, h: torch.Tensor, inputs: torch.Tensor,
@@ -204,11 +255,13 @@ def acceptance_by_depth(head: RecurrentHead, data: Sequence[Replayed], *, width:
 def train_head(model: Any, tokenizer: Any, records: Sequence[Record], *,
                config: TrainConfig = TrainConfig(), init: RecurrentHead | None = None,
                progress: Progress | None = None,
-               replayed: dict[int, Replayed] | None = None) -> TrainResult:
+               replayed: dict[int, Replayed] | None = None,
+               rows_of: RowsOf | None = None) -> TrainResult:
     """Distil a head from ``records`` (of one scope and model), starting from ``init``.
 
     ``replayed``: earlier replays by record id over ``init``'s vocabulary (see :func:`replay`);
-    used only when the vocabulary is unchanged, and filled with the new ones."""
+    used only when the vocabulary is unchanged, and filled with the new ones. ``rows_of``:
+    kept hidden rows, used instead of a replay (:func:`replay`)."""
     if not records:
         raise ValueError("no completions to train on: the memory has none for this scope and model")
     started = time.perf_counter()
@@ -222,7 +275,7 @@ def train_head(model: Any, tokenizer: Any, records: Sequence[Record], *,
     if replayed is not None and (init is None or vocab.tolist() != old):
         replayed.clear()  # replays over another vocabulary: their distributions do not fit
     data = replay(model, tokenizer, order, vocab, max_context=config.max_context,
-                  progress=progress, known=replayed)
+                  progress=progress, known=replayed, rows_of=rows_of)
     # replay drops unusable records, so split by position among those kept
     train = [d for i, d in enumerate(data) if i not in held_ids]
     held = [d for i, d in enumerate(data) if i in held_ids]
@@ -233,12 +286,17 @@ def train_head(model: Any, tokenizer: Any, records: Sequence[Record], *,
     if init is not None:
         head.load_state_dict(init.param_tensors())
     opt = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
-    total_batches = config.epochs * max(1, math.ceil(
-        sum(d.tokens.shape[0] - 1 for d in train) / config.batch_starts))
+    starts = _Starts(train, config.depth)
+    per_epoch = max(1, math.ceil(len(starts) / config.batch_starts))
+    total_batches = min(config.epochs * per_epoch, config.max_steps) if len(starts) else 0
+    shuffle = torch.Generator().manual_seed(config.seed)
     done, losses = 0, []
-    for _ in range(config.epochs):
-        for h, inputs, targets, mask in _batches(train, config.depth, config.batch_starts, rng):
-            loss = distill_loss(head, h, inputs, targets, mask)
+    while done < total_batches:
+        shuffled = torch.randperm(len(starts), generator=shuffle)
+        for b in range(0, len(starts), config.batch_starts):
+            if done >= total_batches:
+                break
+            loss = distill_loss(head, *starts.batch(shuffled[b : b + config.batch_starts]))
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -249,10 +307,12 @@ def train_head(model: Any, tokenizer: Any, records: Sequence[Record], *,
     head.eval()
     acceptance = acceptance_by_depth(head, held, depth=config.depth) if held else {}
     stats = {
-        "records": len(records), "replayed": len(data), "train_records": len(train),
+        "records": len(records), "replayed": len(data),
+        "from_kept_rows": sum(d.kept_rows for d in data), "train_records": len(train),
         "held_out_records": len(held), "vocab": int(vocab.shape[0]),
         "positions": sum(d.tokens.shape[0] - 1 for d in train),
-        "epochs": config.epochs, "depth": config.depth,
+        "epochs": round(done / per_epoch, 2) if len(starts) else 0, "steps": done,
+        "depth": config.depth,
         "final_kl": sum(losses[-10:]) / max(1, len(losses[-10:])),
         "replay_seconds": round(replay_s, 1),
         "seconds": round(time.perf_counter() - started, 1),

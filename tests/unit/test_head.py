@@ -19,7 +19,7 @@ from agentspec.drafters.head import (
     read_meta,
     save_head,
 )
-from agentspec.drafters.head_train import TrainConfig, train_head
+from agentspec.drafters.head_train import TrainConfig, replay, train_head, vocabulary
 from agentspec.protocols import DraftContext
 from agentspec.target import HFTarget
 from agentspec.types import Draft, Record
@@ -166,6 +166,28 @@ def _records(n: int) -> list[Record]:
         out.append(Record(scope="s", model="m", request_text=prompt, key_text=prompt,
                           completion_text="", completion_ids=completion, id=i + 1))
     return out
+
+
+def test_replay_gives_the_full_forwards_hidden_rows_and_restricted_distributions(target):
+    """Replays reuse the shared prefix's KV and score only the head's vocabulary rows; each
+    record's rows must still be a whole forward's, its distributions the full logits'
+    restricted to the vocabulary and renormalised. A replay over the wrong rows fails."""
+    records = _records(6)
+    vocab = vocabulary(records, target.tokenizer)
+    data = replay(target.model, target.tokenizer, records, vocab)
+    assert len(data) == 6
+    for record, item in zip(records, data, strict=True):
+        ids = [int(t) for t in record.request_text.split()] + list(record.completion_ids)
+        with torch.no_grad():
+            full = target.model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+        n_prompt = len(ids) - len(record.completion_ids)
+        hidden = full.hidden_states[-1][0, n_prompt - 2 : -1]
+        logp = torch.log_softmax(full.logits[0, n_prompt - 1 :, vocab].float(), dim=-1)
+        assert item.tokens.tolist() == ids[n_prompt - 1 :]
+        torch.testing.assert_close(item.hidden, hidden.float(), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(item.logp.float(), logp, atol=2e-3, rtol=2e-3)
+        wrong = torch.log_softmax(full.logits[0, n_prompt - 1 :, vocab.flip(0)].float(), -1)
+        assert not torch.allclose(item.logp.float(), wrong, atol=2e-3)
 
 
 def test_training_distils_the_target_and_beats_an_untrained_head(target, tmp_path):
