@@ -79,6 +79,10 @@ class SpecConfig:
             computes every row's mask (sampling always does).
         draft_head: draft with a trained recurrent head (``agentspec head train``) where one
             exists for the model and the request's scope under ``$AGENTSPEC_HOME``.
+        head_rows: keep the target's hidden rows of every completion recorded into the memory
+            (:mod:`agentspec.drafters.head_rows`, float16 files under ``$AGENTSPEC_HOME``), so
+            that ``agentspec head train`` need not replay it through the target. Off by
+            default (about 1 KiB per generated token on disk).
     """
 
     max_draft_tokens: int = 64
@@ -89,6 +93,7 @@ class SpecConfig:
     grammar_drafts: bool = True
     lazy_masks: bool = True
     draft_head: bool = True
+    head_rows: bool = False
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:

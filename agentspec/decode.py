@@ -32,13 +32,16 @@ class Step:
     """One target pass: the draft, the verdict, and the tokens it committed.
 
     ``new_tokens`` is the verdict's output cut before the first stop token; ``stopped`` says a
-    stop token ended the generation there.
+    stop token ended the generation there. ``rows`` (only with ``decode(keep_rows=True)``):
+    the target's final hidden rows that processed the step's root and its accepted draft
+    tokens, ``[1 + accepted, hidden]`` float16 on the CPU, for training the draft head.
     """
 
     draft: Draft
     verdict: Verdict
     new_tokens: tuple[int, ...]
     stopped: bool
+    rows: torch.Tensor | None = None
 
 
 class NoDrafter:
@@ -63,7 +66,8 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
            sampling: SamplingParams, max_new_tokens: int, stop_token_ids: frozenset[int],
            generator: torch.Generator | None = None,
            grammar_drafts: bool = True,
-           lazy_masks: bool = True) -> Generator[Step, None, None]:
+           lazy_masks: bool = True,
+           keep_rows: bool = False) -> Generator[Step, None, None]:
     """Generate up to ``max_new_tokens`` tokens after ``context.tokens``, appending to it.
 
     Args:
@@ -79,17 +83,22 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
         lazy_masks: with ``sampling.grammar`` and greedy decoding, masks on demand
             (:class:`~agentspec.grammar.LazyMasks`): a row is masked only where its argmax is
             a token the grammar forbids. Same outputs.
+        keep_rows: give each step's hidden rows (:attr:`Step.rows`); turns the target's
+            ``keep_hidden`` on. Read only: no token depends on them.
     """
     grammar = None if sampling.grammar is None else GrammarState(
         sampling.grammar, target.tokenizer, vocab_size=target.vocab_size,
         eos_ids=sorted(stop_token_ids), device=target.device)
+    if keep_rows:
+        target.keep_hidden = True
     # 1. Prefill: the KV takes every prompt token but the last.
     target.start(context.tokens)
     guarded = Guarded(drafter)
     guarded.begin(context)
     try:
         yield from _steps(target, guarded, context, sampling, max_new_tokens, stop_token_ids,
-                          generator, grammar, grammar_drafts, lazy_masks and sampling.greedy)
+                          generator, grammar, grammar_drafts, lazy_masks and sampling.greedy,
+                          keep_rows)
     finally:
         guarded.end(context)
         if grammar is not None:
@@ -99,7 +108,7 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
 def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: SamplingParams,
            max_new_tokens: int, stop_token_ids: frozenset[int],
            generator: torch.Generator | None, grammar: GrammarState | None,
-           grammar_drafts: bool, lazy_masks: bool) -> Iterator[Step]:
+           grammar_drafts: bool, lazy_masks: bool, keep_rows: bool = False) -> Iterator[Step]:
     produced = 0
     # One uniform per output position, so a seeded sample does not depend on the drafts.
     uniforms = None if sampling.greedy else torch.rand(
@@ -126,6 +135,9 @@ def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: 
         rows = None if uniforms is None else uniforms[_row_offsets(draft, produced)]
         verdict = cut_at_spine(draft, verify(draft, logits, sampling, generator, uniforms=rows,
                                              allowed=allowed))
+        kept = None
+        if keep_rows and target.hidden is not None:  # the root's row, then the accepted path's
+            kept = target.hidden[[0, *(i + 1 for i in verdict.path)]].to("cpu", torch.float16)
         # 5. Commit: the KV keeps the accepted path only.
         target.commit(draft, verdict)
         new_tokens, stopped = cut_at_stop(verdict.new_tokens, stop_token_ids)
@@ -135,7 +147,7 @@ def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: 
             grammar.advance(new_tokens)
         # 6. Observe: drafters learn from what was accepted.
         drafter.observe(context, draft, verdict)
-        yield Step(draft, verdict, new_tokens, stopped)
+        yield Step(draft, verdict, new_tokens, stopped, kept)
         if stopped:
             return
 

@@ -15,6 +15,8 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from agentspec.config import SamplingParams, SpecConfig
 from agentspec.decode import NoDrafter, Step, decode
 from agentspec.drafters.chain import DrafterChain
@@ -24,7 +26,7 @@ from agentspec.protocols import DraftContext, Drafter
 from agentspec.sampling import make_generator
 from agentspec.session import Session, current_session
 from agentspec.stream import Stream
-from agentspec.target import HFTarget, load_target
+from agentspec.target import HFTarget, load_target, warn_once
 from agentspec.text import (
     Prompt,
     StopStrings,
@@ -234,17 +236,21 @@ class Speculator:
                                extra_sources=tuple(session.sources) if session else (),
                                sampling=sampling, generator=generator)
         deltas = TextDeltas(self.tokenizer, stops)
+        keep_rows = record and self.memory is not None and self.config.head_rows
+        kept: list[torch.Tensor] = []
         with self._turns:
             drafter = self._drafter()
         steps = decode(self.target, drafter, context, sampling=sampling,
                        max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids,
                        generator=generator,
                        grammar_drafts=self.speculate and self.config.grammar_drafts,
-                       lazy_masks=self.config.lazy_masks)
+                       lazy_masks=self.config.lazy_masks, keep_rows=keep_rows)
         try:
             while (step := self._step(steps)) is not None:
                 run.count(step)
                 run.token_ids.extend(step.new_tokens)
+                if step.rows is not None:
+                    kept.append(step.rows)
                 delta, hit_stop = deltas.push(step.new_tokens)
                 if delta:
                     yield delta  # a stream holds no turn here
@@ -265,10 +271,28 @@ class Speculator:
         if session is not None:
             session.observe(generation)
         if record and self.memory is not None and run.token_ids:
+            text = request_text(prompt)
             self.memory.record(scope=scope, model=self.target.fingerprint,
-                               request_text=request_text(prompt), key_text=key_text,
+                               request_text=text, key_text=key_text,
                                completion_text=run.text, completion_ids=list(run.token_ids))
+            if keep_rows:
+                self._keep_rows(scope, text, prompt_ids[-1], run.token_ids, kept)
         return generation
+
+    def _keep_rows(self, scope: str, text: str, last_prompt_token: int, token_ids: list[int],
+                   kept: list[torch.Tensor]) -> None:
+        """Save a recorded completion's hidden rows for head training (never fails the call)."""
+        from agentspec.drafters.head_rows import save_rows
+
+        rows = torch.cat(kept) if kept else torch.zeros(0)
+        if rows.ndim != 2 or rows.shape[0] < len(token_ids):
+            return  # a step without rows (e.g. a drafter's hook was removed): replayed instead
+        try:
+            save_rows(self.target.fingerprint, scope, text, last_prompt_token, token_ids,
+                      rows[: len(token_ids)])
+        except OSError as e:
+            warn_once(f"cannot keep hidden rows for head training ({e}); "
+                      "agentspec head train will replay these completions")
 
     def _step(self, steps: Generator[Step, None, None]) -> Step | None:
         """The next step of a generation, computed holding a turn."""
