@@ -39,6 +39,10 @@ from agentspec.bench.workload import WorkloadItem
 Generate = Callable[[list[dict[str, str]], Mapping[str, Any] | None], str]
 
 SUITE_FILE = "BFCL_v4_multi_turn_base.json"
+# Variants of the base suite (the same numbered tasks with parameters left out of the user's
+# requests, or with a larger file system): more of one agent's traffic, e.g. to train on.
+SUITES = {"base": SUITE_FILE, "miss_param": "BFCL_v4_multi_turn_miss_param.json",
+          "long_context": "BFCL_v4_multi_turn_long_context.json"}
 # The prompt budget (about 1500 tokens on 2 CPU cores) cannot hold a whole class: the file
 # system's 18 docs alone are ~1800 SmolLM2 tokens. These subsets keep the real docs of the
 # functions the default tasks need, and are the same for every task of a class, so one
@@ -156,23 +160,27 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 @cache
-def _suite() -> dict[str, dict[str, Any]]:
-    return {e["id"]: e for e in _read_jsonl(_package_dir() / "data" / SUITE_FILE)}
+def _suite(file: str = SUITE_FILE) -> dict[str, dict[str, Any]]:
+    return {e["id"]: e for e in _read_jsonl(_package_dir() / "data" / file)}
 
 
-def load_tasks(ids: Sequence[str] | None = None) -> list[Task]:
-    """Loads tasks of BFCL's ``multi_turn_base`` suite.
+def load_tasks(ids: Sequence[str] | None = None, *, suite: str = "base") -> list[Task]:
+    """Loads tasks of one of BFCL's multi-turn suites (:data:`SUITES`; default
+    ``multi_turn_base``).
 
     Args:
         ids: task ids in the wanted order; ``None`` loads all 200 in file order.
+        suite: a key of :data:`SUITES`.
 
     Raises:
-        KeyError: an id is not in the suite (the message names it).
+        KeyError: an id is not in the suite, or the suite is unknown (the message names it).
     """
-    suite = _suite()
-    missing = [i for i in (ids or ()) if i not in suite]
+    if suite not in SUITES:
+        raise KeyError(f"unknown BFCL suite {suite!r}; known: {', '.join(SUITES)}")
+    entries = _suite(SUITES[suite])
+    missing = [i for i in (ids or ()) if i not in entries]
     if missing:
-        raise KeyError(f"unknown BFCL task ids {missing} (not in {SUITE_FILE})")
+        raise KeyError(f"unknown BFCL task ids {missing} (not in {SUITES[suite]})")
     return [
         Task(
             id=e["id"],
@@ -181,7 +189,7 @@ def load_tasks(ids: Sequence[str] | None = None) -> list[Task]:
             initial_config=e.get("initial_config", {}),
             path=tuple(e.get("path", ())),
         )
-        for e in (suite[i] for i in (ids if ids is not None else list(suite)))
+        for e in (entries[i] for i in (ids if ids is not None else list(entries)))
     ]
 
 

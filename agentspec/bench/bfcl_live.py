@@ -115,9 +115,11 @@ def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOO
                    warmup: int = WARMUP, measure: int = MEASURE,
                    max_doc_chars: int = MAX_DOC_CHARS,
                    max_new_tokens: int = MAX_NEW_TOKENS,
-                   choice: str | None = "required") -> list[WorkloadItem]:
+                   choice: str | None = "required", rest: bool = False) -> list[WorkloadItem]:
     """The workload lines: all warmup lines, then the measured ones; within each phase the
     requests of one tool set come together, as consecutive requests to one deployed agent.
+    ``rest``: instead, the chosen tool sets' other requests (after their warmup and measured
+    ones, as warmup lines): more of the same agents' traffic, e.g. to train a draft head on.
     ``choice``: each line's reply grammar (:func:`reply_grammar`: ``"required"`` or ``"auto"``),
     or None for unconstrained replies.
 
@@ -142,9 +144,12 @@ def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOO
         raise ValueError(f"only {len(chosen)} tool sets have {warmup + measure} requests and "
                          f"docs of at most {max_doc_chars} characters; asked for {tool_sets}")
     items: list[WorkloadItem] = []
-    for phase, lo, hi in (("warmup", 0, warmup), ("measure", warmup, warmup + measure)):
+    phases = [("warmup", 0, warmup), ("measure", warmup, warmup + measure)]
+    if rest:
+        phases = [("warmup", warmup + measure, max(len(v) for v in by_set.values()))]
+    for phase, lo, hi in phases:
         for key in chosen:
-            for i in range(lo, hi):
+            for i in range(lo, min(hi, len(by_set[key]))):
                 entry = by_set[key][i]
                 grammar = None if choice is None else reply_grammar(entry["function"], choice)
                 items.append(WorkloadItem(id=str(entry["id"]), scope=_scope(entry["function"]),

@@ -68,3 +68,23 @@ def test_each_line_carries_its_tool_sets_call_grammar() -> None:
     assert all(i.grammar is None for i in bare)
     with pytest.raises(ValueError, match="choice"):
         bfcl_live.build_workload(entries, tool_sets=1, warmup=3, measure=2, choice="any")
+
+
+def test_the_rest_of_the_tool_sets_requests_is_disjoint_from_the_workload() -> None:
+    entries = bfcl_live.load_entries()
+    workload = bfcl_live.build_workload(entries)
+    rest = bfcl_live.build_workload(entries, rest=True)
+    assert rest and not {i.id for i in rest} & {i.id for i in workload}
+    assert {i.scope for i in rest} <= {i.scope for i in workload}
+    assert all(i.phase == "warmup" and i.grammar is not None for i in rest)
+
+
+def test_a_head_corpus_leaves_out_every_variant_of_the_held_out_tasks() -> None:
+    from agentspec.bench import head_corpus
+
+    tasks = head_corpus.corpus_tasks("GorillaFileSystem", suites=("base", "miss_param"))
+    held = {head_corpus.task_number(t) for t in head_corpus.HELD_OUT}
+    assert held and not held & {head_corpus.task_number(t.id) for t in tasks}
+    assert {t.id.rsplit("_", 1)[0] for t in tasks} == {"multi_turn_base", "multi_turn_miss_param"}
+    with pytest.raises(KeyError, match="unknown BFCL suite 'nope'"):
+        head_corpus.corpus_tasks("GorillaFileSystem", suites=("nope",))
