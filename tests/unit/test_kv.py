@@ -75,14 +75,20 @@ def test_verifying_attention_switches_sdpa_models_only_and_restores():
 
 def _one_softmax_attention(query, key, value, mask, scale):
     """The deliberately wrong attention (the engine's before 2026-11-23): one softmax and one
-    product over the whole KV, whose reductions the kernels block by the KV's length."""
+    product over the whole KV, whose reduction is blocked by the KV's length. Whether a
+    library's single product blocks by length depends on the CPU (it did on the machine the
+    defect was found on; on an AMD EPYC with AVX-512 it did not), so the blocking is written
+    out: the product over the keys is summed in two halves of the capacity."""
     batch, heads, width, dim = query.shape
     kv_heads, capacity = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     q = query.reshape(batch, kv_heads, groups * width, dim)
     scores = torch.matmul(q, key.transpose(-1, -2)) * scale
     allowed = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, 1, groups * width, capacity)
-    out = torch.matmul(scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1), value)
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    half = capacity // 2
+    out = (torch.matmul(probs[..., :half], value[:, :, :half])
+           + torch.matmul(probs[..., half:], value[:, :, half:]))
     return out.reshape(batch, heads, width, dim).transpose(1, 2)
 
 
