@@ -284,9 +284,9 @@ class Speculator:
         """Save a recorded completion's hidden rows for head training (never fails the call)."""
         from agentspec.drafters.head_rows import save_rows
 
-        rows = torch.cat(kept) if kept else torch.zeros(0)
-        if rows.ndim != 2 or rows.shape[0] < len(token_ids):
-            return  # a step without rows (e.g. a drafter's hook was removed): replayed instead
+        rows = torch.cat(kept) if kept else None
+        if rows is None or rows.shape[0] < len(token_ids):
+            return  # a step gave no rows: the completion is replayed instead
         try:
             save_rows(self.target.fingerprint, scope, text, last_prompt_token, token_ids,
                       rows[: len(token_ids)])

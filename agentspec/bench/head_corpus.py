@@ -6,8 +6,9 @@ sets that the workload does not use.
 The agent (:mod:`agentspec.bench.bfcl`) runs BFCL multi-turn tasks whose main tool class is
 the given one, through a :class:`~agentspec.Speculator` with a memory, recording every call
 in the scope the bench uses (``bfcl-<class>``). Each call is decoded under the task's call
-grammar, as the default ``bfcl`` workload was built (``--no-grammar``: plain text). The default bench's measured tasks are left
-out, so a head trained on this memory is measured on tasks it never saw.
+grammar, as the default ``bfcl`` workload was built (``--no-grammar``: plain text). The
+default bench's measured tasks are left out, so a head trained on this memory is measured on
+tasks it never saw.
 
     python -m agentspec.bench.head_corpus --db sqlite:///corpus.db --max-seconds 540
 """
@@ -112,12 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.live:
         from agentspec.bench import bfcl_live
+        from agentspec.bench.harness import grammar_of, prompt_of
 
         for item in bfcl_live.build_workload(bfcl_live.load_entries(), rest=True):
-            sampling = SamplingParams(grammar=None if item.grammar is None or args.no_grammar
-                                      else compiled(item.grammar))
-            spec.generate([dict(m) for m in item.messages or ()],
-                          item.max_new_tokens or args.max_new_tokens,
+            sampling = SamplingParams(grammar=None if args.no_grammar else grammar_of(item))
+            spec.generate(prompt_of(item), item.max_new_tokens or args.max_new_tokens,
                           sampling=sampling, scope=item.scope)
             calls += 1
         print(f"bfcl-live: {calls} calls, {time.perf_counter() - started:.0f} s", flush=True)

@@ -152,11 +152,14 @@ def merge_beams(beams: list[list[int]], q: list[list[float]]) -> BeamTree:
 
 # --- Files ----------------------------------------------------------------------------------
 
+def safe_name(text: str) -> str:
+    """``text`` as a file or folder name (a fingerprint, a scope)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", text)
+
+
 def head_path(fingerprint: str, scope: str, home: Path | None = None) -> Path:
     """Where the head of a model (fingerprint) and scope lives under ``$AGENTSPEC_HOME``."""
-    def safe(text: str) -> str:
-        return re.sub(r"[^A-Za-z0-9._-]", "_", text)
-    return (home or agentspec_home()) / "heads" / safe(fingerprint) / f"{safe(scope)}.safetensors"
+    return (home or agentspec_home()) / "heads" / safe_name(fingerprint) / f"{safe_name(scope)}.safetensors"
 
 
 def heads_exist(fingerprint: str, home: Path | None = None) -> bool:

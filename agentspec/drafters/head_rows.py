@@ -20,22 +20,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from agentspec.drafters.head import safe_name
 from agentspec.home import agentspec_home
-
-
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]", "_", text)
 
 
 def rows_dir(fingerprint: str, scope: str, home: Path | None = None) -> Path:
     """The folder of a model's (fingerprint) and scope's kept rows."""
-    return (home or agentspec_home()) / "head-rows" / _safe(fingerprint) / _safe(scope)
+    return (home or agentspec_home()) / "head-rows" / safe_name(fingerprint) / safe_name(scope)
 
 
 def rows_key(request_text: str, completion_ids: Sequence[int]) -> str:

@@ -155,10 +155,9 @@ def replay(model: Any, tokenizer: Any, records: Sequence[Record], vocab: torch.T
                              use_cache=True).last_hidden_state[0, first - keep :]  # [L + 1, hidden]
         held = ids
         # after the last prompt token, ..., after the last completion token
-        logits = torch.nn.functional.linear(hidden[1:], out_rows, out_bias)  # [L + 1, V]
-        logp = torch.log_softmax(logits.float(), dim=-1)
+        logp = _restricted_logp(hidden[1:], out_rows, out_bias)  # [L + 1, V]
         tokens = torch.tensor(ids[len(prompt) - 1 :])  # [L + 1]
-        out.append(Replayed(tokens, hidden[:-1].float().clone(), logp.half()))
+        out.append(Replayed(tokens, hidden[:-1].float().clone(), logp))
         if known is not None and record.id is not None:
             known[record.id] = out[-1]
     if progress is not None:
@@ -174,10 +173,17 @@ def from_rows(tokens: torch.Tensor, rows: torch.Tensor, out_rows: torch.Tensor,
     tokens ``1 .. L - 1``, each with the row that predicted it and the distribution after it
     (from the next row), over the vocabulary rows ``out_rows``."""
     hidden = rows.to(out_rows.dtype)
-    with torch.inference_mode():
-        logits = torch.nn.functional.linear(hidden[1:], out_rows, out_bias)  # [L - 1, V]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-    return Replayed(tokens[1:-1].clone(), hidden[:-1].float().clone(), logp.half(), True)
+    logp = _restricted_logp(hidden[1:], out_rows, out_bias)  # [L - 1, V]
+    return Replayed(tokens[1:-1].clone(), hidden[:-1].float().clone(), logp, True)
+
+
+@torch.inference_mode()
+def _restricted_logp(hidden: torch.Tensor, out_rows: torch.Tensor,
+                     out_bias: torch.Tensor | None) -> torch.Tensor:
+    """The target's log-distribution over the head's vocabulary after each hidden row,
+    float16: only the vocabulary's rows of the output embedding are multiplied."""
+    logits = torch.nn.functional.linear(hidden, out_rows, out_bias)
+    return torch.log_softmax(logits.float(), dim=-1).half()
 
 
 class _Starts:
@@ -186,6 +192,10 @@ class _Starts:
     record's last row (``mask`` False past it)."""
 
     def __init__(self, data: Sequence[Replayed], depth: int) -> None:
+        self.depth = depth
+        self.starts = self.last = torch.zeros(0, dtype=torch.long)
+        if not data:  # every record dropped or held out: nothing to train on
+            return
         self.hidden = torch.cat([d.hidden for d in data])  # [rows, hidden]
         self.tokens = torch.cat([d.tokens for d in data])  # [rows]
         self.logp = torch.cat([d.logp for d in data])  # [rows, V] float16
@@ -195,9 +205,7 @@ class _Starts:
             starts.append(torch.arange(offset, offset + rows - 1))
             lasts.append(torch.full((rows - 1,), offset + rows - 1))
             offset += rows
-        self.starts = torch.cat(starts) if starts else torch.zeros(0, dtype=torch.long)
-        self.last = torch.cat(lasts) if lasts else torch.zeros(0, dtype=torch.long)
-        self.depth = depth
+        self.starts, self.last = torch.cat(starts), torch.cat(lasts)
 
     def __len__(self) -> int:
         return int(self.starts.shape[0])
