@@ -72,8 +72,10 @@ class MiniLMEmbedder:
                 model_dir = minilm_model_dir()
                 from sentence_transformers import SentenceTransformer
 
-                self._model = SentenceTransformer(
-                    str(model_dir), device=self.device, local_files_only=True)
+                model = SentenceTransformer(str(model_dir), device=self.device,
+                                            local_files_only=True)
+                _pack_linears(model)
+                self._model = model
         return self._model
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
@@ -87,6 +89,26 @@ class MiniLMEmbedder:
         vecs = model.encode(cut, batch_size=self.batch_size, normalize_embeddings=True,
                             convert_to_numpy=True, show_progress_bar=False)
         return np.ascontiguousarray(vecs, np.float32)  # [n, dim]
+
+
+def _pack_linears(model: Any) -> None:
+    """On the CPU, run the model's linear layers as oneDNN products on weights packed once
+    (the engine's, :func:`agentspec._fixed._packed_forward`): PyTorch's default CPU product
+    re-packs a weight on every call, which dominates a one-text embedding (a 10-token key
+    took 9 ms, 5 ms packed; 200 tokens 35 ms, 30 ms). The vectors agree with the default
+    products to ~2e-7; a vector only chooses which remembered completions are drafted."""
+    import torch
+
+    params = list(model.parameters())
+    if not params or params[0].device.type != "cpu" or params[0].dtype != torch.float32 \
+            or not torch.backends.mkldnn.is_available():
+        return
+    from agentspec._fixed import _packed_forward
+
+    with torch.inference_mode():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.forward = _packed_forward(module)  # type: ignore[method-assign]
 
 
 @lru_cache(maxsize=65536)

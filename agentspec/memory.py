@@ -21,6 +21,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,9 @@ from agentspec.stores.faiss_index import FaissIndex
 from agentspec.stores.sql import SQLStore
 from agentspec.text import conversation_key  # noqa: F401  (the memory's key; rendered in text.py)
 from agentspec.types import Record
+
+# Keys whose vectors a memory keeps (384 float32 each for MiniLM: 1.5 KiB).
+EMBED_CACHE = 256
 
 
 class CompletionMemory:
@@ -73,6 +77,10 @@ class CompletionMemory:
         self._lock = threading.RLock()
         self._owns_store = False
         self._guard = StoreGuard(max_pending=max_pending, retry_interval_s=retry_interval_s)
+        # The latest keys' vectors (a vector is a function of the embedder and the text): a
+        # generation's lookup and its record embed the same key, and agents repeat requests.
+        self._vectors: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
+        self._vectors_lock = threading.Lock()
 
     @classmethod
     def open(cls, url: str | None = None, **kw: Any) -> CompletionMemory:
@@ -304,8 +312,21 @@ class CompletionMemory:
 
     # --- index upkeep ------------------------------------------------------------------------
     def _embed(self, text: str) -> np.ndarray:
-        vectors = self.embedder.embed([text])  # [1, dim]
-        return np.ascontiguousarray(vectors[0], np.float32)
+        """``text``'s unit vector ``[dim]`` (read only), from the cache of the latest
+        :data:`EMBED_CACHE` keys when there."""
+        key = (str(getattr(self.embedder, "name", "")), text)
+        with self._vectors_lock:
+            hit = self._vectors.get(key)
+            if hit is not None:
+                self._vectors.move_to_end(key)
+                return hit
+        vector = np.ascontiguousarray(self.embedder.embed([text])[0], np.float32)  # [dim]
+        vector.setflags(write=False)  # shared by every caller of this key
+        with self._vectors_lock:
+            self._vectors[key] = vector
+            while len(self._vectors) > EMBED_CACHE:
+                self._vectors.popitem(last=False)
+        return vector
 
     def _sync(self, scope: str, *, force: bool = False) -> ScopeIndex:
         """The index of ``scope``, brought up to date with the store when due."""

