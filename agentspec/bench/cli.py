@@ -139,6 +139,10 @@ def bench(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the results.")] = None,
     report: Annotated[Path | None, typer.Option("--report", help="Write a markdown report.")] = None,
+    lines: Annotated[Path | None, typer.Option(
+        "--lines", help="Greedy runs with agentspec: also write the outputs (warmup and "
+                        "measured) for the offline replay: python -m agentspec.bench.replay "
+                        "--outputs FILE replays drafting policies over them in seconds.")] = None,
 ) -> None:
     """Run every request of a workload through each system, interleaved, and compare.
 
@@ -159,6 +163,10 @@ def bench(
     dtype = resolve_dtype(dtype, device)
     path = resolve_workload(workload)
     names = parse_systems(systems or (CORE_SYSTEMS if path.stem == "prompts" else DEFAULT_SYSTEMS))
+    if lines is not None and (temperature > 0 or "agentspec" not in names):
+        fail("--lines needs a greedy run (temperature 0) with the agentspec system, whose "
+             f"warmup outputs it writes; got temperature {temperature}, systems "
+             f"{','.join(names)}", EXIT_USAGE)
     from agentspec.bench import harness
     from agentspec.bench.workload import load_workload
 
@@ -167,7 +175,7 @@ def bench(
         err_console.print(f"warning: {path}:{line}: skipped: {error}", markup=False)
     config = harness.BenchConfig(systems=tuple(names), temperature=temperature,
                                  max_new_tokens=max_new_tokens, samples=samples, db=db,
-                                 device=device, dtype=dtype)
+                                 device=device, dtype=dtype, lines_out=lines)
     _run_and_report(loaded, model, config, json_out=json_out, plot=plot, report=report)
 
 

@@ -60,6 +60,8 @@ class BenchConfig:
             when available, else the CPU (:func:`agentspec.load_target`'s default).
         dtype: the target's weights, a key of :data:`DTYPES`; ``None``: bf16 on CUDA, fp32 on
             the CPU.
+        lines_out: a greedy run also writes its outputs (warmup and measured) here, in the
+            offline replay's ``--outputs`` format (:mod:`agentspec.bench.replay`).
     """
 
     systems: tuple[str, ...]
@@ -70,6 +72,7 @@ class BenchConfig:
     seed: int = 1234
     device: str | None = None
     dtype: str | None = None
+    lines_out: Path | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -337,7 +340,8 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
         from agentspec.bench.replay import Constraint, bench_ceiling
 
         ceiling = bench_ceiling(workload, warmup_outputs, requests, target.tokenizer,
-                                config.max_new_tokens, Constraint.of(target))
+                                config.max_new_tokens, Constraint.of(target),
+                                save_to=config.lines_out)
     notes = tuple(note for s in systems.values() if (note := getattr(s, "note", None)))
     # The machine may be shared: the 1/5/15-minute load at the end says how loaded it was.
     return BenchResult(str(workload.path), model, str(target.device), config,

@@ -303,14 +303,15 @@ def run_policies(lines: Sequence[Line], names: Sequence[str] = POLICIES,
 def bench_ceiling(workload: Any, warmup_outputs: dict[str, tuple[int, ...]],
                   requests: Sequence[Any], tokenizer: Any,
                   max_new_tokens: int | None = None,
-                  constraint: Constraint | None = None) -> float:
+                  constraint: Constraint | None = None, *, save_to: Path | None = None) -> float:
     """The ceiling's tokens per step over a greedy bench run's measured requests.
 
     The bench's own greedy outputs (the agentspec system's on warmup lines, hf-greedy's on
     measured ones; equal to the target's greedy output, as ``exact`` checks) replace a
     generation pass: the replay then costs seconds. ``max_new_tokens`` is the bench's budget
     override (``None``: each line's own); ``constraint``: lines with a grammar are replayed
-    under it, forced tokens included.
+    under it, forced tokens included. ``save_to``: the lines are also written there (the
+    ``--outputs`` file of :func:`main`).
     """
     from agentspec.bench.harness import prompt_of
     from agentspec.bench.report import REFERENCE
@@ -332,6 +333,8 @@ def bench_ceiling(workload: Any, warmup_outputs: dict[str, tuple[int, ...]],
                           tuple(out), tokenizer.decode(list(out)),
                           budgets.get(item.id) or max_new_tokens or item.max_new_tokens
                           or len(out) + 1, item.grammar))
+    if save_to is not None:
+        save_lines(lines, save_to)
     return run_policies(lines, ["ceiling"], constraint=constraint)["ceiling"].tokens_per_step
 
 

@@ -41,6 +41,8 @@ def test_module_imports_neither_torch_nor_transformers() -> None:
     (["--dtype", "BF16", "--device", "cpu"], "'BF16'"),
     (["--device", "tpu"], "'tpu'"),
     (["--device", "not a device"], "'not a device'"),
+    (["--lines", "o.json", "--temperature", "0.7"], "temperature 0.7"),
+    (["--lines", "o.json", "--systems", "hf-greedy,agentspec-pld"], "hf-greedy,agentspec-pld"),
 ])
 def test_bad_input_exits_2_naming_the_value(args: list[str], named: str) -> None:
     res = invoke(*args)

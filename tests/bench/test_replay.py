@@ -107,6 +107,13 @@ def test_bench_ceiling_replays_the_bench_outputs(tmp_path: Path):
     # the measured line repeats the warmup line: the memory drafts it in one or two steps
     assert ceiling >= len(body) / 2
     assert rp.bench_ceiling(workload, {}, requests, _CharTokenizer()) < 2  # nothing remembered
+    # --lines: the same lines, written for the offline replay, give the same ceiling there
+    saved = tmp_path / "lines.json"
+    assert rp.bench_ceiling(workload, {"w": body}, requests, _CharTokenizer(), save_to=saved) == ceiling
+    lines = rp.load_lines(saved)
+    assert [(line.id, line.phase, line.output_ids) for line in lines] == [("w", "warmup", body),
+                                                                            ("m", "measure", body)]
+    assert rp.run_policies(lines, ["ceiling"])["ceiling"].tokens_per_step == ceiling
 
 
 def test_versus_names_the_best_single_source_and_the_share_of_the_ceiling():
