@@ -5,7 +5,9 @@
 Greedy decoding is deterministic, so once the target's greedy output of every line is known
 (generated once with the target and cached in ``--outputs``), replaying drafters over it gives
 exactly the steps the decode loop takes: a draft's accepted path is its longest match with the
-output, and the step commits that path plus the next output token. No target runs in the
+output, ended at its first node off the draft's spine as the decode loop ends it, and the step
+commits that path plus the next output token. ``agentspec bench --lines FILE`` writes a greedy
+bench run's outputs in this format, so no generation pass is needed. No target runs in the
 replay itself: a policy change is measured in seconds, not in a 7-minute benchmark.
 
 The drafters are the real ones, with a fresh completion memory in a temporary SQLite file that
@@ -47,7 +49,7 @@ from agentspec.config import SamplingParams, SpecConfig
 from agentspec.drafters.chain import DrafterChain
 from agentspec.drafters.policy import DEFAULT_COST, CostModel
 from agentspec.protocols import DraftContext, Drafter
-from agentspec.tree import sub_draft
+from agentspec.tree import spine_length, sub_draft
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
 _STOP = -1  # stands for the stop token that ended an output (no draft proposes it)
@@ -139,6 +141,17 @@ def accepted_path(draft: Draft, output: Sequence[int]) -> list[int]:
         if node == -2:
             break
         path.append(node)
+    return path
+
+
+def spine_cut(draft: Draft, path: list[int]) -> list[int]:
+    """``path`` ended at its first node off the draft's spine, as the decode loop ends a
+    verdict (:func:`agentspec.verify.cut_at_spine`: only spine rows decide more than one
+    token; the node's token, the target's own at its parent, is the step's next token)."""
+    spine = spine_length(draft.parents)
+    for j, node in enumerate(path):
+        if node != j or j >= spine:
+            return path[:j]
     return path
 
 
@@ -239,7 +252,7 @@ def _replay_line(line: Line, drafter: Drafter, context: DraftContext, cost: Cost
             host += time.perf_counter() - started
             if constrain is not None:  # as the decode loop: prune what it forbids, add what it forces
                 draft = constrain(draft, room)
-            path = accepted_path(draft, [*todo[done:], _STOP])
+            path = spine_cut(draft, accepted_path(draft, [*todo[done:], _STOP]))
             new = todo[done : done + len(path) + 1]
             if grammar is not None:
                 grammar.advance([t for t in new if t != _STOP])

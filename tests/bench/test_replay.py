@@ -29,6 +29,45 @@ def test_accepted_path_walks_the_tree_and_leaves_room_for_the_next_token():
     assert rp.accepted_path(tree, [4, 6, 7]) == []
 
 
+class _TreeOnce:
+    """Proposes one fixed tree at the first step, nothing after."""
+
+    name = "m"
+
+    def __init__(self, tree):
+        self.tree, self.proposed = tree, False
+
+    def begin(self, context):
+        self.proposed = False
+
+    def propose(self, context, *, max_tokens):
+        if self.proposed:
+            return Draft()
+        self.proposed = True
+        return self.tree
+
+    def observe(self, context, draft, verdict):
+        pass
+
+    def end(self, context):
+        pass
+
+
+def test_a_path_off_the_spine_ends_the_step_as_the_decode_loop_ends_it():
+    # spine 5 6 7; an alternative 6 -> 9 under the root, and 4 under the spine's first node
+    tree = Draft((5, 6, 7, 6, 9, 4), (-1, 0, 1, -1, 3, 0), "m")
+    assert rp.spine_cut(tree, [0, 1, 2]) == [0, 1, 2]
+    assert rp.spine_cut(tree, [3, 4]) == []  # the root's alternative: its token is the next one
+    assert rp.spine_cut(tree, [0, 5]) == [0]
+    # Replayed: the output takes the alternative branch 6 9, so the first step commits only 6
+    # (the target's own token at the root), not 6 9 and the token after them.
+    line = _line([1, 2], [6, 9, 3], budget=16)
+    totals = rp.replay([line], _TreeOnce(tree))
+    assert totals.steps == 4 and totals.accepted["m"] == 0
+    along = rp.replay([_line([1, 2], [5, 6, 7, 3], budget=16)], _TreeOnce(tree))
+    assert along.steps == 2 and along.accepted["m"] == 3  # the spine: 3 drafts + 3, then the stop
+
+
 def test_plain_decoding_takes_one_step_per_token_and_one_for_the_stop():
     stopped = _line([1, 2, 3], [4, 5, 6], budget=16)
     cut = _line([1, 2, 3], [4, 5, 6], budget=3, id="b")
