@@ -108,7 +108,7 @@ def _pack_linears(model: Any) -> None:
     with torch.inference_mode():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
-                module.forward = _packed_forward(module)  # type: ignore[method-assign]
+                module.forward = _packed_forward(module)  # type: ignore[method-assign,assignment]
 
 
 @lru_cache(maxsize=65536)
