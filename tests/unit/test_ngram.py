@@ -56,12 +56,16 @@ def test_prompt_lookup_uses_extra_sources():
     assert drafter.propose(ctx, max_tokens=5).token_ids == (80, 90)
 
 
-def test_one_token_matches_only_where_nothing_longer_does_and_in_their_own_class():
+def test_one_token_matches_only_where_nothing_longer_does_and_each_length_in_its_own_class():
     drafter = PromptLookupDrafter()
     longer = DraftContext(tokens=[1, 2, 3, 9, 2, 4, 1, 2], prompt_len=8)
     drafter.begin(longer)
     assert drafter.propose(longer, max_tokens=3).token_ids == (3, 9, 2)  # "1 2", not "2"
-    assert drafter.acceptance_key == "prompt_lookup"
+    assert drafter.acceptance_key == "prompt_lookup/2"
+    four = DraftContext(tokens=[1, 2, 3, 4, 5, 6, 1, 2, 3, 4], prompt_len=10)
+    drafter.begin(four)
+    assert drafter.propose(four, max_tokens=2).token_ids == (5, 6)
+    assert drafter.acceptance_key == "prompt_lookup/4"  # each match length is its own class
     single = DraftContext(tokens=[5, 6, 7, 8, 6], prompt_len=5)
     drafter.begin(single)
     assert drafter.propose(single, max_tokens=2).token_ids == (7, 8)
