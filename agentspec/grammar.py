@@ -22,10 +22,11 @@ calls ``python -m agentspec.bench.grammar_cost`` measured xgrammar's mask at p50
 30-33 us per draft node against llguidance's 9-10 us / 63-87 us (BENCHMARKS.md, "Engine
 costs, tool-call traffic under a grammar"); with the LRU mask cache, on a faster machine of
 the same kind, llguidance's p99 was 35-40 us (p50 2 us; "Mask cost on this machine").
-Moving the masks to xgrammar (keeping llguidance's forced tokens) is open work. A grammar's first use on a tokenizer walks its
-examples (one call of each tool; see :attr:`Grammar.examples`), so the first request of a new
-tool set finds the skeleton's masks cached and its lexer states built, as xgrammar's
-compile-time mask cache would have them (without it llguidance's p99 was 187 us).
+Moving the masks to xgrammar (keeping llguidance's forced tokens) is open work. A grammar's
+first use on a tokenizer walks its examples (one call of each tool; see
+:attr:`Grammar.examples`), so the first request of a new tool set finds the skeleton's masks
+cached and its lexer states built, as xgrammar's compile-time mask cache would have them
+(without it llguidance's p99 was 187 us).
 """
 
 from __future__ import annotations
