@@ -100,6 +100,13 @@ class CompletionMemory:
             self._embedder = MiniLMEmbedder()
         return self._embedder
 
+    def warmup(self) -> None:
+        """Do the memory's one-time work now rather than in the first lookup: load the embedder
+        and the vector index library (importing faiss alone takes about 0.25 s on a 2-core
+        CPU, which the first request of a fresh process would otherwise pay)."""
+        self.embedder.embed(["warm up"])
+        FaissIndex(int(self.embedder.dim))
+
     def close(self) -> None:
         """Write the queued completions, save the indexes (when ``index_dir`` is set) and close
         a store opened by ``open``; what cannot be written is warned about, not raised."""

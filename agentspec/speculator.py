@@ -132,12 +132,17 @@ class Speculator:
     def warmup(self) -> None:
         """Do the one-time work now rather than inside the first call: measure the target's
         forward cost (cached per model and device), check which forward widths share one
-        reduction order (:meth:`HFTarget.check_widths`) and load the memory's embedder."""
+        reduction order (:meth:`HFTarget.check_widths`) and load the memory's embedder and
+        index library (``CompletionMemory.warmup``)."""
         with self._turns:
             self.target.check_widths()
             self._drafter()
         if self.memory is not None:
-            self.memory.embedder.embed(["warm up"])
+            warm = getattr(self.memory, "warmup", None)
+            if callable(warm):
+                warm()
+            elif getattr(self.memory, "embedder", None) is not None:  # a memory of the user's
+                self.memory.embedder.embed(["warm up"])
 
     def _default_drafters(self) -> list[Drafter]:
         from agentspec.drafters.memory import MemoryDrafter

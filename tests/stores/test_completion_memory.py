@@ -166,6 +166,17 @@ def test_stores_and_memory_do_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_warmup_loads_the_index_library_before_the_first_lookup():
+    # Importing faiss is the first lookup's largest one-time cost; warmup pays it instead.
+    code = ("import sys; from agentspec.memory import CompletionMemory;"
+            "from agentspec.embedder import HashEmbedder;"
+            "from agentspec.stores import InMemoryStore;"
+            "m = CompletionMemory(InMemoryStore(), embedder=HashEmbedder());"
+            "assert 'faiss' not in sys.modules, 'imported early';"
+            "m.warmup(); assert 'faiss' in sys.modules, 'not loaded'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 @pytest.mark.slow
 def test_minilm_embeds_offline():
     e = MiniLMEmbedder()
@@ -213,3 +224,26 @@ def test_a_key_is_embedded_once_for_its_lookup_and_its_record():
                                              @ fresh.embed(["user: remove the files"])[0]), abs=1e-6)
     stored = memory.store.get_many([rid])[0].embedding
     np.testing.assert_array_equal(stored, fresh.embed(["user: list the files"])[0])
+
+
+@pytest.mark.slow
+def test_speculator_warmup_warms_the_memory_and_takes_a_memory_without_warmup(spec):
+    from agentspec import Speculator
+    from agentspec.drafters.policy import DEFAULT_COST
+
+    embedder = CountingEmbedder()
+    memory = CompletionMemory(InMemoryStore(), embedder=embedder)
+    Speculator(spec.target, memory=memory, cost=DEFAULT_COST).warmup()
+    assert embedder.texts == ["warm up"]
+
+    class Bare:  # a memory of the user's: the three methods a Speculator calls, nothing else
+        def lookup(self, *a, **k):
+            return []
+
+        def record(self, *a, **k):
+            return -1
+
+        def credit(self, *a, **k):
+            pass
+
+    Speculator(spec.target, memory=Bare(), cost=DEFAULT_COST).warmup()
