@@ -321,7 +321,7 @@ class CompletionMemory:
     def _embed(self, text: str) -> np.ndarray:
         """``text``'s unit vector ``[dim]`` (read only), from the cache of the latest
         :data:`EMBED_CACHE` keys when there."""
-        key = (str(getattr(self.embedder, "name", "")), text)
+        key = (self.embedder.name, text)
         with self._vectors_lock:
             hit = self._vectors.get(key)
             if hit is not None:

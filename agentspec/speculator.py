@@ -138,11 +138,9 @@ class Speculator:
             self.target.check_widths()
             self._drafter()
         if self.memory is not None:
-            warm = getattr(self.memory, "warmup", None)
+            warm = getattr(self.memory, "warmup", None)  # a memory of the user's may have none
             if callable(warm):
                 warm()
-            elif getattr(self.memory, "embedder", None) is not None:  # a memory of the user's
-                self.memory.embedder.embed(["warm up"])
 
     def _default_drafters(self) -> list[Drafter]:
         from agentspec.drafters.memory import MemoryDrafter

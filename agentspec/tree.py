@@ -67,6 +67,16 @@ def spine_length(parents: Sequence[int]) -> int:
     return len(parents)
 
 
+def spine_prefix(parents: Sequence[int], path: Sequence[int]) -> int:
+    """How many leading nodes of an accepted ``path`` lie on the draft's spine, in order: the
+    part of a verdict whose rows decide more than one token (``verify.cut_at_spine``)."""
+    spine = spine_length(parents)
+    for j, node in enumerate(path):
+        if node != j or j >= spine:
+            return j
+    return len(path)
+
+
 def preorder(parents: Sequence[int]) -> list[int]:
     """Nodes in depth-first preorder, children in index order: the first child of every node
     follows it, so the path of first children becomes the spine."""

@@ -31,7 +31,7 @@ import torch
 
 from agentspec.config import SamplingParams
 from agentspec.sampling import Mask, greedy_tokens, logits_to_probs, sample, sample_inverse_cdf
-from agentspec.tree import child_index, spine_length
+from agentspec.tree import child_index, spine_prefix
 from agentspec.types import Draft, Verdict
 
 
@@ -90,11 +90,10 @@ def cut_at_spine(draft: Draft, verdict: Verdict) -> Verdict:
     """End ``verdict`` at its first node off the draft's spine: that node's token is the
     target's draw at its parent (a spine row), so it becomes the next token, and no logits of
     an off-spine row decide anything."""
-    spine = spine_length(draft.parents)
-    for j, node in enumerate(verdict.path):
-        if node != j or j >= spine:
-            return Verdict(verdict.path[:j], verdict.accepted[:j], draft.token_ids[node])
-    return verdict
+    j = spine_prefix(draft.parents, verdict.path)
+    if j == len(verdict.path):
+        return verdict
+    return Verdict(verdict.path[:j], verdict.accepted[:j], draft.token_ids[verdict.path[j]])
 
 
 def verify_ratio(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,

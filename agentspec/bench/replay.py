@@ -49,7 +49,7 @@ from agentspec.config import SamplingParams, SpecConfig
 from agentspec.drafters.chain import DrafterChain
 from agentspec.drafters.policy import DEFAULT_COST, CostModel
 from agentspec.protocols import DraftContext, Drafter
-from agentspec.tree import spine_length, sub_draft
+from agentspec.tree import spine_prefix, sub_draft
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
 _STOP = -1  # stands for the stop token that ended an output (no draft proposes it)
@@ -148,11 +148,7 @@ def spine_cut(draft: Draft, path: list[int]) -> list[int]:
     """``path`` ended at its first node off the draft's spine, as the decode loop ends a
     verdict (:func:`agentspec.verify.cut_at_spine`: only spine rows decide more than one
     token; the node's token, the target's own at its parent, is the step's next token)."""
-    spine = spine_length(draft.parents)
-    for j, node in enumerate(path):
-        if node != j or j >= spine:
-            return path[:j]
-    return path
+    return path[: spine_prefix(draft.parents, path)]
 
 
 class Hindsight:
