@@ -287,22 +287,26 @@ def policies(memory: Any, cost: CostModel) -> dict[str, Callable[[], Drafter]]:
 
 def run_policies(lines: Sequence[Line], names: Sequence[str] = POLICIES,
                  cost: CostModel = DEFAULT_COST,
-                 constraint: Constraint | None = None) -> dict[str, Totals]:
+                 constraint: Constraint | None = None, *,
+                 sizing: CostModel | None = None) -> dict[str, Totals]:
     """Every named policy over ``lines``, each with a fresh memory of its own (with
-    ``constraint``: lines with a grammar decoded under it)."""
+    ``constraint``: lines with a grammar decoded under it). ``sizing``: the cost curve the
+    policies size drafts by, when not the ``cost`` their steps are modeled with (what a
+    policy sized for another device would do on this one)."""
     from agentspec.memory import CompletionMemory
     from agentspec.stores import SQLStore
 
+    sizing = cost if sizing is None else sizing
     out: dict[str, Totals] = {}
     for name in names:
         if name in ("prompt-lookup", "ceiling-pld"):
-            out[name] = replay(lines, policies(None, cost)[name](), cost=cost,
+            out[name] = replay(lines, policies(None, sizing)[name](), cost=cost,
                                constraint=constraint)
             continue
         with tempfile.TemporaryDirectory(prefix="agentspec-replay-") as tmp:
             memory = CompletionMemory(SQLStore(f"sqlite:///{Path(tmp) / 'memory.db'}"))
             try:
-                out[name] = replay(lines, policies(memory, cost)[name](), memory=memory,
+                out[name] = replay(lines, policies(memory, sizing)[name](), memory=memory,
                                    cost=cost, constraint=constraint)
             finally:
                 memory.close()
@@ -384,6 +388,12 @@ def load_lines(path: Path) -> list[Line]:
             for r in rows]
 
 
+def read_cost(path: Path) -> CostModel:
+    """The curve of a cost file (``$AGENTSPEC_HOME/costs/*.json``)."""
+    points = json.loads(path.read_text(encoding="utf-8"))["points"]
+    return CostModel.fit([(int(t), float(sec)) for t, sec in points])
+
+
 def table(results: dict[str, Totals]) -> str:
     head = ("| policy | tok/step | modeled speedup | host ms/step | accepted by source |\n"
             "|---|---:|---:|---:|---|\n")
@@ -409,6 +419,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--cost", type=Path, default=None, metavar="JSON",
                         help="a measured cost curve (a file of $AGENTSPEC_HOME/costs); default "
                              "the built-in CPU curve")
+    parser.add_argument("--sizing-cost", default=None, metavar="JSON|flat",
+                        help="size drafts by this curve instead of --cost (steps are still "
+                             "modeled with --cost); 'flat': every forward costs the same, as "
+                             "on a GPU running CUDA graphs")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICIES]
@@ -423,16 +437,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     measured = sum(1 for line in lines if line.phase == "measure")
     print(f"{args.workload}: {measured} measured lines (+{len(lines) - measured} warmup), "
           f"{sum(len(line.output_ids) for line in lines if line.phase == 'measure')} tokens")
-    cost = DEFAULT_COST
-    if args.cost is not None:
-        points = json.loads(args.cost.read_text(encoding="utf-8"))["points"]
-        cost = CostModel.fit([(int(t), float(sec)) for t, sec in points])
+    cost = DEFAULT_COST if args.cost is None else read_cost(args.cost)
+    sizing = None
+    if args.sizing_cost == "flat":
+        sizing = CostModel(cost.seconds(0), 0.0, ((1, cost.seconds(0)),))
+    elif args.sizing_cost is not None:
+        sizing = read_cost(Path(args.sizing_cost))
     constraint = None
     if any(line.grammar is not None for line in lines):  # replayed under their grammars
         from agentspec import load_target
 
         constraint = Constraint.of(load_target(args.model))
-    print(table(run_policies(lines, names, cost, constraint)))
+    print(table(run_policies(lines, names, cost, constraint, sizing=sizing)))
     return 0
 
 

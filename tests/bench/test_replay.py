@@ -189,3 +189,23 @@ def test_lines_with_a_grammar_are_replayed_under_it_forced_tokens_included():
     assert forced.steps <= 6 and forced.accepted["grammar"] >= len(output) - 6
     ceiling = rp.run_policies([line], ["ceiling"], constraint=constraint)["ceiling"]
     assert ceiling.steps <= forced.steps
+
+
+def test_sizing_by_another_curve_sizes_as_that_curve_and_is_modeled_with_this_one(tmp_path: Path):
+    # A long copy from the prompt: sized as if forwards were free, prompt lookup drafts it in
+    # fewer steps than sized for a steep curve, and those steps are modeled on the steep one.
+    span = list(range(20, 60))
+    lines = [_line([1, 2, *span, 3], [1, 2, *span], budget=48)]
+    steep = CostModel(base=0.01, per_token=0.01)  # a 40-token forward costs 40x a 1-token one
+    own = rp.run_policies(lines, ["prompt-lookup"], steep)["prompt-lookup"]
+    free = rp.run_policies(lines, ["prompt-lookup"], FREE)["prompt-lookup"]
+    sized_free = rp.run_policies(lines, ["prompt-lookup"], steep, sizing=FREE)["prompt-lookup"]
+    assert sized_free.steps == free.steps < own.steps  # sized as on the free curve
+    assert sized_free.plain_seconds == own.plain_seconds != free.plain_seconds
+    assert sized_free.seconds != free.seconds
+    out = tmp_path / "o.json"
+    rp.save_lines(lines, out)
+    cost = tmp_path / "steep.json"
+    cost.write_text('{"points": [[1, 0.02], [64, 0.65]]}')
+    assert rp.main(["--outputs", str(out), "--policies", "prompt-lookup", "--cost", str(cost),
+                    "--sizing-cost", "flat"]) == 0
