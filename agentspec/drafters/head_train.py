@@ -9,9 +9,11 @@ position (restricted to the head's vocabulary) to the head's q; inputs past the 
 the completion's own tokens (teacher forcing). Replays reuse the KV of the longest prefix
 shared with the record before (an agent's calls share their system prompt and earlier turns).
 
-A tenth of the records (at least one) is held out; the head's acceptance per depth is
-measured on them as the decode loop would see it: greedy drafts of the head's best beam
-against the target's greedy tokens.
+A tenth of the records (at least one) is held out, whole groups of equal completions at a
+time (an agent repeats itself under many requests; a copy on both sides would be measured on
+what was trained), and the vocabulary is the training records' only. The head's acceptance
+per depth is measured on the held-out records as the greedy decode loop would see it: the
+head's best beam against the target's own greedy tokens (over its whole vocabulary).
 """
 
 from __future__ import annotations
@@ -237,20 +239,24 @@ def distill_loss(head: RecurrentHead, h: torch.Tensor, inputs: torch.Tensor,
 @torch.inference_mode()
 def acceptance_by_depth(head: RecurrentHead, data: Sequence[Replayed], *, width: int = 4,
                         depth: int = 6) -> dict[str, Any]:
-    """Held-out acceptance as the loop sees it: at each start, the best beam against the
-    target's greedy tokens. ``rate[k]``: P(token k accepted | tokens before it were);
+    """Held-out acceptance as the greedy loop sees it: at each start, the head's best beam
+    against the target's own greedy tokens along the record, each the argmax of the target's
+    whole output embedding at its row (not of the head's vocabulary: a token the head cannot
+    draft is a miss). ``rate[k]``: P(token k accepted | tokens before it were);
     ``mean_accepted``: accepted draft tokens per step."""
     reached = [0] * (depth + 1)
     steps = 0
     for item in data:
-        greedy = item.logp.float().argmax(-1)  # [L] the target's next token, vocabulary index
-        n = item.tokens.shape[0] - 1
+        # the target's greedy token after tokens[i] is the argmax at row i + 1 (which
+        # predicted tokens[i + 1]); [L] full-vocabulary ids, None past the last row
+        greedy = (item.hidden[1:] @ head.out_embed.T).argmax(-1).tolist()
+        n = len(greedy)
         for j in range(n):
             tree = beam_search(head, item.hidden[j], int(item.tokens[j]), width=width,
                                depth=min(depth, n - j))
             beam = tree.token_ids[: tree.spine]
             k = 0
-            while k < len(beam) and beam[k] == int(head.vocab[greedy[j + k]]):
+            while k < len(beam) and beam[k] == greedy[j + k]:
                 k += 1
             steps += 1
             for d in range(k + 1):
@@ -258,6 +264,30 @@ def acceptance_by_depth(head: RecurrentHead, data: Sequence[Replayed], *, width:
     rate = [reached[d] / reached[d - 1] if reached[d - 1] else 0.0 for d in range(1, depth + 1)]
     return {"steps": steps, "rate": rate,
             "mean_accepted": sum(reached[1:]) / steps if steps else 0.0}
+
+
+def split_held_out(records: Sequence[Record], fraction: float,
+                   rng: random.Random) -> tuple[list[Record], list[Record]]:
+    """``(train, held)``: about ``fraction`` of the records held out, whole groups of equal
+    completions at a time. An agent says the same thing under many requests ("file not
+    found"); a completion on both sides would be measured on what the head was trained on."""
+    groups: dict[tuple[int, ...], list[Record]] = {}
+    for record in records:
+        groups.setdefault(tuple(record.completion_ids), []).append(record)
+    if fraction <= 0 or len(groups) < 2:
+        return list(records), []
+    want = max(1, int(len(records) * fraction))
+    keys = list(groups)
+    rng.shuffle(keys)
+    held: set[tuple[int, ...]] = set()
+    count = 0
+    for key in keys[:-1]:  # at least one group is trained on
+        if count >= want:
+            break
+        held.add(key)
+        count += len(groups[key])
+    return ([r for r in records if tuple(r.completion_ids) not in held],
+            [r for r in records if tuple(r.completion_ids) in held])
 
 
 def train_head(model: Any, tokenizer: Any, records: Sequence[Record], *,
@@ -276,17 +306,16 @@ def train_head(model: Any, tokenizer: Any, records: Sequence[Record], *,
     rng = random.Random(config.seed)
     torch.manual_seed(config.seed)
     old = init.vocab.tolist() if init is not None else []
-    vocab = vocabulary(records, tokenizer, old)
-    order = list(records)
-    n_held = max(1, int(len(order) * config.held_out)) if len(order) > 1 and config.held_out > 0 else 0
-    held_ids = set(rng.sample(range(len(order)), n_held))
+    train_records, held_records = split_held_out(records, config.held_out, rng)
+    # the vocabulary of what is trained on: a held-out token outside it is a miss, as a
+    # token of a request never seen is while drafting
+    vocab = vocabulary(train_records, tokenizer, old)
     if replayed is not None and (init is None or vocab.tolist() != old):
         replayed.clear()  # replays over another vocabulary: their distributions do not fit
-    data = replay(model, tokenizer, order, vocab, max_context=config.max_context,
-                  progress=progress, known=replayed, rows_of=rows_of)
-    # replay drops unusable records, so split by position among those kept
-    train = [d for i, d in enumerate(data) if i not in held_ids]
-    held = [d for i, d in enumerate(data) if i in held_ids]
+    train = replay(model, tokenizer, train_records, vocab, max_context=config.max_context,
+                   progress=progress, known=replayed, rows_of=rows_of)
+    held = replay(model, tokenizer, held_records, vocab, max_context=config.max_context,
+                  known=replayed, rows_of=rows_of)
     replay_s = time.perf_counter() - started
     embed = model.get_input_embeddings().weight.detach().float()
     out = model.get_output_embeddings().weight.detach().float()
@@ -315,8 +344,8 @@ def train_head(model: Any, tokenizer: Any, records: Sequence[Record], *,
     head.eval()
     acceptance = acceptance_by_depth(head, held, depth=config.depth) if held else {}
     stats = {
-        "records": len(records), "replayed": len(data),
-        "from_kept_rows": sum(d.kept_rows for d in data), "train_records": len(train),
+        "records": len(records), "replayed": len(train) + len(held),
+        "from_kept_rows": sum(d.kept_rows for d in (*train, *held)), "train_records": len(train),
         "held_out_records": len(held), "vocab": int(vocab.shape[0]),
         "positions": sum(d.tokens.shape[0] - 1 for d in train),
         "epochs": round(done / per_epoch, 2) if len(starts) else 0, "steps": done,

@@ -38,7 +38,8 @@ def _fill(url: str, fingerprint: str) -> None:
     with SQLStore(url) as store:
         store.add_many([Record(scope="tools", model=fingerprint, request_text=keys[i],
                                key_text=keys[i], completion_text="",
-                               completion_ids=(4, 5, 6, 7, 4, 5)[i % 2:], embedding=vectors[i],
+                               completion_ids=tuple(([4, 5, 6, 7] * 4)[i % 4 :][: 3 + i // 4]),
+                               embedding=vectors[i],
                                embedder=EMBEDDER.name) for i in range(12)])
 
 

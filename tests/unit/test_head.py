@@ -19,7 +19,14 @@ from agentspec.drafters.head import (
     read_meta,
     save_head,
 )
-from agentspec.drafters.head_train import TrainConfig, replay, train_head, vocabulary
+from agentspec.drafters.head_train import (
+    TrainConfig,
+    acceptance_by_depth,
+    replay,
+    split_held_out,
+    train_head,
+    vocabulary,
+)
 from agentspec.protocols import DraftContext
 from agentspec.target import HFTarget
 from agentspec.types import Draft, Record
@@ -158,11 +165,11 @@ def test_drafter_is_absent_without_a_head_and_drafts_with_one(target, tmp_path):
 
 
 def _records(n: int) -> list[Record]:
-    """Completions of a tiny 'agent' whose outputs follow a fixed pattern."""
+    """Distinct completions of a tiny 'agent' whose outputs follow a fixed cycle (3 4 5 6)."""
     out = []
     for i in range(n):
         prompt = f"1 {2 + i % 3} 5"
-        completion = tuple([3, 4, 5, 6, 3, 4, 5, 6][(i % 2):][:6])
+        completion = tuple(([3, 4, 5, 6] * 4)[i % 4 :][: 4 + i // 4])
         out.append(Record(scope="s", model="m", request_text=prompt, key_text=prompt,
                           completion_text="", completion_ids=completion, id=i + 1))
     return out
@@ -236,3 +243,44 @@ def test_speculator_adds_the_head_only_where_one_is_trained(target, tmp_path, mo
               {"fingerprint": target.fingerprint})
     assert "head" in names()
     assert "head" not in names(config=SpecConfig(draft_head=False))
+
+
+def test_held_out_records_share_no_completion_with_the_training_records():
+    """An agent repeats itself under other requests; a record-level split puts copies on both
+    sides (shown for this seed) and measures the head on what it was trained on."""
+    import random
+
+    records = [Record(scope="s", model="m", request_text=f"r{i}", key_text=f"r{i}",
+                      completion_text="", completion_ids=(3, 4, i % 10), id=i + 1)
+               for i in range(30)]
+    train, held = split_held_out(records, 0.2, random.Random(0))
+    assert len(train) + len(held) == 30 and len(held) >= 6
+    assert not {r.completion_ids for r in train} & {r.completion_ids for r in held}
+    naive = set(random.Random(0).sample(range(30), 6))
+    assert {records[i].completion_ids for i in naive} & {
+        r.completion_ids for i, r in enumerate(records) if i not in naive}
+    same = records[0::10]  # one completion thrice: nothing can be held out
+    assert split_held_out(same, 0.5, random.Random(0)) == (same, [])
+    assert split_held_out(records, 0.0, random.Random(0)) == (records, [])
+
+
+def test_held_out_acceptance_is_against_the_targets_own_greedy_tokens(target):
+    """A head that can only draft one token is accepted only where the target's greedy token
+    over its whole vocabulary is that token; the argmax over the head's own vocabulary (the
+    measure before) would accept it everywhere."""
+    records = _records(4)
+    data = replay(target.model, target.tokenizer, records, vocabulary(records, target.tokenizer))
+    with torch.no_grad():
+        greedy = {t for d in data
+                  for t in (d.hidden[1:] @ target.model.lm_head.weight.T).argmax(-1).tolist()}
+    never = next(t for t in range(V) if t not in greedy)
+    head = random_head(target, [never])
+    acc = acceptance_by_depth(head, data, width=1, depth=3)
+    assert acc["steps"] > 0 and acc["mean_accepted"] == 0.0
+    always = random_head(target, [next(iter(greedy))])
+    assert acceptance_by_depth(always, data, width=1, depth=3)["rate"][0] > 0.0
+    # The old measure compared the beam with the argmax over the head's vocabulary, which a
+    # one-token vocabulary always "agrees" with: it would have called this head perfect.
+    only = replay(target.model, target.tokenizer, records, torch.tensor([never]))
+    old = [int(head.vocab[int(i)]) for d in only for i in d.logp.float().argmax(-1)]
+    assert old and set(old) == {never}
