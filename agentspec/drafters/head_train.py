@@ -269,8 +269,9 @@ def acceptance_by_depth(head: RecurrentHead, data: Sequence[Replayed], *, width:
 def split_held_out(records: Sequence[Record], fraction: float,
                    rng: random.Random) -> tuple[list[Record], list[Record]]:
     """``(train, held)``: about ``fraction`` of the records held out, whole groups of equal
-    completions at a time. An agent says the same thing under many requests ("file not
-    found"); a completion on both sides would be measured on what the head was trained on."""
+    completions at a time, the smaller groups first (in random order among equal sizes). An
+    agent says the same thing under many requests ("file not found"); a completion on both
+    sides would be measured on what the head was trained on."""
     groups: dict[tuple[int, ...], list[Record]] = {}
     for record in records:
         groups.setdefault(tuple(record.completion_ids), []).append(record)
@@ -279,6 +280,7 @@ def split_held_out(records: Sequence[Record], fraction: float,
     want = max(1, int(len(records) * fraction))
     keys = list(groups)
     rng.shuffle(keys)
+    keys.sort(key=lambda k: len(groups[k]))  # smaller groups first, so the share stays near
     held: set[tuple[int, ...]] = set()
     count = 0
     for key in keys[:-1]:  # at least one group is trained on
