@@ -268,10 +268,10 @@ def acceptance_by_depth(head: RecurrentHead, data: Sequence[Replayed], *, width:
 
 def split_held_out(records: Sequence[Record], fraction: float,
                    rng: random.Random) -> tuple[list[Record], list[Record]]:
-    """``(train, held)``: about ``fraction`` of the records held out, whole groups of equal
-    completions at a time, the smaller groups first (in random order among equal sizes). An
-    agent says the same thing under many requests ("file not found"); a completion on both
-    sides would be measured on what the head was trained on."""
+    """``(train, held)``: at most ``fraction`` of the records held out (at least one group),
+    whole groups of equal completions at a time, in random order. An agent says the same
+    thing under many requests ("file not found"); a completion on both sides would be
+    measured on what the head was trained on."""
     groups: dict[tuple[int, ...], list[Record]] = {}
     for record in records:
         groups.setdefault(tuple(record.completion_ids), []).append(record)
@@ -280,14 +280,14 @@ def split_held_out(records: Sequence[Record], fraction: float,
     want = max(1, int(len(records) * fraction))
     keys = list(groups)
     rng.shuffle(keys)
-    keys.sort(key=lambda k: len(groups[k]))  # smaller groups first, so the share stays near
     held: set[tuple[int, ...]] = set()
     count = 0
-    for key in keys[:-1]:  # at least one group is trained on
-        if count >= want:
-            break
-        held.add(key)
-        count += len(groups[key])
+    for key in keys:  # in random order, each group that still fits in the share
+        if count + len(groups[key]) <= want:
+            held.add(key)
+            count += len(groups[key])
+    if not held:  # every group is larger than the share: the smallest one
+        held.add(min(keys, key=lambda k: len(groups[k])))
     return ([r for r in records if tuple(r.completion_ids) not in held],
             [r for r in records if tuple(r.completion_ids) in held])
 
