@@ -142,9 +142,22 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: str | No
     return HFTarget(model, tokenizer, name=name)
 
 
+# Config entries that say where and how a model was loaded, not what it is: the folder it was
+# read from (another user's $AGENTSPEC_HOME, a moved cache), the transformers release that
+# wrote the config, the dtype it was loaded in.
+_NOT_IDENTITY = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
+
+
 def fingerprint(name: str, model: Any, tokenizer: Any) -> str:
-    """Model + tokenizer identity: memory entries of another fingerprint are never drafted from."""
-    h = hashlib.sha256(model.config.to_json_string(use_diff=False).encode())
+    """Model + tokenizer identity: memory entries of another fingerprint are never drafted from.
+
+    The same model loaded from another folder, by another transformers release or in another
+    dtype has the same fingerprint, so agents on several machines share one memory's rows and
+    heads (outputs still depend on the dtype; drafts are only drafts)."""
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    for key in _NOT_IDENTITY:
+        config.pop(key, None)
+    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
     h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     return f"{name}:{h.hexdigest()[:16]}"
 
