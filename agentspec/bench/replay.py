@@ -26,6 +26,10 @@ cut and extended as the decode loop does (:meth:`agentspec.grammar.GrammarState.
 forbidden tokens pruned, forced tokens appended), the ceiling's candidates too, so the
 ceiling counts the grammar's free tokens that ``agentspec`` gets.
 
+``--sizing-cost`` sizes the drafts by another cost curve than the one the steps are priced
+on (``flat``: every forward costs the same, as CUDA graphs make a GPU's): what reaching the
+ceiling's tokens per step would cost on this device.
+
 ``host ms/step`` is the drafter's own time per step (propose and observe; for the ceiling it
 includes asking every drafter), measured in the replay on this machine. ``modeled speedup`` is
 plain decoding's cost (one forward per output token) over the policy's
