@@ -444,7 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cost = DEFAULT_COST if args.cost is None else read_cost(args.cost)
     sizing = None
     if args.sizing_cost == "flat":
-        sizing = CostModel(cost.seconds(0), 0.0, ((1, cost.seconds(0)),))
+        sizing = CostModel(cost.seconds(0), 0.0)  # no points: base + 0 per token
     elif args.sizing_cost is not None:
         sizing = read_cost(Path(args.sizing_cost))
     constraint = None

@@ -248,7 +248,7 @@ def acceptance_by_depth(head: RecurrentHead, data: Sequence[Replayed], *, width:
     steps = 0
     for item in data:
         # the target's greedy token after tokens[i] is the argmax at row i + 1 (which
-        # predicted tokens[i + 1]); [L] full-vocabulary ids, None past the last row
+        # predicted tokens[i + 1]): [L] full-vocabulary ids
         greedy = (item.hidden[1:] @ head.out_embed.T).argmax(-1).tolist()
         n = len(greedy)
         for j in range(n):
@@ -272,9 +272,10 @@ def split_held_out(records: Sequence[Record], fraction: float,
     whole groups of equal completions at a time, in random order. An agent says the same
     thing under many requests ("file not found"); a completion on both sides would be
     measured on what the head was trained on."""
+    keys_of = [tuple(record.completion_ids) for record in records]
     groups: dict[tuple[int, ...], list[Record]] = {}
-    for record in records:
-        groups.setdefault(tuple(record.completion_ids), []).append(record)
+    for key, record in zip(keys_of, records, strict=True):
+        groups.setdefault(key, []).append(record)
     if fraction <= 0 or len(groups) < 2:
         return list(records), []
     want = max(1, int(len(records) * fraction))
@@ -288,8 +289,8 @@ def split_held_out(records: Sequence[Record], fraction: float,
             count += len(groups[key])
     if not held:  # every group is larger than the share: the smallest one
         held.add(min(keys, key=lambda k: len(groups[k])))
-    return ([r for r in records if tuple(r.completion_ids) not in held],
-            [r for r in records if tuple(r.completion_ids) in held])
+    return ([r for r, key in zip(records, keys_of, strict=True) if key not in held],
+            [r for r, key in zip(records, keys_of, strict=True) if key in held])
 
 
 def train_head(model: Any, tokenizer: Any, records: Sequence[Record], *,

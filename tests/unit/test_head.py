@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 
 import pytest
 import torch
@@ -248,8 +249,6 @@ def test_speculator_adds_the_head_only_where_one_is_trained(target, tmp_path, mo
 def test_held_out_records_share_no_completion_with_the_training_records():
     """An agent repeats itself under other requests; a record-level split puts copies on both
     sides (shown for this seed) and measures the head on what it was trained on."""
-    import random
-
     records = [Record(scope="s", model="m", request_text=f"r{i}", key_text=f"r{i}",
                       completion_text="", completion_ids=(3, 4, i % 10), id=i + 1)
                for i in range(30)]
