@@ -283,3 +283,26 @@ def test_held_out_acceptance_is_against_the_targets_own_greedy_tokens(target):
     only = replay(target.model, target.tokenizer, records, torch.tensor([never]))
     old = [int(head.vocab[int(i)]) for d in only for i in d.logp.float().argmax(-1)]
     assert old and set(old) == {never}
+
+
+def test_acceptance_on_bench_lines_lays_rows_out_as_the_training_replay(target):
+    """``head_cost --lines`` runs each bench line through the target once; its rows must be
+    the ones the training replay gives the same request, or its acceptance is another's."""
+    from agentspec.bench.head_cost import lines_acceptance
+    from agentspec.bench.replay import Line
+
+    from collections import Counter
+
+    records = _records(6)
+    vocab = vocabulary(records, target.tokenizer)
+    data = replay(target.model, target.tokenizer, records, vocab)
+    with torch.no_grad():  # a one-token head accepted where the target's greedy token is it
+        greedy = Counter(t for d in data
+                         for t in (d.hidden[1:] @ target.model.lm_head.weight.T).argmax(-1).tolist())
+    head = random_head(target, [greedy.most_common(1)[0][0]])
+    lines = [Line(str(r.id), "measure", "s", tuple(int(t) for t in r.request_text.split()),
+                  r.key_text, r.completion_ids, "", 16) for r in records]
+    by_lines = lines_acceptance(target, head, lines, depth=3)
+    by_replay = acceptance_by_depth(head, data, depth=3)
+    assert by_lines["lines"] == 6 and by_replay["mean_accepted"] > 0
+    assert {k: by_lines[k] for k in by_replay} == by_replay
