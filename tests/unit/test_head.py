@@ -288,10 +288,10 @@ def test_held_out_acceptance_is_against_the_targets_own_greedy_tokens(target):
 def test_acceptance_on_bench_lines_lays_rows_out_as_the_training_replay(target):
     """``head_cost --lines`` runs each bench line through the target once; its rows must be
     the ones the training replay gives the same request, or its acceptance is another's."""
+    from collections import Counter
+
     from agentspec.bench.head_cost import lines_acceptance
     from agentspec.bench.replay import Line
-
-    from collections import Counter
 
     records = _records(6)
     vocab = vocabulary(records, target.tokenizer)
