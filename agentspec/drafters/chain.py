@@ -30,9 +30,8 @@ from agentspec.drafters.policy import (
     DEFAULT_COST,
     Acceptance,
     CostModel,
-    best_length,
     best_subtree,
-    expected_tokens,
+    best_tree_rate,
 )
 from agentspec.protocols import DraftContext, Drafter
 from agentspec.tree import common_prefix_len, depths, spine_length, sub_draft
@@ -149,16 +148,16 @@ class DrafterChain:
         for drafter in req.sources:
             if drafter.failed:
                 continue
-            alpha = self.acceptance[drafter.name].alpha
-            spent = self.propose_seconds[drafter.name]
-            slow = spent > 0.1 * self.cost.seconds(0)
-            if slow and self._best_rate(alpha, max_tokens, spent) <= best_rate:
-                # Even its best possible draft would lose: not worth asking. It is measured
-                # again once the skipped steps' time is PROBE_RATIO times its own cost, so
-                # re-probing costs at most ~1/PROBE_RATIO of the time.
-                self._skipped[drafter.name] += 1
-                if self._skipped[drafter.name] * self.cost.seconds(0) < PROBE_RATIO * spent:
-                    continue
+            # A source whose best possible draft would lose is not asked, until the skipped
+            # steps' time reaches PROBE_RATIO times its own cost: re-probing then costs at
+            # most ~1/PROBE_RATIO of the time, and a source cheaper than 1/PROBE_RATIO of a
+            # forward is asked every step (the bound is not even computed for it).
+            skipped = self._skipped[drafter.name] + 1
+            if (skipped * self.cost.seconds(0) < PROBE_RATIO * self.propose_seconds[drafter.name]
+                    and self._best_rate(drafter.name, max_tokens,
+                                        self.propose_seconds[drafter.name]) <= best_rate):
+                self._skipped[drafter.name] = skipped
+                continue
             self._skipped[drafter.name] = 0
             started = time.perf_counter()
             proposal = drafter.propose(context, max_tokens=max_tokens)
@@ -187,11 +186,14 @@ class DrafterChain:
             self.acceptance[key] = Acceptance(PRIORS.get(key, PRIORS.get(key.split("/")[0], 0.5)))
         return self.acceptance[key]
 
-    def _best_rate(self, alpha: float, max_tokens: int, spent: float) -> float:
-        """The best rate a chain from a source could reach (its drafts are chains: the only
-        drafters worth skipping are slow ones, i.e. models)."""
-        length = best_length(alpha, max_tokens, self.cost, spent)
-        return expected_tokens(alpha, length) / (self.cost.seconds(length) + spent)
+    def _best_rate(self, name: str, max_tokens: int, spent: float) -> float:
+        """The best rate any draft from source ``name`` could reach, chain or tree, by the
+        best of its acceptance classes (``memory`` and ``memory/follow``: which one a
+        proposal gets is known only once it is made)."""
+        alpha = max(a.alpha for key, a in self.acceptance.items()
+                    if key == name or key.startswith(name + "/"))
+        return best_tree_rate(alpha, self.cost, spent, max_depth=max_tokens,
+                              alternative=self.alternatives[name].alpha if self.trees else 0.0)
 
     def _timed(self, req: _Request, name: str, seconds: float) -> float:
         if name in req.untimed:

@@ -11,6 +11,7 @@ CPU it is far from a line (scoring 2-3 tokens can cost more than 4-8).
 
 from __future__ import annotations
 
+import heapq
 import json
 import time
 from dataclasses import dataclass, field
@@ -110,6 +111,42 @@ def best_length(alpha: float, max_length: int, cost: CostModel, overhead: float 
         if power < 1e-4:  # further tokens add nothing measurable
             break
     return best
+
+
+def best_tree_rate(alpha: float, cost: CostModel, overhead: float = 0.0, *, max_depth: int,
+                   alternative: float | None = None, max_nodes: int = 64) -> float:
+    """The highest expected tokens per second any draft of up to ``max_nodes`` nodes and
+    ``max_depth`` deep can give from a source with these acceptances (chain or tree): the
+    rate of the most probable nodes of the source's infinite tree (every node with a first
+    child and endless alternatives, probabilities as :func:`node_probabilities` gives them).
+    ``alternative=0`` bounds chains. Used to skip asking a source that cannot win."""
+    beta = alpha if alternative is None else alternative
+    miss = (1.0 - alpha) * beta
+    best_rate, total = 1.0 / cost.seconds(0), 1.0
+    # Nodes come off the heap most probable first: a node enters once the node it cannot be
+    # more probable than is out (its first child and first alternative once it is; the k+1-th
+    # alternative once the k-th is). Entries: (-p, the parent's p, sibling rank, depth).
+    heap: list[tuple[float, float, int, int]] = []
+
+    def children(p: float, depth: int) -> None:
+        if depth < max_depth:
+            heapq.heappush(heap, (-p * alpha, p, 0, depth + 1))
+            if miss > 0:
+                heapq.heappush(heap, (-p * miss, p, 1, depth + 1))
+
+    children(1.0, 0)
+    for n in range(1, max_nodes + 1):
+        if not heap:
+            break
+        neg, parent, rank, depth = heapq.heappop(heap)
+        if -neg < 1e-4:  # further nodes add nothing measurable
+            break
+        total -= neg
+        best_rate = max(best_rate, total / (cost.seconds(n) + overhead))
+        children(-neg, depth)
+        if rank >= 1:
+            heapq.heappush(heap, (neg * (1.0 - beta), parent, rank + 1, depth))
+    return best_rate
 
 
 def node_probabilities(parents: tuple[int, ...] | list[int], alpha: float,

@@ -1,6 +1,7 @@
 """The cost-aware policy: never a draft whose measured cost makes it a loss."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -369,3 +370,87 @@ def test_a_prefix_that_reaches_past_the_committed_tokens_is_no_rejection():
     draft = chain.propose(ctx, max_tokens=4)
     chain.observe(ctx, draft, Verdict((0,), (5,), 9))  # rejected at the second token
     assert chain.acceptance["suffix"].misses == pytest.approx(0.81 * before + 1)
+
+
+def _random_tree(rng, nodes):
+    """Parents of a random tree, each node after its parent."""
+    return [rng.randrange(-1, i) for i in range(nodes)]
+
+
+def _chain_bound(alpha, cost, spent, *, max_depth, alternative=None, max_nodes=64):
+    """A deliberately wrong bound: the best chain, blind to a tree's alternatives."""
+    length = best_length(alpha, max_depth, cost, spent)
+    return expected_tokens(alpha, length) / (cost.seconds(length) + spent)
+
+
+@pytest.mark.parametrize("bound_name", ["best_tree_rate", "chain_only"])
+def test_the_skip_bound_is_above_every_draft_a_source_could_make(bound_name):
+    import random
+
+    from agentspec.drafters.policy import best_subtree, best_tree_rate
+
+    bound = best_tree_rate if bound_name == "best_tree_rate" else _chain_bound
+    rng = random.Random(7)
+    violated = 0
+    for _ in range(300):
+        alpha, beta = rng.uniform(0.05, 0.99), rng.uniform(0.0, 0.9)
+        spent = rng.choice([0.0, 0.001, 0.01])
+        parents = _random_tree(rng, rng.randint(1, 40))
+        depth = max(depths_of(parents))
+        _, rate = best_subtree(parents, alpha, CPU, spent, beta)
+        if rate > bound(alpha, CPU, spent, max_depth=depth, alternative=beta) * (1 + 1e-9):
+            violated += 1
+    if bound_name == "best_tree_rate":
+        assert violated == 0
+        # Without alternatives it is the best chain's rate.
+        for alpha in (0.3, 0.6, 0.9):
+            assert best_tree_rate(alpha, CPU, 0.002, max_depth=30, alternative=0.0) == \
+                pytest.approx(_chain_bound(alpha, CPU, 0.002, max_depth=30))
+    else:  # a chain's bound is beaten by trees: it would skip a source that could win
+        assert violated > 10
+
+
+def depths_of(parents):
+    out = []
+    for p in parents:
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def test_a_cheap_tree_source_that_cannot_win_is_asked_rarely_and_a_free_one_every_step(monkeypatch):
+    import agentspec.drafters.chain as chain_module
+
+    now = [0.0]
+    monkeypatch.setattr(chain_module.time, "perf_counter", lambda: now[0])
+
+    class Timed(CountingDrafter):  # takes ``seconds`` of the fake clock to propose
+        def __init__(self, name, tokens, seconds):
+            super().__init__(name, tokens)
+            self.seconds = seconds
+
+        def propose(self, context, *, max_tokens):
+            now[0] += self.seconds
+            return super().propose(context, max_tokens=max_tokens)
+
+    # Lookups take ~0.1 ms; a head's beam search a few ms, under a tenth of a forward here.
+    memory = Timed("memory", list(range(10, 40)), 1e-4)
+    lookup = Timed("prompt_lookup", [3] * 30, 1e-4)
+    head = Timed("head", [4] * 30, 0.005)
+    chain = DrafterChain([memory, lookup, head], cost=CPU)
+    ctx = DraftContext(tokens=[1, 2], prompt_len=2)
+    chain.acceptance["memory"] = Acceptance(0.99, strength=1000)
+    steps = 300
+    for _ in range(steps):
+        assert chain.propose(ctx, max_tokens=30).source == "memory"
+    assert lookup.asked == steps  # below 1/PROBE_RATIO of a forward: always asked
+    # The head is asked again each time the skipped steps cost PROBE_RATIO times its own
+    # time: one step in three here, where it was asked every step before.
+    cycle = math.ceil(30 * 0.005 / CPU.seconds(0))
+    assert cycle == 3 and head.asked == math.ceil(steps / cycle)
+    # Where it could win, it is asked every step.
+    chain.acceptance["memory"] = Acceptance(0.05, strength=1000)
+    chain.acceptance["head"] = Acceptance(0.9, strength=1000)
+    asked = head.asked
+    for _ in range(10):
+        chain.propose(ctx, max_tokens=30)
+    assert head.asked == asked + 10
