@@ -7,6 +7,13 @@ and when the store's row count for the scope disagrees with the index size it re
 two id sets, dropping ids that were deleted (evicted or pruned elsewhere) and adding missed
 ones. A wrong or stale hit only costs speed: drafts are verified exactly.
 
+A request's own memory work must not grow with the store. Picking up new rows reads only the
+rows written since (the primary key from the watermark on). What reads every row of a scope
+(the row count above; the token totals behind the caps) runs at most every
+``check_interval_s``, and between two checks the caps are kept from this memory's own writes:
+it checks early when they could have used up the room the last check left. A deleted row
+that lingers in an index until then is skipped at lookup (it is no longer in the store).
+
 The memory is an accelerator, so its database failing must not fail a generation: ``lookup``,
 ``completions``, ``record`` and ``credit`` never raise StoreError. A failure is warned about
 once, lookups answer nothing while it lasts, and recorded completions wait in a bounded queue
@@ -42,6 +49,43 @@ from agentspec.types import Record
 EMBED_CACHE = 256
 
 
+class _CapsWatch:
+    """When the memory must check its token caps (two sums over the store's rows).
+
+    A check measures how much room the caps leave: below the scope's cap and below the
+    store's. Until the next one the memory counts the tokens it writes itself, and checks again
+    once they could fill that room, or once ``interval`` seconds have passed (for what other
+    processes wrote). A memory alone on its store so evicts exactly when it would have checked
+    after every write. Called under the memory's lock.
+    """
+
+    def __init__(self) -> None:
+        self._room: dict[str, float] = {}  # per scope: tokens left below its cap at the check
+        self._room_total = float("inf")
+        self._written: dict[str, int] = {}  # per scope: tokens written since its check
+        self._written_total = 0
+        self._checked_at: dict[str, float] = {}
+
+    def due(self, scope: str, tokens: int, interval: float) -> bool:
+        """Count ``tokens`` just written to ``scope``; whether a check is due now."""
+        self._written[scope] = self._written.get(scope, 0) + tokens
+        self._written_total += tokens
+        return (scope not in self._checked_at
+                or time.monotonic() - self._checked_at[scope] >= interval
+                or self._written[scope] > self._room[scope]
+                or self._written_total > self._room_total)
+
+    def checked(self, scope: str, scope_cap: int | None, total_cap: int | None,
+                scope_tokens: int, total_tokens: int) -> None:
+        """A check (eviction included) left ``scope_tokens`` in ``scope``, ``total_tokens`` in all."""
+        inf = float("inf")
+        self._room[scope] = inf if scope_cap is None else scope_cap - scope_tokens
+        self._room_total = inf if total_cap is None else total_cap - total_tokens
+        self._written[scope] = 0
+        self._written_total = 0
+        self._checked_at[scope] = time.monotonic()
+
+
 class CompletionMemory:
     """Past completions by scope and model fingerprint, found by embedding similarity.
 
@@ -55,25 +99,33 @@ class CompletionMemory:
         sync_interval_s: least time between two checks for rows written by other processes.
         max_pending: completions kept while the store cannot be written (0: none kept).
         retry_interval_s: least time between two attempts on a store that failed.
+        check_interval_s: least time between two checks that read a whole scope: its row
+            count (rows deleted by other processes) and its token totals (the caps; checked
+            earlier when this memory's own writes could reach a cap).
     """
 
     def __init__(self, store: MemoryStore, *, embedder: Embedder | None = None,
                  index_dir: Path | None = None, max_tokens_per_scope: int | None = 2_000_000,
                  max_tokens_total: int | None = 20_000_000, sync_interval_s: float = 0.25,
-                 max_pending: int = 1000, retry_interval_s: float = 5.0) -> None:
+                 max_pending: int = 1000, retry_interval_s: float = 5.0,
+                 check_interval_s: float = 30.0) -> None:
         for name, cap in (("max_tokens_per_scope", max_tokens_per_scope),
                           ("max_tokens_total", max_tokens_total)):
             if cap is not None and cap < 0:
                 raise ValueError(f"{name} must be >= 0 or None, got {cap}")
-        if sync_interval_s < 0:
-            raise ValueError(f"sync_interval_s must be >= 0, got {sync_interval_s}")
+        for name, interval in (("sync_interval_s", sync_interval_s),
+                               ("check_interval_s", check_interval_s)):
+            if not interval >= 0:
+                raise ValueError(f"{name} must be >= 0, got {interval}")
         self.store = store
         self._embedder = embedder
         self.index_dir = None if index_dir is None else Path(index_dir)
         self.max_tokens_per_scope = max_tokens_per_scope
         self.max_tokens_total = max_tokens_total
         self.sync_interval_s = sync_interval_s
+        self.check_interval_s = check_interval_s
         self._indexes: dict[tuple[str, str], ScopeIndex] = {}
+        self._caps = _CapsWatch()
         self._lock = threading.RLock()
         self._owns_store = False
         self._guard = StoreGuard(max_pending=max_pending, retry_interval_s=retry_interval_s)
@@ -208,7 +260,7 @@ class CompletionMemory:
                 self._guard.queue(record)
                 return -1
             self._guard.succeeded("write")
-            self._upkeep([scope])
+            self._upkeep({scope: len(record.completion_ids)})
         return rid
 
     def flush(self) -> int:
@@ -231,17 +283,25 @@ class CompletionMemory:
         guard.pending.clear()
         guard.counts["records_flushed"] += len(batch)
         guard.succeeded("write")
-        self._upkeep(sorted({r.scope for r in batch}))
+        tokens: dict[str, int] = {}
+        for r in batch:
+            tokens[r.scope] = tokens.get(r.scope, 0) + len(r.completion_ids)
+        self._upkeep(dict(sorted(tokens.items())))
 
-    def _upkeep(self, scopes: Sequence[str]) -> None:
-        """After a write: bring the scopes' indexes up to date, evict above the caps."""
+    def _upkeep(self, tokens: dict[str, int]) -> None:
+        """After writing ``tokens`` completion tokens per scope: bring the scopes' indexes up to
+        date; evict above the caps when a check is due (see :class:`_CapsWatch`)."""
+        caps = (self.max_tokens_per_scope, self.max_tokens_total)
         try:
-            for scope in scopes:
+            for scope, n in tokens.items():
                 self._sync(scope, force=True)
-                evicted = self.store.evict_to_caps(self.max_tokens_per_scope,
-                                                   self.max_tokens_total, scope=scope)
+                if caps == (None, None) or not self._caps.due(scope, n, self.check_interval_s):
+                    continue
+                evicted = self.store.evict_to_caps(*caps, scope=scope)
                 for state in self._indexes.values() if evicted else ():
                     state.index.remove(evicted)
+                self._caps.checked(scope, *caps, self.store.token_total(scope),
+                                   self.store.token_total(None))
         except StoreError as e:  # the row is stored: the next sync catches up
             self._guard.failed("write", e)
 
@@ -350,8 +410,10 @@ class CompletionMemory:
         rows = self.store.ids_after(state.watermark, scope=scope, embedder=name)
         if rows:
             self._add_rows(state, rows)
-        if self.store.count(scope=scope, embedder=name) != len(state.index):
-            self._reconcile(scope, state)
+        if now - state.checked_at >= self.check_interval_s:  # reads the scope's every row id
+            if self.store.count(scope=scope, embedder=name) != len(state.index):
+                self._reconcile(scope, state)
+            state.checked_at = now
         state.synced_at = now
         return state
 

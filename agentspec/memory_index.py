@@ -29,6 +29,7 @@ class ScopeIndex:
     index: FaissIndex
     watermark: int = 0  # every store id <= watermark has been seen
     synced_at: float = float("-inf")  # time.monotonic() of the last sync
+    checked_at: float = float("-inf")  # ... of the last row count (rows deleted elsewhere)
 
 
 def index_paths(folder: Path, scope: str, embedder: str) -> tuple[Path, Path]:

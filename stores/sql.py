@@ -167,14 +167,19 @@ class SQLStore:
         return [found[i] for i in wanted if i in found]
 
     def _filters(self, scope: str | None = None, model: str | None = None,
-                 embedder: str | None = None) -> list[Any]:
+                 embedder: str | None = None, *, unindexed: bool = False) -> list[Any]:
+        """WHERE terms; ``unindexed`` writes each column as an expression (``scope || ''``),
+        which no database answers from an index, so that it picks the primary key."""
+        def col(c: Any) -> Any:
+            return c + "" if unindexed else c
+
         out = []
         if scope is not None:
-            out.append(records.c.scope == scope)
+            out.append(col(records.c.scope) == scope)
         if model is not None:
-            out.append(records.c.model == model)
+            out.append(col(records.c.model) == model)
         if embedder is not None:
-            out += [records.c.embedder == embedder, records.c.dim > 0]
+            out += [col(records.c.embedder) == embedder, records.c.dim > 0]
         return out
 
     def iter(self, *, scope: str | None = None, model: str | None = None,
@@ -233,10 +238,15 @@ class SQLStore:
 
     def ids_after(self, after_id: int, *, scope: str | None = None, model: str | None = None,
                   embedder: str | None = None) -> list[tuple[int, np.ndarray]]:
-        """``(id, float32 embedding)`` of embedded rows with ``id > after_id``, in id order."""
+        """``(id, float32 embedding)`` of embedded rows with ``id > after_id``, in id order.
+
+        With ``after_id > 0`` (a memory catching up) the rows are found by the primary key
+        from ``after_id`` on, not through the scope's index, which would read every row id of
+        the scope: the work grows with the rows written since, not with the store. The filters
+        are written as expressions (``scope || ''``) so that no database picks that index."""
+        filters = self._filters(scope, model, embedder, unindexed=after_id > 0)
         stmt = (select(records.c.id, records.c.embedding)
-                .where(records.c.id > int(after_id), records.c.embedding.is_not(None),
-                       *self._filters(scope, model, embedder))
+                .where(records.c.id > int(after_id), records.c.embedding.is_not(None), *filters)
                 .order_by(records.c.id))
         with self._read() as conn:
             return [(int(i), np.frombuffer(e, "<f4").astype(np.float32)) for i, e in conn.execute(stmt)]

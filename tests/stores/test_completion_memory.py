@@ -98,6 +98,100 @@ def test_sees_writes_and_deletes_of_another_memory(tmp_path):
         m.close()
 
 
+class _Statements:
+    """The SQL statements (with parameters) a store's engine runs while recording."""
+
+    def __init__(self, store):
+        from sqlalchemy import event
+
+        self.seen, self.on = [], False
+        event.listen(store._engine, "before_cursor_execute", self._hear)
+
+    def _hear(self, conn, cursor, statement, parameters, context, executemany):
+        if self.on:
+            self.seen.append((statement, parameters))
+
+    def plans(self, store, needle):
+        """SQLite's query plan of each statement containing ``needle``."""
+        out = []
+        raw = store._engine.raw_connection()
+        try:
+            for statement, params in self.seen:
+                if needle in statement:
+                    rows = raw.cursor().execute("EXPLAIN QUERY PLAN " + statement, params)
+                    out.append(" / ".join(str(r[-1]) for r in rows))
+        finally:
+            raw.close()
+        return out
+
+
+@pytest.mark.parametrize("store_kind", ["current", "scope-indexed (as before)"])
+def test_catching_up_reads_only_the_rows_written_since(tmp_path, store_kind):
+    from agentspec.bench.memory_lookup import ScopeIndexedStore
+
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    store = SQLStore(url) if store_kind == "current" else ScopeIndexedStore(url)
+    mine = CompletionMemory(store, embedder=HashEmbedder(), sync_interval_s=0.0)
+    theirs = CompletionMemory.open(url, embedder=HashEmbedder(), sync_interval_s=0.0)
+    rec(mine, "alpha")
+    watch = _Statements(store)
+    watch.on = True
+    b = rec(theirs, "beta")
+    assert [r.id for r, _ in mine.lookup("beta", scope="s", model="m", k=1)] == [b]
+    plans = watch.plans(store, "agentspec_records.id >")
+    assert plans
+    by_key = all("PRIMARY KEY" in p and "ix_agentspec_records" not in p for p in plans)
+    # Through the scope's index the catch-up reads every row id of the scope, however few
+    # rows are new; by the primary key only those after the watermark.
+    assert by_key == (store_kind == "current")
+    theirs.close()
+    mine.close()
+
+
+@pytest.mark.parametrize("check_interval_s", [30.0, 0.0])
+def test_between_checks_a_request_reads_no_whole_scope(tmp_path, check_interval_s):
+    store = SQLStore(f"sqlite:///{tmp_path / 'm.db'}")
+    memory = CompletionMemory(store, embedder=HashEmbedder(), sync_interval_s=0.0,
+                              check_interval_s=check_interval_s)
+    for i in range(3):  # the first write and lookup check the caps and the row count
+        rec(memory, f"warm {i}")
+        memory.lookup(f"warm {i}", scope="s", model="m")
+    watch = _Statements(store)
+    watch.on = True
+    for i in range(10):  # ten requests, each catching up with the store
+        memory.lookup(f"key {i}", scope="s", model="m")
+        rec(memory, f"key {i}")
+    whole = [s for s, _ in watch.seen if "count(" in s.lower() or "sum(" in s.lower()]
+    if check_interval_s:
+        assert whole == []
+    else:  # checking on every write reads the scope's counts and totals every request
+        assert len(whole) >= 20
+    memory.close()
+
+
+def test_caps_see_other_writers_at_the_next_check(tmp_path):
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    mine = CompletionMemory.open(url, embedder=HashEmbedder(), sync_interval_s=0.0,
+                                 max_tokens_per_scope=100, max_tokens_total=None,
+                                 check_interval_s=3600)
+    theirs = CompletionMemory.open(url, embedder=HashEmbedder(), sync_interval_s=0.0,
+                                   max_tokens_per_scope=None, max_tokens_total=None)
+    rec(mine, "mine 0", n=10)  # the first write checks: 10 of 100 tokens
+    for i in range(3):
+        rec(theirs, f"theirs {i}", n=30)  # 100 tokens in the scope, unseen by mine
+    rec(mine, "mine 1", n=10)  # 20 tokens of its own: within the room its check left
+    assert mine.store.token_total("s") == 110
+    for i in range(2, 11):  # its own writes outgrow the room: it checks, and sees theirs
+        rec(mine, f"mine {i}", n=10)
+    assert mine.store.token_total("s") <= 100
+    rec(theirs, "theirs 3", n=30)
+    mine.check_interval_s = 0.0  # the interval has passed: the next write checks
+    rec(mine, "mine 11", n=10)
+    assert mine.store.token_total("s") <= 100
+    mine.close()
+    theirs.close()
+
+
 def test_index_files_are_saved_loaded_and_rebuilt_when_corrupt(tmp_path):
     url, index_dir = f"sqlite:///{tmp_path / 'm.db'}", tmp_path / "indexes"
     with CompletionMemory.open(url, embedder=HashEmbedder(), index_dir=index_dir) as memory:
