@@ -29,7 +29,14 @@ _TABLE_NODES = 130  # covers the 64-node tree budget and the 64-token depth boun
 # Bumped when the measurement or the engine changes, so older cached curves are measured again.
 # 6: interleaved rounds, a non-decreasing curve, one step per forward width.
 # 7: CPU linears as oneDNN pointwise products on reordered weights (faster forwards).
-COST_CACHE_VERSION = 7
+# 8: a probe stored with the curve, re-timed whenever the cache is read.
+COST_CACHE_VERSION = 8
+# The probe: forwards of 1 and 8 rows over a short context, best of a few rounds.
+PROBE_SIZES = (0, 7)
+PROBE_CONTEXT = 64
+# A cached curve is measured again when the probe now runs this much faster than it did then:
+# the curve was measured while something else loaded the machine.
+STALE_RATIO = 0.85
 
 
 @dataclass(frozen=True)
@@ -227,19 +234,30 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
     one (the curve is the running minimum from the right: a forward over more tokens cannot be
     the cheaper). Cached as JSON in ``cache_file`` (per model fingerprint and device) when
     given; a cache of another :data:`COST_CACHE_VERSION` is measured again.
+
+    A load that lasts the whole measurement is no burst: it would inflate the cached curve for
+    good, and the policy would draft too little on every later run. So a short probe (forwards
+    of 1 and 8 rows at :data:`PROBE_CONTEXT` tokens, about a tenth of a second) is stored with
+    the curve and re-timed whenever the cache is read: when either probe now runs faster than
+    :data:`STALE_RATIO` of its cached time, the curve was measured under load and is measured
+    again. A machine loaded now (a slower probe) keeps the cached curve.
     """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     if cache_file is not None and cache_file.exists():
         try:
             data = json.loads(cache_file.read_text())
             if data.get("version") == COST_CACHE_VERSION:
-                return CostModel(float(data["base"]), float(data["per_token"]),
-                                 tuple((int(t), float(sec)) for t, sec in data["points"]))
+                cached = CostModel(float(data["base"]), float(data["per_token"]),
+                                   tuple((int(t), float(sec)) for t, sec in data["points"]))
+                then = [float(x) for x in data["probe"]]
+                now = probe_cost(target)
+                if all(n >= STALE_RATIO * t for n, t in zip(now, then, strict=True)):
+                    return cached
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache file is measured again
     from agentspec.types import Draft, Verdict
 
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
     widest = max(sizes) if sizes else 63
     context = max(2, min(context, target.max_context - widest - (len(sizes) if sizes else 12) * (repeats + 1) - 2))
     prompt = [1 + t % (target.vocab_size - 1) for t in range(context)]
@@ -260,11 +278,34 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
             target.commit(draft, Verdict((), (), prompt[-1]))
     model = CostModel.fit(cost_points(best, widths))
     if cache_file is not None:
+        probe = probe_cost(target)
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         cache_file.write_text(json.dumps({"version": COST_CACHE_VERSION, "base": model.base,
                                           "per_token": model.per_token,
-                                          "points": [list(p) for p in model.points]}))
+                                          "points": [list(p) for p in model.points],
+                                          "probe": probe}))
     return model
+
+
+def probe_cost(target: Any, *, rounds: int = 3) -> list[float]:
+    """Seconds of the target's forwards over 1 and 8 rows (:data:`PROBE_SIZES`) at
+    :data:`PROBE_CONTEXT` tokens of KV, the fastest of ``rounds`` interleaved rounds (after
+    one warm-up round): a cheap fingerprint of how fast the machine runs the target now."""
+    from agentspec.types import Draft, Verdict
+
+    prompt = [1 + t % (target.vocab_size - 1) for t in range(PROBE_CONTEXT)]
+    target.start(prompt)
+    best = [float("inf")] * len(PROBE_SIZES)
+    for round_ in range(rounds + 1):
+        for i, n in enumerate(PROBE_SIZES):
+            draft = Draft.chain([7] * n, "cost") if n else Draft()
+            t0 = time.perf_counter()
+            logits = target.score(prompt[-1], draft)
+            float(logits[0, 0])  # wait for the device
+            if round_:
+                best[i] = min(best[i], time.perf_counter() - t0)
+            target.commit(draft, Verdict((), (), prompt[-1]))
+    return best
 
 
 def cost_points(best: dict[int, float], widths: tuple[int, ...] = ()) -> list[tuple[int, float]]:

@@ -51,13 +51,39 @@ def test_a_curve_where_short_drafts_cost_more_picks_a_longer_one():
 def test_cost_cache_is_used_and_older_versions_are_measured_again(tmp_path):
     cache = tmp_path / "cost.json"
     cache.write_text(json.dumps({"version": COST_CACHE_VERSION, "base": 0.05, "per_token": 0.001,
-                                 "points": [[1, 0.05], [4, 0.06]]}))
-    assert measure_cost(None, cache_file=cache).seconds(3) == pytest.approx(0.06)
+                                 "points": [[1, 0.05], [4, 0.06]], "probe": [0.0, 0.0]}))
+    target = _FakeTarget()
+    assert measure_cost(target, cache_file=cache).seconds(3) == pytest.approx(0.06)
+    assert target.scored == [1, 8] * 4  # only the probe ran: a warm-up round and three
     cache.write_text(json.dumps({"base": 1.6, "per_token": 0.06, "points": [[1, 1.1]]}))  # v1
     target = _FakeTarget()
     model = measure_cost(target, sizes=(0, 3), context=16, repeats=1, cache_file=cache)
-    assert target.scored == [1, 4, 1, 4] and model.base < 1.0  # rounds interleave the sizes
-    assert json.loads(cache.read_text())["version"] == COST_CACHE_VERSION
+    assert target.scored[:4] == [1, 4, 1, 4] and model.base < 1.0  # rounds interleave the sizes
+    data = json.loads(cache.read_text())
+    assert data["version"] == COST_CACHE_VERSION and len(data["probe"]) == 2
+
+
+@pytest.mark.parametrize("reprobe", [True, False])
+def test_a_curve_cached_under_load_is_measured_again(tmp_path, reprobe, monkeypatch):
+    import agentspec.drafters.policy as policy
+
+    if not reprobe:  # a deliberately wrong cache: it trusts whatever it holds
+        monkeypatch.setattr(policy, "probe_cost", lambda target, rounds=3: [1.0, 1.0])
+    cache = tmp_path / "cost.json"
+    # Measured while another job held the machine: every forward took a second, the probe too.
+    loaded = {"version": COST_CACHE_VERSION, "base": 1.0, "per_token": 0.0,
+              "points": [[1, 1.0], [4, 1.0]], "probe": [1.0, 1.0]}
+    cache.write_text(json.dumps(loaded))
+    target = _FakeTarget()  # now a forward takes microseconds
+    model = measure_cost(target, sizes=(0, 3), context=16, repeats=1, cache_file=cache)
+    remeasured = model.seconds(0) < 0.5
+    assert remeasured == reprobe
+    if reprobe:
+        assert json.loads(cache.read_text())["points"][0][1] < 0.5
+        # A machine slower now than when the curve was cached keeps the curve.
+        slow = dict(loaded, probe=[0.0, 0.0])
+        cache.write_text(json.dumps(slow))
+        assert measure_cost(_FakeTarget(), cache_file=cache).seconds(0) == 1.0
 
 
 def test_cost_points_undo_load_bursts_and_step_by_width():
