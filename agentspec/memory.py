@@ -47,6 +47,8 @@ from agentspec.types import Record
 
 # Keys whose vectors a memory keeps (384 float32 each for MiniLM: 1.5 KiB).
 EMBED_CACHE = 256
+# Missing ids an index follows while catching up (beyond: it counts and reconciles instead).
+MAX_HOLES = 1024
 
 
 class _CapsWatch:
@@ -407,15 +409,48 @@ class CompletionMemory:
         if not force and now - state.synced_at < self.sync_interval_s:
             return state
         name = self.embedder.name
-        rows = self.store.ids_after(state.watermark, scope=scope, embedder=name)
-        if rows:
-            self._add_rows(state, rows)
+        if state.watermark > 0:
+            self._catch_up(scope, state, now)
+        else:  # nothing of the scope yet: its index finds the first rows
+            rows = self.store.ids_after(0, scope=scope, embedder=name)
+            if rows:
+                self._add_rows(state, rows)
         if now - state.checked_at >= self.check_interval_s:  # reads the scope's every row id
             if self.store.count(scope=scope, embedder=name) != len(state.index):
                 self._reconcile(scope, state)
             state.checked_at = now
         state.synced_at = now
         return state
+
+    def _catch_up(self, scope: str, state: ScopeIndex, now: float) -> None:
+        """Add the scope's rows written since the watermark, reading only those (by key).
+
+        PostgreSQL hands out ids before commits, which can land out of order: an id missing
+        below the newest one may still commit. So the ids above the watermark (any scope) are
+        read first, the missing ones kept as holes and looked for again at each sync until
+        ``check_interval_s`` has passed (then the row count check finds a late one); and the
+        watermark moves only as far as that first read saw.
+        """
+        name = self.embedder.name
+        present = self.store.ids_since(state.watermark)  # [n] int64, sorted
+        top = int(present[-1]) if len(present) else state.watermark
+        if top - state.watermark - len(present) > MAX_HOLES - len(state.holes):
+            state.holes.clear()  # too many to follow: count and reconcile at once instead
+            state.checked_at = float("-inf")
+        else:
+            missing = np.setdiff1d(np.arange(state.watermark + 1, top + 1), present)
+            state.holes.update((int(i), now) for i in missing)
+        rows = self.store.ids_after(state.watermark, scope=scope, embedder=name)
+        if state.holes:
+            found = self.store.ids_after(0, scope=scope, embedder=name, among=list(state.holes))
+            for i, _ in found:
+                del state.holes[i]
+            for i in [i for i, t in state.holes.items() if now - t >= self.check_interval_s]:
+                del state.holes[i]
+            rows = found + rows
+        if rows:
+            self._add_rows(state, rows)
+        state.watermark = top  # rows above it read now are read again next time: adding is idempotent
 
     def _add_rows(self, state: ScopeIndex, rows: Iterable[tuple[int, np.ndarray]]) -> None:
         dim = state.index.dim

@@ -14,7 +14,7 @@ import json
 import re
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,9 @@ class ScopeIndex:
     watermark: int = 0  # every store id <= watermark has been seen
     synced_at: float = float("-inf")  # time.monotonic() of the last sync
     checked_at: float = float("-inf")  # ... of the last row count (rows deleted elsewhere)
+    # Ids below the watermark that were missing when it passed them, and since when: a
+    # transaction of another process may still commit them (see CompletionMemory._sync).
+    holes: dict[int, float] = field(default_factory=dict)
 
 
 def index_paths(folder: Path, scope: str, embedder: str) -> tuple[Path, Path]:

@@ -207,11 +207,19 @@ class InMemoryStore:
         return np.array(sorted(r.id for r in self._select(scope, None, embedder)), np.int64)  # type: ignore[type-var]
 
     def ids_after(self, after_id: int, *, scope: str | None = None, model: str | None = None,
-                  embedder: str | None = None) -> list[tuple[int, np.ndarray]]:
-        """``(id, embedding)`` of embedded rows with ``id > after_id``, in id order."""
+                  embedder: str | None = None,
+                  among: Sequence[int] | None = None) -> list[tuple[int, np.ndarray]]:
+        """``(id, embedding)`` of embedded rows with ``id > after_id`` (and, given ``among``,
+        an id in it), in id order."""
+        keep = None if among is None else {int(i) for i in among}
         rows = [r for r in self._select(scope, model, embedder)
-                if r.embedding is not None and r.id > after_id]  # type: ignore[operator]
+                if r.embedding is not None and r.id > after_id  # type: ignore[operator]
+                and (keep is None or r.id in keep)]
         return [(r.id, r.embedding) for r in sorted(rows, key=lambda r: r.id or 0)]  # type: ignore[misc]
+
+    def ids_since(self, after_id: int) -> np.ndarray:
+        """Every id above ``after_id``, any scope, sorted (int64)."""
+        return np.array(sorted(i for i in self._rows if i > after_id), np.int64)
 
     def token_total(self, scope: str | None = None) -> int:
         return sum(r.num_tokens for r in self._select(scope))

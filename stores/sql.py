@@ -237,19 +237,35 @@ class SQLStore:
             return np.fromiter(conn.execute(stmt).scalars(), np.int64)
 
     def ids_after(self, after_id: int, *, scope: str | None = None, model: str | None = None,
-                  embedder: str | None = None) -> list[tuple[int, np.ndarray]]:
-        """``(id, float32 embedding)`` of embedded rows with ``id > after_id``, in id order.
+                  embedder: str | None = None,
+                  among: Sequence[int] | None = None) -> list[tuple[int, np.ndarray]]:
+        """``(id, float32 embedding)`` of embedded rows with ``id > after_id`` (and, given
+        ``among``, an id in it), in id order.
 
-        With ``after_id > 0`` (a memory catching up) the rows are found by the primary key
-        from ``after_id`` on, not through the scope's index, which would read every row id of
-        the scope: the work grows with the rows written since, not with the store. The filters
-        are written as expressions (``scope || ''``) so that no database picks that index."""
-        filters = self._filters(scope, model, embedder, unindexed=after_id > 0)
-        stmt = (select(records.c.id, records.c.embedding)
+        With ``after_id > 0`` or ``among`` (a memory catching up) the rows are found by the
+        primary key, not through the scope's index, which would read every row id of the
+        scope: the work grows with the rows written since, not with the store."""
+        filters = self._filters(scope, model, embedder, unindexed=after_id > 0 or among is not None)
+        base = (select(records.c.id, records.c.embedding)
                 .where(records.c.id > int(after_id), records.c.embedding.is_not(None), *filters)
                 .order_by(records.c.id))
+        wanted = None if among is None else sorted({int(i) for i in among})
+        stmts = [base] if wanted is None else [
+            base.where(records.c.id.in_(wanted[i : i + _CHUNK])) for i in range(0, len(wanted), _CHUNK)]
+        out: list[tuple[int, np.ndarray]] = []
         with self._read() as conn:
-            return [(int(i), np.frombuffer(e, "<f4").astype(np.float32)) for i, e in conn.execute(stmt)]
+            for stmt in stmts:
+                out += [(int(i), np.frombuffer(e, "<f4").astype(np.float32))
+                        for i, e in conn.execute(stmt)]
+        return out
+
+    def ids_since(self, after_id: int) -> np.ndarray:
+        """Every id above ``after_id``, any scope, sorted (int64): read by the primary key. An
+        id missing below the largest may belong to a transaction that has not committed yet
+        (PostgreSQL hands out ids before commits, which can land out of order)."""
+        stmt = select(records.c.id).where(records.c.id > int(after_id)).order_by(records.c.id)
+        with self._read() as conn:
+            return np.fromiter(conn.execute(stmt).scalars(), np.int64)
 
     def token_total(self, scope: str | None = None) -> int:
         """Completion tokens stored in ``scope`` (all scopes when None)."""

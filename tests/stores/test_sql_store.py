@@ -215,3 +215,45 @@ def test_a_removed_sqlite_folder_is_noticed_and_its_return_too(tmp_path):
     (tmp_path / "away").rename(folder)
     assert store.add(make_record(3))[1] and len(store) == 2
     store.close()
+
+
+@pytest.mark.postgres
+@pytest.mark.parametrize("follow_holes", [True, False])
+def test_a_row_committed_after_a_later_id_is_still_found(pg_url, follow_holes, monkeypatch):
+    """PostgreSQL hands out ids before commits: a row whose id is below one already seen can
+    commit later. The catching-up memory keeps the missing id as a hole and finds the row."""
+    from sqlalchemy import create_engine, insert
+
+    from agentspec.stores.sql_schema import records, row_values
+
+    def by_watermark_alone(self, scope, state, now):
+        rows = self.store.ids_after(state.watermark, scope=scope, embedder=self.embedder.name)
+        self._add_rows(state, rows)  # the watermark jumps past any id not committed yet
+
+    if not follow_holes:  # a deliberately wrong memory: it catches up by the watermark alone
+        monkeypatch.setattr(CompletionMemory, "_catch_up", by_watermark_alone)
+    SQLStore(pg_url).close()
+    reader = CompletionMemory.open(pg_url, embedder=HashEmbedder(), sync_interval_s=0.0,
+                                   check_interval_s=3600)
+    writer = CompletionMemory.open(pg_url, embedder=HashEmbedder(), sync_interval_s=0.0)
+    first = writer.record(scope="s", model="m", request_text="r0", key_text="the first key",
+                          completion_text="c0", completion_ids=[1, 2])
+    reader.lookup("warm up", scope="s", model="m")  # its index holds the first row
+    late_key = "a key whose transaction commits late"
+    late = make_record(0, scope="s", model="m", key_text=late_key, embedder=HashEmbedder().name,
+                       embedding=HashEmbedder().embed([late_key])[0])
+    engine = create_engine(pg_url)
+    with engine.connect() as slow:
+        tx = slow.begin()
+        late_id = slow.execute(insert(records).values(**row_values(late, 0.0))
+                               .returning(records.c.id)).scalar_one()
+        later = writer.record(scope="s", model="m", request_text="r2", key_text="a later key",
+                              completion_text="c2", completion_ids=[3])
+        assert first < late_id < later
+        reader.lookup("a later key", scope="s", model="m")  # sees `later`, not `late_id`
+        tx.commit()
+    engine.dispose()
+    hits = reader.lookup(late_key, scope="s", model="m", k=1)
+    assert (hits[0][0].id == late_id) == follow_holes
+    reader.close()
+    writer.close()
