@@ -256,7 +256,6 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
                     return cached
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache file is measured again
-    from agentspec.types import Draft, Verdict
 
     widest = max(sizes) if sizes else 63
     context = max(2, min(context, target.max_context - widest - (len(sizes) if sizes else 12) * (repeats + 1) - 2))
@@ -266,16 +265,7 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
     if sizes is None:
         sizes = tuple(w - 1 for w in widths) if widths else (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63)
     sizes = tuple(sorted(set(sizes)))
-    best = {n: float("inf") for n in sizes}
-    for round_ in range(repeats + 1):  # round 0 warms every size up and is not counted
-        for n in sizes:
-            draft = Draft.chain([7] * n, "cost") if n else Draft()
-            t0 = time.perf_counter()
-            logits = target.score(prompt[-1], draft)
-            float(logits[0, 0])  # wait for the device
-            if round_:
-                best[n] = min(best[n], time.perf_counter() - t0)
-            target.commit(draft, Verdict((), (), prompt[-1]))
+    best = dict(zip(sizes, _fastest_rounds(target, prompt[-1], sizes, repeats), strict=True))
     model = CostModel.fit(cost_points(best, widths))
     if cache_file is not None:
         probe = probe_cost(target)
@@ -291,20 +281,27 @@ def probe_cost(target: Any, *, rounds: int = 3) -> list[float]:
     """Seconds of the target's forwards over 1 and 8 rows (:data:`PROBE_SIZES`) at
     :data:`PROBE_CONTEXT` tokens of KV, the fastest of ``rounds`` interleaved rounds (after
     one warm-up round): a cheap fingerprint of how fast the machine runs the target now."""
-    from agentspec.types import Draft, Verdict
-
     prompt = [1 + t % (target.vocab_size - 1) for t in range(PROBE_CONTEXT)]
     target.start(prompt)
-    best = [float("inf")] * len(PROBE_SIZES)
+    return _fastest_rounds(target, prompt[-1], PROBE_SIZES, rounds)
+
+
+def _fastest_rounds(target: Any, last: int, sizes: tuple[int, ...], rounds: int) -> list[float]:
+    """The fastest of ``rounds`` interleaved rounds of the target's forward per draft size
+    (after one warm-up round that is not counted); each draft is rolled back (all rejected),
+    so the context grows by one token per forward."""
+    from agentspec.types import Draft, Verdict
+
+    best = [float("inf")] * len(sizes)
     for round_ in range(rounds + 1):
-        for i, n in enumerate(PROBE_SIZES):
+        for i, n in enumerate(sizes):
             draft = Draft.chain([7] * n, "cost") if n else Draft()
             t0 = time.perf_counter()
-            logits = target.score(prompt[-1], draft)
+            logits = target.score(last, draft)
             float(logits[0, 0])  # wait for the device
             if round_:
                 best[i] = min(best[i], time.perf_counter() - t0)
-            target.commit(draft, Verdict((), (), prompt[-1]))
+            target.commit(draft, Verdict((), (), last))
     return best
 
 
