@@ -59,6 +59,9 @@ records = Table(
     Column("request_text", Text, nullable=False),
     Column("key_text", Text, nullable=False),
     Column("completion_text", Text, nullable=False),
+    # Ids are never reused (SQLite would give a deleted newest row's id to the next insert):
+    # a memory catching up by id would take that row for one it already holds.
+    sqlite_autoincrement=True,
 )
 # (scope, model) carries the counters too, so stats and token totals never read the rows.
 Index("ix_agentspec_records_scope_model", records.c.scope, records.c.model, records.c.num_tokens,

@@ -108,6 +108,17 @@ def test_embedding_queries(store):
     assert [i for i, _ in rows] == [1, 5] and rows[1][1].shape == (16,)
     assert [i for i, _ in store.ids_after(1, embedder="e")] == [4, 5]
     assert store.token_total() == 15 and store.token_total("t") == 3
+    # Catching up: every id above a watermark (any scope), and rows among given ids.
+    assert store.ids_since(2).tolist() == [3, 4, 5] and store.ids_since(5).tolist() == []
+    assert [i for i, _ in store.ids_after(0, scope="s", embedder="e", among=[5, 4, 2])] == [5]
+    assert [i for i, _ in store.ids_after(3, embedder="e", among=[1, 4, 5])] == [4, 5]
+
+
+def test_ids_are_never_reused(store):
+    """A memory catches up by id: a new row under a deleted row's id would pass for it."""
+    ids = fill(store, [make_record(1), make_record(2)])
+    store.delete([ids[-1]])  # the newest row
+    assert store.add(make_record(3))[0] > ids[-1]
 
 
 def test_stats_match_the_reference(store):
