@@ -409,12 +409,7 @@ class CompletionMemory:
         if not force and now - state.synced_at < self.sync_interval_s:
             return state
         name = self.embedder.name
-        if state.watermark > 0:
-            self._catch_up(scope, state, now)
-        else:  # nothing of the scope yet: its index finds the first rows
-            rows = self.store.ids_after(0, scope=scope, embedder=name)
-            if rows:
-                self._add_rows(state, rows)
+        self._catch_up(scope, state, now)
         if now - state.checked_at >= self.check_interval_s:  # reads the scope's every row id
             if self.store.count(scope=scope, embedder=name) != len(state.index):
                 self._reconcile(scope, state)
@@ -447,7 +442,7 @@ class CompletionMemory:
                 del state.holes[i]
             for i in [i for i, t in state.holes.items() if now - t >= self.check_interval_s]:
                 del state.holes[i]
-            rows = found + rows
+            rows = list({i: v for i, v in found + rows}.items())  # a hole filled just now: in both
         if rows:
             self._add_rows(state, rows)
         state.watermark = top  # rows above it read now are read again next time: adding is idempotent

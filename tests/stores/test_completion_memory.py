@@ -341,3 +341,25 @@ def test_speculator_warmup_warms_the_memory_and_takes_a_memory_without_warmup(sp
             pass
 
     Speculator(spec.target, memory=Bare(), cost=DEFAULT_COST).warmup()
+
+
+def test_a_row_committed_while_the_memory_catches_up_is_added_once():
+    """Seen missing by the first read of a catch-up and present for the next two (the scope's
+    new rows, the holes): the index takes it once (two copies of an id raised before)."""
+
+    class CommitsLate(InMemoryStore):
+        hidden: set = set()
+
+        def ids_since(self, after_id):
+            ids = super().ids_since(after_id)
+            return ids[~np.isin(ids, list(self.hidden))]
+
+    store = CommitsLate()
+    memory = CompletionMemory(store, embedder=HashEmbedder(), sync_interval_s=0.0)
+    rec(memory, "first")
+    late, later = rec(memory, "late"), rec(memory, "later")
+    memory.store.hidden = {late}
+    memory._indexes.clear()  # a fresh index: it catches up from the start
+    hits = memory.lookup("late", scope="s", model="m", k=3)
+    assert sorted(r.id for r, _ in hits) == [1, late, later]
+    assert memory.stats()["indexes"] == {"s": 3}
