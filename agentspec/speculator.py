@@ -275,9 +275,14 @@ class Speculator:
             session.observe(generation)
         if record and self.memory is not None and run.token_ids:
             text = request_text(prompt)
-            self.memory.record(scope=scope, model=self.target.fingerprint,
-                               request_text=text, key_text=key_text,
-                               completion_text=run.text, completion_ids=list(run.token_ids))
+            try:
+                self.memory.record(scope=scope, model=self.target.fingerprint,
+                                   request_text=text, key_text=key_text,
+                                   completion_text=run.text, completion_ids=list(run.token_ids))
+            except Exception as e:  # an accelerator's fault: the generation is done and exact
+                warn_once(f"the completion memory could not record a completion "
+                          f"({type(e).__name__}: {e}); the call's output is unaffected, the "
+                          f"completion is not remembered")
             if keep_rows:
                 self._keep_rows(scope, text, prompt_ids[-1], run.token_ids, kept)
         return generation

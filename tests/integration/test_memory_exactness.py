@@ -62,3 +62,18 @@ def test_memory_on_is_identical_and_repeats_take_few_steps(spec, memory, referen
         assert out.stats.steps <= 3 and out.stats.accepted.get("memory", 0) >= len(ref) - 3
     # An exact duplicate bumps hits instead of adding rows.
     assert len(memory.store) == len(PROMPTS)
+
+
+def test_a_memory_that_fails_to_record_does_not_fail_the_call(spec, references):
+    """The call is done and exact when its completion is recorded: a memory that raises there
+    (a bug of its own, a user's memory object) costs the completion's row, not the answer."""
+
+    class Broken(CompletionMemory):
+        def record(self, **row):
+            raise RuntimeError("index out of order")
+
+    broken = Broken(SQLStore("sqlite://"), embedder=HashEmbedder())
+    speculator = Speculator(spec.target, memory=broken, cost=DEFAULT_COST)
+    with pytest.warns(UserWarning, match="could not record a completion.*index out of order"):
+        out = speculator.generate(PROMPTS[0], MAX_NEW)
+    assert list(out.token_ids) == references[0]
