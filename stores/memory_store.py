@@ -21,16 +21,24 @@ from agentspec.types import Record
 SORTS = ("recent", "hits", "size", "accepted")
 
 
-def content_hash(record: Record) -> str:
-    """sha256 hex of scope, model, key text and completion text, NUL-separated.
+def content_hash(record: Record, *, model: str | None = None) -> str:
+    """sha256 hex of scope, model (``model`` when given), key text and completion text,
+    NUL-separated.
 
     Two records with the same hash are exact duplicates: the store keeps one and bumps its hits.
     """
     h = hashlib.sha256()
-    for part in (record.scope, record.model, record.key_text, record.completion_text):
+    for part in (record.scope, record.model if model is None else model, record.key_text,
+                 record.completion_text):
         h.update(part.encode("utf-8"))
         h.update(b"\x00")
     return h.hexdigest()
+
+
+def check_relabel(old: str, new: str) -> None:
+    """Refuse a relabelling that names no model, or the same one twice."""
+    if not old or not new or old == new:
+        raise ValueError(f"relabel needs two different model fingerprints, got {old!r} and {new!r}")
 
 
 def check_record(record: Record) -> None:
@@ -243,6 +251,27 @@ class InMemoryStore:
 
     def drop_scope(self, scope: str) -> int:
         return self.delete([r.id for r in self._select(scope)])  # type: ignore[misc]
+
+    def relabel_model(self, old: str, new: str) -> tuple[int, int]:
+        """Give every record of model ``old`` the model ``new``; see :meth:`SQLStore.relabel_model`."""
+        check_relabel(old, new)
+        moved = merged = 0
+        for r in [r for r in self._rows.values() if r.model == old]:
+            h = content_hash(r, model=new)
+            twin = self._by_hash.get(h)
+            del self._by_hash[content_hash(r)]
+            if twin is None:
+                self._rows[r.id] = replace(r, model=new)  # type: ignore[index]
+                self._by_hash[h] = r.id  # type: ignore[assignment]
+                moved += 1
+            else:
+                t = self._rows[twin]
+                self._rows[twin] = replace(t, hits=t.hits + r.hits,
+                                           accepted_tokens=t.accepted_tokens + r.accepted_tokens,
+                                           last_used_at=max(t.last_used_at, r.last_used_at))
+                del self._rows[r.id]  # type: ignore[arg-type]
+                merged += 1
+        return moved, merged
 
     def _lru(self, scope: str | None) -> list[tuple[int, int]]:
         rows = sorted(self._select(scope), key=lambda r: (r.last_used_at, r.id))

@@ -24,6 +24,7 @@ from agentspec.stores.memory_store import (
     add_stats_row,
     check_nonneg,
     check_record,
+    check_relabel,
     check_sort,
     content_hash,
     empty_stats,
@@ -335,6 +336,45 @@ class SQLStore:
         """Delete every record of ``scope``; returns how many."""
         with self._write() as conn:
             return int(conn.execute(delete(records).where(records.c.scope == scope)).rowcount)
+
+    def relabel_model(self, old: str, new: str) -> tuple[int, int]:
+        """Give every record of model fingerprint ``old`` the fingerprint ``new``, in one
+        transaction: rows recorded before a fingerprint changed (the model is the same) are
+        drafted from again. A record that ``new`` already holds (same scope, key and
+        completion) is merged into it: hits and accepted tokens added, the later use kept.
+        Ids do not change, so the memory's indexes stay valid (a merged id is no longer found).
+
+        Returns:
+            ``(moved, merged)`` record counts.
+        """
+        check_relabel(old, new)
+        c = records.c
+        with self._write() as conn:
+            rows = conn.execute(select(c.id, c.scope, c.model, c.key_text, c.completion_text,
+                                       c.hits, c.accepted_tokens, c.last_used_at)
+                                .where(c.model == old).order_by(c.id)).all()
+            hashes = {r.id: content_hash(r, model=new) for r in rows}  # type: ignore[arg-type]
+            twins: dict[str, Any] = {}
+            wanted = sorted(set(hashes.values()))
+            for i in range(0, len(wanted), _CHUNK):
+                twins.update((t.content_hash, t) for t in conn.execute(
+                    select(c.id, c.content_hash, c.last_used_at)
+                    .where(c.content_hash.in_(wanted[i : i + _CHUNK]))))
+            moves = [{"rid": r.id, "h": hashes[r.id]} for r in rows if hashes[r.id] not in twins]
+            merges = [{"rid": twins[hashes[r.id]].id, "more_hits": r.hits,
+                       "more_accepted": r.accepted_tokens,
+                       "used": max(r.last_used_at, twins[hashes[r.id]].last_used_at)}
+                      for r in rows if hashes[r.id] in twins]
+            if moves:
+                conn.execute(update(records).where(c.id == bindparam("rid"))
+                             .values(model=new, content_hash=bindparam("h")), moves)
+            if merges:
+                conn.execute(update(records).where(c.id == bindparam("rid"))
+                             .values(hits=c.hits + bindparam("more_hits"),
+                                     accepted_tokens=c.accepted_tokens + bindparam("more_accepted"),
+                                     last_used_at=bindparam("used")), merges)
+                self._delete(conn, [r.id for r in rows if hashes[r.id] in twins])
+        return len(moves), len(merges)
 
     def _total(self, conn: Connection, scope: str | None) -> int:
         stmt = select(func.coalesce(func.sum(records.c.num_tokens), 0)).where(*self._filters(scope))

@@ -286,6 +286,34 @@ def drop_scope(ctx: typer.Context, scope: str, yes: YesOpt = False) -> None:
            f"deleted {deleted} record(s) of scope {scope!r}")
 
 
+@cache_app.command("relabel")
+@cache_command
+def relabel(ctx: typer.Context,
+            old: Annotated[str, typer.Argument(metavar="OLD", help="The fingerprint the rows have.")],
+            new: Annotated[str, typer.Argument(metavar="NEW", help="The model's fingerprint now.")],
+            yes: YesOpt = False) -> None:
+    """Give the records of fingerprint OLD the fingerprint NEW, for the same model.
+
+    A model's fingerprint changes when agentspec changes how it computes one (before 2026-11-24 it included the folder the model was loaded from): rows recorded under the old one are then never drafted from. `cache stats` lists the fingerprints in the store (the model's current one once a call has recorded under it; in Python, spec.target.fingerprint). A record that NEW already holds is merged into it.
+
+    Example: agentspec cache relabel smollm2-135m-instruct:d6a8aedd513fd07d smollm2-135m-instruct:056b35893f9ba05f --yes
+    """
+    if ":" in old and ":" in new and old.split(":")[0] != new.split(":")[0]:  # name:hash
+        fail(f"{old!r} and {new!r} name different models; relabel only joins the fingerprints "
+             f"of one model", EXIT_USAGE)
+    with open_store(ctx) as store:
+        n = store.count(model=old)
+        if n == 0:
+            known = ", ".join(sorted(store.stats()["models"])[:10]) or "none"
+            fail(f"no records of model {old!r} (models: {known})", EXIT_USAGE)
+        if old == new:
+            fail(f"OLD and NEW are the same fingerprint, {old!r}", EXIT_USAGE)
+        confirm(f"Relabel {n} record(s) of {old} as {new} in {store.url}?", yes)
+        moved, merged = store.relabel_model(old, new)
+    report(ctx, {"old": old, "new": new, "moved": moved, "merged": merged},
+           f"relabelled {moved} record(s); merged {merged} into records {new} already had")
+
+
 def _register_io() -> None:
     from agentspec.cli import cache_io
 

@@ -80,3 +80,20 @@ def test_drop_scope(cli: Invoke) -> None:
     res = cli("cache", "drop-scope", "a", "--yes")
     assert res.exit_code == 0 and "deleted 15" in res.stdout
     assert set(json.loads(cli("cache", "stats", "--json").stdout)["scopes"]) == {"b"}
+
+
+def test_relabel(cli: Invoke, url: str) -> None:
+    models = json.loads(cli("cache", "stats", "--json").stdout)["models"]
+    assert set(models) == {"m1", "m2"}
+    refused = cli("cache", "relabel", "m1", "m2")
+    assert refused.exit_code == 2 and "--yes" in refused.stderr
+    res = cli("cache", "relabel", "m1", "m2", "--yes", "--json")
+    assert res.exit_code == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert (out["moved"], out["merged"]) == (models["m1"]["rows"], 0)
+    after = json.loads(cli("cache", "stats", "--json").stdout)
+    assert set(after["models"]) == {"m2"} and after["rows"] == 30
+    unknown = cli("cache", "relabel", "m1", "m2", "--yes")
+    assert unknown.exit_code == 2 and "no records of model 'm1'" in unknown.stderr
+    other = cli("cache", "relabel", "gemma:1", "smol:2", "--yes")
+    assert other.exit_code == 2 and "different models" in other.stderr

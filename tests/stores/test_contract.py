@@ -275,3 +275,22 @@ def test_faiss_save_load(tmp_path: Path):
     for name in ("short.faiss", "junk.faiss", "missing.faiss"):
         with pytest.raises(StoreError, match=name):
             FaissIndex.load(tmp_path / name)
+
+
+def test_relabel_model_moves_rows_and_merges_twins(store):
+    old, new = "tiny:0ld0ld0ld0ld0ld0", "tiny:new0new0new0new"
+    a, b, c = fill(store, [make_record(1, model=old, hits=2, accepted_tokens=5, last_used_at=10.0),
+                           make_record(2, model=old),
+                           make_record(3, model="other")])
+    # The same request and completion already recorded under the new fingerprint.
+    twin = fill(store, [make_record(1, model=new, hits=1, accepted_tokens=1, last_used_at=20.0)])[0]
+    assert store.relabel_model(old, new) == (1, 1)
+    assert store.count(model=old) == 0 and store.count(model=new) == 2
+    merged = store.get(twin)
+    assert merged.hits == 3 and merged.accepted_tokens == 6 and merged.last_used_at == 20.0
+    assert store.get(a) is None and store.get(b).model == new and store.get(c).model == "other"
+    # Moved rows are duplicates under their new fingerprint: adding one again bumps it.
+    assert store.add(make_record(2, model=new)) == (b, False)
+    assert store.relabel_model(old, new) == (0, 0)
+    with pytest.raises(ValueError, match="different"):
+        store.relabel_model(new, new)
