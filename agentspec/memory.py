@@ -299,11 +299,13 @@ class CompletionMemory:
                 self._sync(scope, force=True)
                 if caps == (None, None) or not self._caps.due(scope, n, self.check_interval_s):
                     continue
-                evicted = self.store.evict_to_caps(*caps, scope=scope)
-                for state in self._indexes.values() if evicted else ():
-                    state.index.remove(evicted)
-                self._caps.checked(scope, *caps, self.store.token_total(scope),
-                                   self.store.token_total(None))
+                totals = self.store.token_total(scope), self.store.token_total(None)
+                if any(cap is not None and tokens > cap for cap, tokens in zip(caps, totals, strict=True)):
+                    evicted = self.store.evict_to_caps(*caps, scope=scope)
+                    for state in self._indexes.values() if evicted else ():
+                        state.index.remove(evicted)
+                    totals = self.store.token_total(scope), self.store.token_total(None)
+                self._caps.checked(scope, *caps, *totals)
         except StoreError as e:  # the row is stored: the next sync catches up
             self._guard.failed("write", e)
 

@@ -124,7 +124,7 @@ def time_requests(url: str, embedder: PrecomputedEmbedder, vectors: np.ndarray,
             t = time.perf_counter()
             hits = each.lookup(key, scope=scope, model=model, k=args.k)
             each.record(scope=scope, model=model, request_text=key, key_text=key,
-                          completion_text=f"answer {j}", completion_ids=list(range(j, j + 64)))
+                        completion_text=f"answer {j}", completion_ids=list(range(j, j + 64)))
             if hits and hits[0][0].id is not None:
                 each.credit(hits[0][0].id, 8)
             out[name].append(time.perf_counter() - t)

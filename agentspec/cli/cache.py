@@ -298,6 +298,8 @@ def relabel(ctx: typer.Context,
 
     Example: agentspec cache relabel smollm2-135m-instruct:d6a8aedd513fd07d smollm2-135m-instruct:056b35893f9ba05f --yes
     """
+    if old == new:
+        fail(f"OLD and NEW are the same fingerprint, {old!r}", EXIT_USAGE)
     if ":" in old and ":" in new and old.split(":")[0] != new.split(":")[0]:  # name:hash
         fail(f"{old!r} and {new!r} name different models; relabel only joins the fingerprints "
              f"of one model", EXIT_USAGE)
@@ -306,8 +308,6 @@ def relabel(ctx: typer.Context,
         if n == 0:
             known = ", ".join(sorted(store.stats()["models"])[:10]) or "none"
             fail(f"no records of model {old!r} (models: {known})", EXIT_USAGE)
-        if old == new:
-            fail(f"OLD and NEW are the same fingerprint, {old!r}", EXIT_USAGE)
         confirm(f"Relabel {n} record(s) of {old} as {new} in {store.url}?", yes)
         moved, merged = store.relabel_model(old, new)
     report(ctx, {"old": old, "new": new, "moved": moved, "merged": merged},

@@ -244,6 +244,7 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    now = None  # the probe, when a cached curve was checked with it
     if cache_file is not None and cache_file.exists():
         try:
             data = json.loads(cache_file.read_text())
@@ -268,7 +269,7 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
     best = dict(zip(sizes, _fastest_rounds(target, prompt[-1], sizes, repeats), strict=True))
     model = CostModel.fit(cost_points(best, widths))
     if cache_file is not None:
-        probe = probe_cost(target)
+        probe = now if now is not None else probe_cost(target)  # taken moments ago: reused
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         cache_file.write_text(json.dumps({"version": COST_CACHE_VERSION, "base": model.base,
                                           "per_token": model.per_token,
