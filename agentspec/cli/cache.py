@@ -268,6 +268,16 @@ def prune(ctx: typer.Context,
            f"deleted {len(deleted)} record(s)")
 
 
+def _count_or_fail(store: Any, message: str, group: str, **where: str) -> int:
+    """The store's count of rows ``where``; none: fail with ``message`` and the first ten
+    names of ``group`` ("scopes", "models") the store holds."""
+    n = store.count(**where)
+    if n == 0:
+        known = ", ".join(sorted(store.stats()[group])[:10]) or "none"
+        fail(f"{message} ({group}: {known})", EXIT_USAGE)
+    return int(n)
+
+
 @cache_app.command("drop-scope")
 @cache_command
 def drop_scope(ctx: typer.Context, scope: str, yes: YesOpt = False) -> None:
@@ -276,10 +286,7 @@ def drop_scope(ctx: typer.Context, scope: str, yes: YesOpt = False) -> None:
     Example: agentspec cache drop-scope tenant-42 --yes
     """
     with open_store(ctx) as store:
-        n = store.count(scope=scope)
-        if n == 0:
-            known = ", ".join(sorted(store.stats()["scopes"])[:10]) or "none"
-            fail(f"no records in scope {scope!r} (scopes: {known})", EXIT_USAGE)
+        n = _count_or_fail(store, f"no records in scope {scope!r}", "scopes", scope=scope)
         confirm(f"Delete all {n} record(s) of scope {scope!r} from {store.url}?", yes)
         deleted = store.drop_scope(scope)
     report(ctx, {"scope": scope, "deleted": deleted},
@@ -304,10 +311,7 @@ def relabel(ctx: typer.Context,
         fail(f"{old!r} and {new!r} name different models; relabel only joins the fingerprints "
              f"of one model", EXIT_USAGE)
     with open_store(ctx) as store:
-        n = store.count(model=old)
-        if n == 0:
-            known = ", ".join(sorted(store.stats()["models"])[:10]) or "none"
-            fail(f"no records of model {old!r} (models: {known})", EXIT_USAGE)
+        n = _count_or_fail(store, f"no records of model {old!r}", "models", model=old)
         confirm(f"Relabel {n} record(s) of {old} as {new} in {store.url}?", yes)
         moved, merged = store.relabel_model(old, new)
     report(ctx, {"old": old, "new": new, "moved": moved, "merged": merged},
