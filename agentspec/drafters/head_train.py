@@ -30,6 +30,7 @@ import torch
 
 from agentspec.drafters.head import RecurrentHead, beam_search
 from agentspec.text import encode_prompt
+from agentspec.tree import child_index
 from agentspec.types import Record
 
 Progress = Callable[[int, int, str], None]
@@ -108,9 +109,16 @@ def vocabulary(records: Sequence[Record], tokenizer: Any, old: Sequence[int] = (
 def replay(model: Any, tokenizer: Any, records: Sequence[Record], vocab: torch.Tensor, *,
            max_context: int | None = None, progress: Progress | None = None,
            known: dict[int, Replayed] | None = None,
-           rows_of: RowsOf | None = None) -> list[Replayed]:
+           rows_of: RowsOf | None = None, sort: bool = True) -> list[Replayed]:
     """Run each record through the target (transformers' own forward; training needs no
     fixed shapes), reusing the KV of the prefix shared with the record before.
+
+    Records are run in the order of their token ids, not the store's: sorted, each shares the
+    longest prefix any record can with the one run before it (a depth-first walk of their
+    prefix trie), so a token is run once per distinct prefix. A multi-turn agent's
+    conversations interleave in a memory; on 329 file-system calls the store's order ran
+    128k tokens through the target, sorted 39k. Returned in ``records``' order. ``sort=False``
+    runs them in the given order (the baseline of ``python -m agentspec.bench.head_replay``).
 
     ``known``: replays by record id, over the same ``vocab`` (taken as they are; the new
     ones are added to it), so retraining replays only the records it has not seen.
@@ -121,50 +129,57 @@ def replay(model: Any, tokenizer: Any, records: Sequence[Record], vocab: torch.T
 
     if max_context is None:
         max_context = int(getattr(model.config, "max_position_embeddings", 2048))
-    out: list[Replayed] = []
-    cache: Any = None
-    held: list[int] = []
+    done: dict[int, Replayed] = {}  # by index into records
     # only the head's vocabulary rows of the output embedding: the distributions are taken
     # over it anyway, and the full 49k-262k-row product would dominate a replay
     out_rows = model.get_output_embeddings().weight[vocab]  # [V, hidden]
     out_bias = getattr(model.get_output_embeddings(), "bias", None)
     out_bias = None if out_bias is None else out_bias[vocab]
+
+    def keep(n: int, item: Replayed) -> None:
+        done[n] = item
+        record_id = records[n].id
+        if known is not None and record_id is not None:
+            known[record_id] = item
+
+    todo: list[tuple[list[int], int, int]] = []  # (prompt + completion ids, prompt length, n)
     for n, record in enumerate(records):
-        if progress is not None:
-            progress(n, len(records), "replaying completions through the target")
         if known is not None and record.id is not None and record.id in known:
-            out.append(known[record.id])
+            done[n] = known[record.id]
             continue
         kept = rows_of(record) if rows_of is not None else None
         if kept is not None and kept[1].shape[0] >= 2:
-            out.append(from_rows(*kept, out_rows, out_bias))
-            if known is not None and record.id is not None:
-                known[record.id] = out[-1]
+            keep(n, from_rows(*kept, out_rows, out_bias))
             continue
         prompt = encode_prompt(tokenizer, prompt_of(record))
         ids = prompt + list(record.completion_ids)
-        if len(prompt) < 2 or not record.completion_ids or len(ids) > max_context:
-            continue
-        first = len(prompt) - 2  # the row that predicted the last prompt token
-        keep = 0
-        while keep < min(len(held), first) and held[keep] == ids[keep]:
-            keep += 1
-        if cache is None or keep == 0:
-            cache, keep = DynamicCache(), 0
+        if len(prompt) >= 2 and record.completion_ids and len(ids) <= max_context:
+            todo.append((ids, len(prompt), n))
+    if sort:
+        todo.sort(key=lambda item: item[0])
+    cache: Any = None
+    held: list[int] = []
+    for step, (ids, prompt_len, n) in enumerate(todo):
+        if progress is not None:
+            progress(step, len(todo), "replaying completions through the target")
+        first = prompt_len - 2  # the row that predicted the last prompt token
+        shared = 0
+        while shared < min(len(held), first) and held[shared] == ids[shared]:
+            shared += 1
+        if cache is None or shared == 0:
+            cache, shared = DynamicCache(), 0
         else:
-            cache.crop(keep - cache.get_seq_length())  # transformers 5: tokens to remove, < 0
-        hidden = model.model(input_ids=torch.tensor([ids[keep:]]), past_key_values=cache,
-                             use_cache=True).last_hidden_state[0, first - keep :]  # [L + 1, hidden]
+            cache.crop(shared - cache.get_seq_length())  # transformers 5: tokens to remove, < 0
+        hidden = model.model(input_ids=torch.tensor([ids[shared:]]), past_key_values=cache,
+                             use_cache=True).last_hidden_state[0, first - shared :]  # [L + 1, hidden]
         held = ids
         # after the last prompt token, ..., after the last completion token
         logp = _restricted_logp(hidden[1:], out_rows, out_bias)  # [L + 1, V]
-        tokens = torch.tensor(ids[len(prompt) - 1 :])  # [L + 1]
-        out.append(Replayed(tokens, hidden[:-1].float().clone(), logp))
-        if known is not None and record.id is not None:
-            known[record.id] = out[-1]
+        tokens = torch.tensor(ids[prompt_len - 1 :])  # [L + 1]
+        keep(n, Replayed(tokens, hidden[:-1].float().clone(), logp))
     if progress is not None:
-        progress(len(records), len(records), "replaying completions through the target")
-    return out
+        progress(len(todo), len(todo), "replaying completions through the target")
+    return [done[n] for n in sorted(done)]
 
 
 def from_rows(tokens: torch.Tensor, rows: torch.Tensor, out_rows: torch.Tensor,
@@ -243,9 +258,14 @@ def acceptance_by_depth(head: RecurrentHead, data: Sequence[Replayed], *, width:
     against the target's own greedy tokens along the record, each the argmax of the target's
     whole output embedding at its row (not of the head's vocabulary: a token the head cannot
     draft is a miss). ``rate[k]``: P(token k accepted | tokens before it were);
-    ``mean_accepted``: accepted draft tokens per step."""
+    ``mean_accepted``: accepted draft tokens per step.
+
+    ``tree_accepted``: accepted tokens per step if the walk could go down every branch of the
+    merged beam tree, not only its best beam. The decode loop stops at the first node off the
+    spine (``verify.cut_at_spine``: an off-spine row does not attend the slots plain decoding
+    would), so this is what verifying whole trees exactly would be worth, not what a step gets."""
     reached = [0] * (depth + 1)
-    steps = 0
+    steps = in_tree = 0
     for item in data:
         # the target's greedy token after tokens[i] is the argmax at row i + 1 (which
         # predicted tokens[i + 1]): [L] full-vocabulary ids
@@ -261,9 +281,16 @@ def acceptance_by_depth(head: RecurrentHead, data: Sequence[Replayed], *, width:
             steps += 1
             for d in range(k + 1):
                 reached[d] += 1
+            children = child_index(tree.token_ids, tree.parents)
+            node, walked = -1, 0
+            while j + walked < n and (node, greedy[j + walked]) in children:
+                node = children[(node, greedy[j + walked])]
+                walked += 1
+            in_tree += walked
     rate = [reached[d] / reached[d - 1] if reached[d - 1] else 0.0 for d in range(1, depth + 1)]
     return {"steps": steps, "rate": rate,
-            "mean_accepted": sum(reached[1:]) / steps if steps else 0.0}
+            "mean_accepted": sum(reached[1:]) / steps if steps else 0.0,
+            "tree_accepted": in_tree / steps if steps else 0.0, "width": width}
 
 
 def split_held_out(records: Sequence[Record], fraction: float,

@@ -198,6 +198,66 @@ def test_replay_gives_the_full_forwards_hidden_rows_and_restricted_distributions
         assert not torch.allclose(item.logp.float(), wrong, atol=2e-3)
 
 
+def test_replay_runs_interleaved_conversations_once_per_distinct_prefix(target):
+    """Two conversations whose turns interleave in the store (A1 B1 A2 B2 A3): replayed in
+    the store's order each turn shares only the opening with the turn before and runs its
+    whole history again; sorted by tokens, a turn continues its own conversation's KV. The
+    tokens run must be the prefix trie's (the sorted order's), fewer than the store order's,
+    and each record's rows still its own whole forward's."""
+    a, b = [1, 2, 5, 3, 4, 5, 6], [1, 3, 5, 6, 3, 4, 5]
+    turns = [a, b, a + [6, 3, 4, 5, 6, 3], b + [6, 3, 4, 5, 3, 4], a + [6, 3, 4, 5, 6, 3, 6, 5, 4]]
+    records = [Record(scope="s", model="m", request_text=" ".join(map(str, p)),
+                      key_text=str(i), completion_ids=(3, 4, 5, 6), completion_text="", id=i + 1)
+               for i, p in enumerate(turns)]
+    vocab = vocabulary(records, target.tokenizer)
+    ran: list[int] = []
+    hook = target.model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: ran.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        data = replay(target.model, target.tokenizer, records, vocab)
+    finally:
+        hook.remove()
+
+    def run_tokens(order: list[list[int]]) -> int:
+        total, held = 0, []
+        for p in order:
+            ids = p + [3, 4, 5, 6]
+            shared = 0
+            while shared < min(len(held), len(p) - 2) and held[shared] == ids[shared]:
+                shared += 1
+            total, held = total + len(ids) - shared, ids
+        return total
+
+    assert sum(ran) == run_tokens(sorted(turns)) < run_tokens(turns)
+    assert [d.tokens.tolist() for d in data] == [[p[-1], 3, 4, 5, 6] for p in turns]
+    for p, item in zip(turns, data, strict=True):
+        with torch.no_grad():
+            full = target.model(input_ids=torch.tensor([p + [3, 4, 5, 6]]), output_hidden_states=True)
+        torch.testing.assert_close(item.hidden, full.hidden_states[-1][0, len(p) - 2 : -1].float(),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_head_replay_bench_counts_the_tokens_each_order_runs(target):
+    """``bench.head_replay`` times both orders; its token counts are the target's own inputs:
+    on records that interleave two conversations the store's order runs more of them, and
+    both orders give each record the same rows."""
+    from agentspec.bench.head_replay import timed_replay
+
+    a, b = [1, 2, 5, 3, 4, 5, 6], [1, 3, 5, 6, 3, 4, 5]
+    turns = [a, b, a + [6, 3, 4, 5, 6, 3], b + [6, 3, 4, 5, 3, 4]]
+    records = [Record(scope="s", model="m", request_text=" ".join(map(str, p)),
+                      key_text=str(i), completion_ids=(3, 4, 5, 6), completion_text="", id=i + 1)
+               for i, p in enumerate(turns)]
+    vocab = vocabulary(records, target.tokenizer)
+    _, sorted_tokens, by_tokens = timed_replay(target, records, vocab, sort=True)
+    _, store_tokens, by_store = timed_replay(target, records, vocab, sort=False)
+    # the store's order: each turn shares only the token "1" with the one before it
+    assert sorted_tokens < store_tokens == len(a) + 4 + sum(len(p) + 4 - 1 for p in turns[1:])
+    for x, y in zip(by_tokens, by_store, strict=True):
+        assert x.tokens.tolist() == y.tokens.tolist()
+        torch.testing.assert_close(x.hidden, y.hidden, atol=1e-4, rtol=1e-4)
+
+
 def test_training_distils_the_target_and_beats_an_untrained_head(target, tmp_path):
     records = _records(20)
     ticks: list[str] = []
@@ -283,6 +343,32 @@ def test_held_out_acceptance_is_against_the_targets_own_greedy_tokens(target):
     only = replay(target.model, target.tokenizer, records, torch.tensor([never]))
     old = [int(head.vocab[int(i)]) for d in only for i in d.logp.float().argmax(-1)]
     assert old and set(old) == {never}
+
+
+def test_whole_tree_acceptance_walks_every_beam(target):
+    """A two-token head of width 2 holds both tokens at every depth of its tree, so the whole
+    tree is accepted wherever the target's greedy tokens are those two, and its best beam only
+    where they are the beam's; width 1 is a chain, the same as the spine. A walk of the best
+    beam only (the spine measure) would miss every step where the target takes the other."""
+    from collections import Counter
+
+    records = _records(6)
+    data = replay(target.model, target.tokenizer, records, vocabulary(records, target.tokenizer))
+    with torch.no_grad():
+        greedy = [(d.hidden[1:] @ target.model.lm_head.weight.T).argmax(-1).tolist() for d in data]
+    two = [t for t, _ in Counter(t for g in greedy for t in g).most_common(2)]
+    assert len(two) == 2
+    head = random_head(target, two)
+    one = acceptance_by_depth(head, data, width=1, depth=1)
+    assert one["tree_accepted"] == one["mean_accepted"]
+    both = acceptance_by_depth(head, data, width=2, depth=1)
+    # depth 1: the tree takes a step's token when it is either of the two
+    steps = sum(len(g) for g in greedy)
+    assert both["steps"] == steps
+    assert both["tree_accepted"] == pytest.approx(sum(t in two for g in greedy for t in g) / steps)
+    assert both["tree_accepted"] > both["mean_accepted"]
+    deep = acceptance_by_depth(head, data, width=4, depth=3)
+    assert deep["mean_accepted"] <= deep["tree_accepted"] <= 3
 
 
 def test_acceptance_on_bench_lines_lays_rows_out_as_the_training_replay(target):
