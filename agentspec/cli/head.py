@@ -115,7 +115,8 @@ def train(ctx: typer.Context,
         rates = " ".join(f"{r:.2f}" for r in acc.get("rate", []))
         report(ctx, s, f"{s['scope']}: {s['records']} completions, vocabulary {s['vocab']}, "
                        f"{s['seconds']:.0f} s; held-out acceptance by depth {rates or 'n/a'} "
-                       f"({acc.get('mean_accepted', 0):.2f} tokens/step drafted right) -> {s['path']}")
+                       f"({acc.get('mean_accepted', 0):.2f} tokens/step drafted right; "
+                       f"{acc.get('tree_accepted', 0):.2f} in the whole beam tree) -> {s['path']}")
 
 
 def _replay_file(path: Path) -> Path:
@@ -187,7 +188,7 @@ def stats(ctx: typer.Context,
         console.print("no trained heads (agentspec head train)", markup=False)
         return
     table = Table("scope", "model", "completions", "vocab", "held-out acceptance by depth",
-                  "tokens/step", "trained")
+                  "tokens/step", "whole tree", "trained")
     for r in rows:
         s: dict[str, Any] = r.get("stats", {})
         acc: dict[str, Any] = s.get("held_out_acceptance", {})
@@ -195,6 +196,7 @@ def stats(ctx: typer.Context,
                       str(s.get("records", "")), str(s.get("vocab", "")),
                       " ".join(f"{x:.2f}" for x in acc.get("rate", [])),
                       f"{acc.get('mean_accepted', 0):.2f}",
+                      f"{acc['tree_accepted']:.2f}" if "tree_accepted" in acc else "-",
                       time.strftime("%Y-%m-%d %H:%M", time.localtime(float(r.get("trained_at", 0)))))
     console.print(table)
 

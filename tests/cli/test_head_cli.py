@@ -60,6 +60,8 @@ def test_train_then_stats(model_dir: Path, tmp_path: Path, home: Path):
     (head,) = out["heads"]
     assert head["scope"] == "tools" and head["records"] == 12 and head["held_out_records"] == 1
     assert len(head["held_out_acceptance"]["rate"]) == 3
+    acc = head["held_out_acceptance"]
+    assert acc["width"] == 4 and acc["mean_accepted"] <= acc["tree_accepted"] <= 3
     assert Path(head["path"]).is_file() and heads_exist(fingerprint)
     stats = json.loads(cli("head", "stats", "--json").stdout)["heads"]
     assert [s["scope"] for s in stats] == ["tools"] and stats[0]["fingerprint"] == fingerprint
