@@ -16,6 +16,7 @@ sees the same shapes (``tests/integration/test_invariance.py``).
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +29,19 @@ from agentspec._kv import FixedKV, live_keys, verifying_attention
 
 _PACKED: weakref.WeakKeyDictionary[Any, list[tuple[torch.nn.Module, Callable[..., Any]]]] = (
     weakref.WeakKeyDictionary())
+# One lock per model: the engine's forwards swap the model's kernels in and out (below), and
+# forks of one model (``HFTarget.fork``) under different Speculators take no turns together.
+_LOCKS: weakref.WeakKeyDictionary[Any, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: Any) -> threading.RLock:
+    """The lock every engine forward over ``model`` holds (reentrant)."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
 
 
 def _packed_forward(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -77,7 +91,17 @@ def engine_kernels(model: Any) -> Iterator[None]:
     and use other kernels for 1, 2-3 and 4+ rows; packed oneDNN products are 2x faster at 4
     rows and share one order from 2 rows on. CPU bfloat16 products gave a row other bits at
     another row count on one machine (CI's) and not on another: not a probe's to catch.
+
+    The swaps are the model's, shared by every fork: a forward holds :func:`model_lock`, so
+    two threads driving forks of one model take turns forward by forward (one thread's exit
+    would take the kernels from under the other's forward). Other code calling the model
+    meanwhile (transformers' ``generate`` in another thread) is not covered.
     """
+    with model_lock(model):
+        yield from _swapped_kernels(model)
+
+
+def _swapped_kernels(model: Any) -> Iterator[None]:
     param = next(model.parameters())
     swaps: list[tuple[torch.nn.Module, Callable[..., Any]]] = []
     if (param.device.type == "cpu" and param.dtype in (torch.float32, torch.bfloat16)

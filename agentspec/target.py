@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import shutil
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ PACKAGED_MODELS = {
         None),
 }
 _MARKER = "agentspec-converted.json"
+# The target whose ``score`` forward is running in this thread (its hidden rows are kept).
+_CAPTURING = threading.local()
+
 # check_widths results per model: one probe per loaded model, not per HFTarget over it.
 _WIDTH_CLASS: weakref.WeakKeyDictionary[
     Any, dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]]] = (
@@ -406,16 +410,25 @@ class HFTarget:
             self._hook = self.model.get_output_embeddings().register_forward_pre_hook(
                 self._keep_lm_input)
         self._lm_input = None
-        logits = self._forward_rows([last_token, *draft.token_ids], depth, anc)
-        if self.keep_hidden and self._lm_input is not None:
-            self.hidden = self._lm_input[0, : n + 1]  # [num_nodes + 1, hidden]
+        _CAPTURING.target = self if self.keep_hidden else None
+        try:
+            logits = self._forward_rows([last_token, *draft.token_ids], depth, anc)
+        finally:
+            _CAPTURING.target = None
+        lm_input, self._lm_input = self._lm_input, None
+        if self.keep_hidden and lm_input is not None:
+            self.hidden = lm_input[0, : n + 1]  # [num_nodes + 1, hidden]
             self.hidden_position = self._kv_len
         else:
             self.hidden, self.hidden_position = None, -1
         return logits
 
     def _keep_lm_input(self, module: Any, args: tuple[Any, ...]) -> None:
-        self._lm_input = args[0]  # [1, rows, hidden]: the final hidden states
+        # The output embedding is the model's, shared by every fork and by other code (the
+        # bench's transformers baselines): keep only this target's own scoring forward, in
+        # this thread, not another's that passes through the same module meanwhile.
+        if getattr(_CAPTURING, "target", None) is self:
+            self._lm_input = args[0]  # [1, rows, hidden]: the final hidden states
 
     @torch.inference_mode()
     def crop(self, num_tokens: int) -> None:

@@ -137,6 +137,66 @@ def test_score_keeps_the_hidden_rows_the_logits_come_from(target):
         assert torch.allclose(twin.hidden @ w.T, logits[:4], atol=1e-5)
 
 
+def test_hidden_rows_stay_the_targets_own_when_a_fork_runs_in_another_thread(target):
+    """The output embedding is shared by every fork: another thread's forward through it,
+    after this target's forward and before its read of the rows, must not hand this target
+    the other's rows (the hook kept any forward's input before)."""
+    import threading
+
+    draft = Draft.chain([2, 3, 4], "t")
+    twin, other = target.fork(), target.fork()
+    twin.keep_hidden = True
+    other.start([1, 9, 9, 9, 9, 8])
+    twin.start([1, 5, 6, 7])
+    twin.score(7, draft)
+    own = twin.hidden.clone()
+    forward = twin._forward_rows
+
+    def then_another(*args: object, **kwargs: object) -> torch.Tensor:
+        out = forward(*args, **kwargs)
+        worker = threading.Thread(target=lambda: other.score(8, Draft.chain([2], "t")))
+        worker.start()
+        worker.join()
+        return out
+
+    twin._forward_rows = then_another  # type: ignore[method-assign]
+    twin.start([1, 5, 6, 7])
+    twin.score(7, draft)
+    assert torch.equal(twin.hidden, own)
+
+
+def test_forks_in_two_threads_take_turns_forward_by_forward(target):
+    """Forks share the model whose kernels each engine forward swaps in and out. A fork's
+    forward started in another thread while this one's runs must wait for it: run inside it,
+    its exit took the kernels from under this forward (AttributeError), or mixed them."""
+    import threading
+
+    draft = Draft.chain([2, 3, 4], "t")
+    first, second = target.fork(), target.fork()
+    first.start([1, 5, 6, 7])
+    second.start([1, 9, 9, 8])
+    alone = (first.score(7, draft).clone(), second.score(8, draft).clone())
+    got: list[torch.Tensor] = []
+    started: list[threading.Thread] = []
+
+    def meanwhile(module: object, args: object, output: object) -> None:
+        if not started:  # once, inside the first fork's forward
+            worker = threading.Thread(target=lambda: got.append(second.score(8, draft).clone()))
+            started.append(worker)
+            worker.start()
+            worker.join(timeout=0.5)  # it cannot finish while this forward holds the model
+
+    hook = target.model.model.layers[0].register_forward_hook(meanwhile)
+    try:
+        first.start([1, 5, 6, 7])
+        mine = first.score(7, draft).clone()
+    finally:
+        hook.remove()
+    assert not got  # it waited: nothing came back during the first forward
+    started[0].join()
+    assert torch.equal(mine, alone[0]) and torch.equal(got[0], alone[1])
+
+
 def test_drafter_is_absent_without_a_head_and_drafts_with_one(target, tmp_path):
     twin = target.fork()
     none = HeadDrafter(twin, home=tmp_path)
