@@ -8,7 +8,8 @@ again, zeroed by the kernel. On the 2-core CPU, prefilling a 1,306-token prompt 
 with another) took 2.07-2.92 s with 47k-407k page faults, 1.88-1.95 s with none once tuned;
 bfcl-live through a Speculator ran 1.03x and 1.01x faster tuned (workload order, scopes in
 turn), the default taking 1.4M-2.1M faults in one of its two runs each
-(``python -m agentspec.bench.malloc``, BENCHMARKS.md).
+(``python -m agentspec.bench.malloc``); the whole bfcl-live bench, agentspec 25.2 s -> 20.1 s
+(BENCHMARKS.md).
 
 :func:`tune` sets ``M_MMAP_THRESHOLD`` to glibc's maximum (32 MiB: smaller blocks come from the
 heap and are reused) and ``M_TRIM_THRESHOLD`` to 512 MiB (freed memory up to that much stays
