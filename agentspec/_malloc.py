@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import platform
-import threading
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -32,16 +32,12 @@ MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's largest on 64-bit (DEFAULT_MMAP_THR
 TRIM_THRESHOLD = 512 * 1024 * 1024
 ENV = "AGENTSPEC_MALLOC"
 
-_lock = threading.Lock()
-_state: dict[str, str] = {}
 
-
+@functools.cache
 def tune() -> str:
-    """Apply the settings once; returns what was done: ``"tuned"``, or why not."""
-    with _lock:
-        if "result" not in _state:
-            _state["result"] = _apply()
-        return _state["result"]
+    """Apply the settings once; returns what was done: ``"tuned"``, or why not (applying them
+    twice from two threads at once is harmless: the same values)."""
+    return _apply()
 
 
 def _apply() -> str:

@@ -201,8 +201,8 @@ class HFTarget:
         self.reuse_prefix = reuse_prefix
         self.device = next(model.parameters()).device
         cuda = self.device.type == "cuda"
-        if not cuda:  # the engine's large CPU temporaries: reused, not mapped anew (_malloc)
-            self.malloc = _malloc.tune()
+        # the engine's large CPU temporaries: reused, not mapped anew (_malloc)
+        self.malloc = "off (cuda)" if cuda else _malloc.tune()
         self.widths = tuple(widths or ((64,) if cuda else (2, 4, 8, 16, 32, 64)))
         if list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
             raise ValueError(f"widths must be distinct positive ints, smallest first, got {widths}")

@@ -20,7 +20,6 @@ import resource
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,28 +43,24 @@ def ordered(items: Sequence[WorkloadItem], order: str) -> list[WorkloadItem]:
 
 def child(workload: str, model: str, limit: int | None, order: str) -> dict[str, Any]:
     """One run in this process (its malloc settings are the environment's)."""
-    from agentspec import SamplingParams, Speculator, load_target
+    from agentspec import Speculator, load_target
     from agentspec.bench.cli import resolve_workload
-    from agentspec.bench.harness import grammar_of, prompt_of
+    from agentspec.bench.harness import SpecSystem, prompt_of
     from agentspec.bench.workload import load_workload
 
     items = list(load_workload(resolve_workload(workload), default_max_new_tokens=96).measure)
     items = ordered(items[:limit], order)
     target = load_target(model, device="cpu")
-    spec = Speculator(target)
-    spec.generate(prompt_of(items[0]), 8)  # widths, kernels: not timed
+    system = SpecSystem("agentspec-pld", Speculator(target), temperature=0.0)
+    system.spec.generate(prompt_of(items[0]), 8)  # widths, kernels: not timed
     seconds, outputs = [], []
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for item in items:
-        sampling = SamplingParams(temperature=0.0, grammar=grammar_of(item))
-        started = time.perf_counter()
-        gen = spec.generate(prompt_of(item), item.max_new_tokens or 96, sampling=sampling,
-                            scope=item.scope)
-        seconds.append(time.perf_counter() - started)
-        outputs.append(list(gen.token_ids))
+        outcome = system.run(item, item.max_new_tokens or 96, None)
+        seconds.append(outcome.seconds)
+        outputs.append(list(outcome.token_ids))
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    return {"malloc": getattr(target, "malloc", "n/a"), "seconds": seconds, "faults": faults,
-            "outputs": outputs}
+    return {"malloc": target.malloc, "seconds": seconds, "faults": faults, "outputs": outputs}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

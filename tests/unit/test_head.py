@@ -178,6 +178,7 @@ def test_forks_in_two_threads_take_turns_forward_by_forward(target):
     alone = (first.score(7, draft).clone(), second.score(8, draft).clone())
     got: list[torch.Tensor] = []
     started: list[threading.Thread] = []
+    waiting: list[bool] = []
 
     def meanwhile(module: object, args: object, output: object) -> None:
         if not started:  # once, inside the first fork's forward
@@ -185,6 +186,7 @@ def test_forks_in_two_threads_take_turns_forward_by_forward(target):
             started.append(worker)
             worker.start()
             worker.join(timeout=0.5)  # it cannot finish while this forward holds the model
+            waiting.append(worker.is_alive())  # read here: once this forward ends it may run
 
     hook = target.model.model.layers[0].register_forward_hook(meanwhile)
     try:
@@ -192,7 +194,7 @@ def test_forks_in_two_threads_take_turns_forward_by_forward(target):
         mine = first.score(7, draft).clone()
     finally:
         hook.remove()
-    assert not got  # it waited: nothing came back during the first forward
+    assert waiting == [True]  # it waited: nothing came back during the first forward
     started[0].join()
     assert torch.equal(mine, alone[0]) and torch.equal(got[0], alone[1])
 
@@ -258,17 +260,25 @@ def test_replay_gives_the_full_forwards_hidden_rows_and_restricted_distributions
         assert not torch.allclose(item.logp.float(), wrong, atol=2e-3)
 
 
+# Two conversations' openings; each turn is a record whose completion is 3 4 5 6.
+_OPENING_A, _OPENING_B = [1, 2, 5, 3, 4, 5, 6], [1, 3, 5, 6, 3, 4, 5]
+
+
+def _turn_records(turns: list[list[int]]) -> list[Record]:
+    return [Record(scope="s", model="m", request_text=" ".join(map(str, p)), key_text=str(i),
+                   completion_ids=(3, 4, 5, 6), completion_text="", id=i + 1)
+            for i, p in enumerate(turns)]
+
+
 def test_replay_runs_interleaved_conversations_once_per_distinct_prefix(target):
     """Two conversations whose turns interleave in the store (A1 B1 A2 B2 A3): replayed in
     the store's order each turn shares only the opening with the turn before and runs its
     whole history again; sorted by tokens, a turn continues its own conversation's KV. The
     tokens run must be the prefix trie's (the sorted order's), fewer than the store order's,
     and each record's rows still its own whole forward's."""
-    a, b = [1, 2, 5, 3, 4, 5, 6], [1, 3, 5, 6, 3, 4, 5]
+    a, b = _OPENING_A, _OPENING_B
     turns = [a, b, a + [6, 3, 4, 5, 6, 3], b + [6, 3, 4, 5, 3, 4], a + [6, 3, 4, 5, 6, 3, 6, 5, 4]]
-    records = [Record(scope="s", model="m", request_text=" ".join(map(str, p)),
-                      key_text=str(i), completion_ids=(3, 4, 5, 6), completion_text="", id=i + 1)
-               for i, p in enumerate(turns)]
+    records = _turn_records(turns)
     vocab = vocabulary(records, target.tokenizer)
     ran: list[int] = []
     hook = target.model.model.register_forward_pre_hook(
@@ -303,11 +313,9 @@ def test_head_replay_bench_counts_the_tokens_each_order_runs(target):
     both orders give each record the same rows."""
     from agentspec.bench.head_replay import timed_replay
 
-    a, b = [1, 2, 5, 3, 4, 5, 6], [1, 3, 5, 6, 3, 4, 5]
+    a, b = _OPENING_A, _OPENING_B
     turns = [a, b, a + [6, 3, 4, 5, 6, 3], b + [6, 3, 4, 5, 3, 4]]
-    records = [Record(scope="s", model="m", request_text=" ".join(map(str, p)),
-                      key_text=str(i), completion_ids=(3, 4, 5, 6), completion_text="", id=i + 1)
-               for i, p in enumerate(turns)]
+    records = _turn_records(turns)
     vocab = vocabulary(records, target.tokenizer)
     _, sorted_tokens, by_tokens = timed_replay(target, records, vocab, sort=True)
     _, store_tokens, by_store = timed_replay(target, records, vocab, sort=False)
