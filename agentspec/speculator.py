@@ -52,6 +52,7 @@ class _Run:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str = "length"
+    cached_tokens: int = 0
 
     def count(self, step: Step) -> None:
         self.steps += 1
@@ -67,7 +68,8 @@ class _Run:
         return GenerationStats(steps=self.steps, new_tokens=len(self.token_ids),
                                prompt_tokens=self.prompt_len,
                                seconds=time.perf_counter() - self.started,
-                               drafted=dict(self.drafted), accepted=dict(self.accepted))
+                               drafted=dict(self.drafted), accepted=dict(self.accepted),
+                               cached_tokens=self.cached_tokens)
 
 
 class Speculator:
@@ -249,7 +251,7 @@ class Speculator:
                        grammar_drafts=self.speculate and self.config.grammar_drafts,
                        lazy_masks=self.config.lazy_masks, keep_rows=keep_rows)
         try:
-            while (step := self._step(steps)) is not None:
+            while (step := self._step(steps, run)) is not None:
                 run.count(step)
                 run.token_ids.extend(step.new_tokens)
                 if step.rows is not None:
@@ -302,10 +304,14 @@ class Speculator:
             warn_once(f"cannot keep hidden rows for head training ({e}); "
                       "agentspec head train will replay these completions")
 
-    def _step(self, steps: Generator[Step, None, None]) -> Step | None:
-        """The next step of a generation, computed holding a turn."""
+    def _step(self, steps: Generator[Step, None, None], run: _Run) -> Step | None:
+        """The next step of a generation, computed holding a turn (the first one prefills:
+        how much of the prompt the target did not compute is read in the same turn)."""
         with self._turns:
-            return next(steps, None)
+            step = next(steps, None)
+            if run.steps == 0:
+                run.cached_tokens = getattr(self.target, "reused_tokens", 0)
+            return step
 
     def session(self, name: str, *, scope: str = "default") -> Session:
         """A context manager grouping the calls of one agent task; see :mod:`agentspec.session`."""

@@ -98,6 +98,9 @@ class GenerationStats:
     seconds: float = 0.0
     drafted: dict[str, int] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
+    # Prompt tokens whose KV rows were not computed by this call: the prefix shared with the
+    # target's last call, or restored from its prefix cache.
+    cached_tokens: int = 0
 
     @property
     def tokens_per_step(self) -> float:
@@ -126,6 +129,7 @@ class GenerationStats:
             seconds=self.seconds + other.seconds,
             drafted=merge(self.drafted, other.drafted),
             accepted=merge(self.accepted, other.accepted),
+            cached_tokens=self.cached_tokens + other.cached_tokens,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -133,6 +137,7 @@ class GenerationStats:
             "steps": self.steps,
             "new_tokens": self.new_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
             "seconds": self.seconds,
             "tokens_per_step": self.tokens_per_step,
             "tokens_per_second": self.tokens_per_second,

@@ -143,6 +143,10 @@ def bench(
         "--lines", help="Greedy runs with agentspec: also write the outputs (warmup and "
                         "measured) for the offline replay: python -m agentspec.bench.replay "
                         "--outputs FILE replays drafting policies over them in seconds.")] = None,
+    prefix_cache_mb: Annotated[float | None, typer.Option(
+        "--prefix-cache-mb", help="Each agentspec system's prefix cache (KV rows of earlier "
+                                  "calls restored instead of prefilled), in MiB; 0 turns it "
+                                  "off. Default 512.")] = None,
 ) -> None:
     """Run every request of a workload through each system, interleaved, and compare.
 
@@ -157,6 +161,8 @@ def bench(
         fail(f"samples must be a positive integer, got {samples}", EXIT_USAGE)
     if systems is not None:
         parse_systems(systems)  # bad names fail before anything loads
+    if prefix_cache_mb is not None and not prefix_cache_mb >= 0:
+        fail(f"prefix-cache-mb must be >= 0, got {prefix_cache_mb}", EXIT_USAGE)
     if dtype is not None:
         resolve_dtype(dtype, "cpu")  # a bad name fails before torch is imported
     device = resolve_device(device)
@@ -175,7 +181,9 @@ def bench(
         err_console.print(f"warning: {path}:{line}: skipped: {error}", markup=False)
     config = harness.BenchConfig(systems=tuple(names), temperature=temperature,
                                  max_new_tokens=max_new_tokens, samples=samples, db=db,
-                                 device=device, dtype=dtype, lines_out=lines)
+                                 device=device, dtype=dtype, lines_out=lines,
+                                 prefix_cache_bytes=None if prefix_cache_mb is None
+                                 else int(prefix_cache_mb * 2**20))
     _run_and_report(loaded, model, config, json_out=json_out, plot=plot, report=report)
 
 

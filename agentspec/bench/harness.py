@@ -9,7 +9,8 @@ Systems (names as on the command line):
   does it on CUDA (:mod:`agentspec.bench.hf`); warmed once, untimed, on the first measured
   request, so compiling is not timed.
 - ``agentspec-plain``: :class:`~agentspec.Speculator` with ``speculate=False``.
-- ``agentspec-pld``: the Speculator without memory (prompt lookup only).
+- ``agentspec-pld``: the Speculator without memory (prompt lookup only); it runs the warmup
+  lines too (its prefix cache and acceptance estimates carry over, as in use).
 - ``agentspec``: all drafters and a completion memory, warmed by the workload's warmup lines
   and by every earlier measured line (``record=True``), as in real use.
 - ``agentspec-chain``: the same with tree drafts off (``SpecConfig(trees=False)``: each step
@@ -37,8 +38,12 @@ from typing import Any, Protocol
 from agentspec.bench.workload import Workload, WorkloadItem
 from agentspec.text import cut_at_stop
 
-# Systems with a completion memory: the warmup lines run through them.
+# Systems with a completion memory.
 MEMORY_SYSTEMS = ("agentspec", "agentspec-chain", "agentspec-head")
+# Systems that carry something from one call to the next (a memory, the target's prefix cache,
+# the drafters' acceptance estimates): the warmup lines run through them, as the traffic
+# before the measured calls would in use. agentspec-plain reuses nothing.
+WARMED_SYSTEMS = ("agentspec-pld", *MEMORY_SYSTEMS)
 
 Progress = Callable[[int, int, str], None]
 # --dtype names -> torch dtype attribute names.
@@ -62,6 +67,8 @@ class BenchConfig:
             the CPU.
         lines_out: a greedy run also writes its outputs (warmup and measured) here, in the
             offline replay's ``--outputs`` format (:mod:`agentspec.bench.replay`).
+        prefix_cache_bytes: each agentspec system's prefix cache budget (``None``: the
+            default, 0: off; :class:`~agentspec.target.HFTarget`).
     """
 
     systems: tuple[str, ...]
@@ -73,6 +80,7 @@ class BenchConfig:
     device: str | None = None
     dtype: str | None = None
     lines_out: Path | None = None
+    prefix_cache_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -83,6 +91,8 @@ class BenchConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.samples < 1:
             raise ValueError(f"samples must be >= 1, got {self.samples}")
+        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
 
 
 @dataclass(frozen=True)
@@ -264,12 +274,12 @@ def run_requests(workload: Workload, systems: dict[str, System], config: BenchCo
                  on_progress: Progress | None = None,
                  warmup_outputs: dict[str, tuple[int, ...]] | None = None,
                  ) -> tuple[RequestResult, ...]:
-    """Warmup lines through the memory systems (untimed), a system with a ``warm`` method (one
+    """Warmup lines through the warmed systems (:data:`WARMED_SYSTEMS`, untimed), a system with a ``warm`` method (one
     that compiles) once on the first measured line (untimed), then each measured line through
     every system in rotated order. Pure loop over the :class:`System` seam (tests inject
-    systems). ``warmup_outputs``, when given, receives the first memory system's output of
+    systems). ``warmup_outputs``, when given, receives the first warmed system's output of
     each warmup line (by id)."""
-    warm = [name for name in MEMORY_SYSTEMS if name in systems]
+    warm = [name for name in WARMED_SYSTEMS if name in systems]
     warmup = workload.warmup if warm else ()
     measure = workload.measure
     total, done = len(warmup) + len(measure), 0
@@ -321,7 +331,8 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
     """
     from agentspec import Speculator, load_target
 
-    target = load_target(model, device=config.device, dtype=_torch_dtype(config.dtype))
+    target = load_target(model, device=config.device, dtype=_torch_dtype(config.dtype),
+                         prefix_cache_bytes=config.prefix_cache_bytes)
     encode = Speculator(target, speculate=False).encode
     static_len = max((len(encode(prompt_of(i))) + _budget(i, config) for i in workload.measure),
                      default=None) if "hf-static" in config.systems else None
@@ -345,7 +356,7 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
     notes = tuple(note for s in systems.values() if (note := getattr(s, "note", None)))
     # The machine may be shared: the 1/5/15-minute load at the end says how loaded it was.
     return BenchResult(str(workload.path), model, str(target.device), config,
-                       len(workload.warmup) if set(MEMORY_SYSTEMS) & set(systems) else 0,
+                       len(workload.warmup) if set(WARMED_SYSTEMS) & set(systems) else 0,
                        requests, os.getloadavg(), notes=notes, ceiling_tokens_per_step=ceiling,
                        **environment(target.model))
 

@@ -47,12 +47,13 @@ def _run(tmp_path: Path, systems: dict, config: BenchConfig) -> BenchResult:
     return BenchResult("w.jsonl", "fake", "cpu", config, 1, requests)
 
 
-def test_interleaved_rotated_and_warmup_through_agentspec_only(tmp_path: Path) -> None:
+def test_interleaved_rotated_and_warmup_through_agentspec_systems_only(tmp_path: Path) -> None:
     log: list[tuple[str, str]] = []
     systems = {n: FakeSystem(n, log) for n in ALL}
     _run(tmp_path, systems, BenchConfig(systems=ALL))
-    assert log[0] == ("agentspec", "warm")
-    per_request = [[n for n, i in log[1:] if i == rid] for rid in
+    # the systems that carry state across calls (memory, prefix cache), not transformers
+    assert log[:2] == [("agentspec-pld", "warm"), ("agentspec", "warm")]
+    per_request = [[n for n, i in log[2:] if i == rid] for rid in
                    ("grounded-0", "grounded-1", "open-0", "open-1")]
     assert per_request == [harness.rotation(ALL, k) for k in range(4)]
     assert per_request[1][0] == "hf-pld"  # rotated by one
@@ -64,6 +65,15 @@ def test_warmup_runs_through_every_memory_system(tmp_path: Path) -> None:
     _run(tmp_path, {n: FakeSystem(n, log) for n in names}, BenchConfig(systems=names))
     assert log[:2] == [("agentspec", "warm"), ("agentspec-chain", "warm")]
     assert ("hf-greedy", "warm") not in log
+
+
+def test_warmup_runs_through_prompt_lookup_but_not_plain_decoding(tmp_path: Path) -> None:
+    # agentspec-pld keeps a prefix cache and acceptance estimates across calls; plain
+    # decoding reuses nothing, so warming it would only cost time.
+    log: list[tuple[str, str]] = []
+    names = ("hf-greedy", "agentspec-plain", "agentspec-pld")
+    _run(tmp_path, {n: FakeSystem(n, log) for n in names}, BenchConfig(systems=names))
+    assert [entry for entry in log if entry[1] == "warm"] == [("agentspec-pld", "warm")]
 
 
 def test_summary_fields_and_exact_match(tmp_path: Path) -> None:

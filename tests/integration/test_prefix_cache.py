@@ -1,0 +1,126 @@
+"""The prefix cache restores exactly the rows a prefill computes (real model, fp32 and bf16).
+
+Calls of two agents (two BFCL tool sets) interleave through one target, so every call after
+the first two finds its system prompt's rows in the cache, not in the KV; each call's logits,
+the prompt's last row and a draft's rows, must equal bitwise those of a target that prefills
+every prompt from scratch. bf16 is where a row computed after other tokens would show.
+
+The same file shows the check can fail: a cache that finds a block by its own tokens and its
+position, whatever came before it, restores rows computed after another prefix, and the logits
+differ.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from agentspec import Speculator
+from agentspec._prefix import BLOCK, PrefixCache
+from agentspec.bench.cli import resolve_workload
+from agentspec.bench.harness import prompt_of
+from agentspec.bench.workload import load_workload
+from agentspec.target import HFTarget, load_target
+from agentspec.tree import common_prefix_len
+from agentspec.types import Draft
+
+pytestmark = pytest.mark.slow
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PREFIX = 5 * BLOCK + 17  # tokens of each agent's system prompt kept (a tail off the blocks)
+
+
+@functools.cache
+def _model(dtype: str) -> HFTarget:
+    return load_target("smollm2-135m-instruct", device="cpu", dtype=DTYPES[dtype])
+
+
+@functools.cache
+def _agents() -> tuple[list[int], list[int]]:
+    """The opening tokens of two tool sets' prompts from the shipped bfcl-live workload."""
+    target = _model("fp32")
+    spec = Speculator(target, speculate=False)
+    items = load_workload(resolve_workload("bfcl-live"), default_max_new_tokens=8).measure
+    first, second = items[0], next(i for i in items if i.scope != items[0].scope)
+    return (spec.encode(prompt_of(first))[:PREFIX], spec.encode(prompt_of(second))[:PREFIX])
+
+
+def _rows(target: HFTarget, ids: list[int]) -> torch.Tensor:
+    target.start(ids)
+    return target.score(ids[-1], Draft.chain([ids[3], ids[4], ids[5]], "test")).clone()
+
+
+def _pair(dtype: str) -> tuple[HFTarget, HFTarget]:
+    base = _model(dtype)
+    cached = HFTarget(base.model, base.tokenizer, name="cached")
+    fresh = HFTarget(base.model, base.tokenizer, name="fresh", reuse_prefix=False)
+    return cached, fresh
+
+
+def _calls() -> list[list[int]]:
+    a, b = _agents()
+    tails = [[1000 + 7 * i + j for j in range(3 + i)] for i in range(4)]
+    return [a + tails[0], b + tails[1], a + tails[2], b + tails[3]]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_restored_rows_are_the_rows_a_prefill_computes(dtype: str) -> None:
+    cached, fresh = _pair(dtype)
+    for n, ids in enumerate(_calls()):
+        assert torch.equal(_rows(cached, ids), _rows(fresh, ids)), f"call {n} ({dtype})"
+        if n >= 2:  # the agent's system prompt came back from the cache, not from the KV
+            assert cached.reused_tokens == PREFIX // BLOCK * BLOCK
+    stats = cached.prefix_cache.stats
+    a, b = _agents()
+    shared = common_prefix_len(a, b)  # the chat template's opening: held in the KV already
+    assert stats.hits == 2 and stats.restored_tokens == 2 * (PREFIX // BLOCK * BLOCK - shared)
+
+
+class _TokensAndPositionOnly(PrefixCache):
+    """Deliberately wrong: a block is found by its tokens and position alone."""
+
+    def longest(self, ids: Sequence[int]) -> list:
+        blocks = {b.id: b for b in self._lru.values()}
+
+        def depth(block) -> int:
+            return 0 if not block.parent else 1 + depth(blocks[block.parent])
+
+        found = {(depth(b), b.tokens): b for b in blocks.values()}
+        chain = []
+        for index, start in enumerate(range(0, len(ids) - BLOCK + 1, BLOCK)):
+            block = found.get((index, tuple(ids[start : start + BLOCK])))
+            if block is None:
+                break
+            chain.append(block)
+        return chain
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_a_block_is_reused_only_after_its_own_prefix(wrong: bool) -> None:
+    cached, fresh = _pair("fp32")
+    if wrong:
+        cached.prefix_cache = _TokensAndPositionOnly(cached.prefix_cache.max_bytes)
+    a, b = _agents()
+    x, y, shared = a[:BLOCK], b[:BLOCK], a[2 * BLOCK : 4 * BLOCK]
+    _rows(cached, y + b[BLOCK : 3 * BLOCK] + [11])  # caches y as a first block
+    _rows(cached, x + shared + [12])  # caches the shared blocks after x
+    # After y, the shared blocks' rows are not the ones computed after x: only y is reused.
+    third = y + shared + [13]
+    same = torch.equal(_rows(cached, third), _rows(fresh, third))
+    assert same != wrong
+    assert cached.reused_tokens == (3 * BLOCK if wrong else BLOCK)
+
+
+def test_a_generation_reports_the_prompt_tokens_it_did_not_compute(spec: Speculator) -> None:
+    a, b = _agents()
+    text = spec.tokenizer.decode(a)
+    other = spec.tokenizer.decode(b)
+    first = spec.generate(text + " Reply in one word.", max_new_tokens=4)
+    spec.generate(other + " Reply in one word.", max_new_tokens=4)
+    again = spec.generate(text + " Reply in one word.", max_new_tokens=4)
+    assert again.token_ids == first.token_ids
+    assert again.stats.cached_tokens >= PREFIX // BLOCK * BLOCK
+    assert again.stats.as_dict()["cached_tokens"] == again.stats.cached_tokens
