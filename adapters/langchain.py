@@ -366,7 +366,9 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
     def _last_chunk(self, held: str, gen: SpecGeneration, *, parse: bool) -> ChatGenerationChunk:
         content, calls, invalid = parse_tool_calls(held) if parse and held else (held, [], [])
         usage: Any = {"input_tokens": gen.stats.prompt_tokens, "output_tokens": len(gen.token_ids),
-                      "total_tokens": gen.stats.prompt_tokens + len(gen.token_ids)}
+                      "total_tokens": gen.stats.prompt_tokens + len(gen.token_ids),
+                      # prompt tokens whose KV came from earlier calls (held or prefix cache)
+                      "input_token_details": {"cache_read": gen.stats.cached_tokens}}
         message = AIMessageChunk(content=content, tool_calls=calls, invalid_tool_calls=invalid,
                                  usage_metadata=usage, response_metadata=self._metadata(gen),
                                  chunk_position="last")

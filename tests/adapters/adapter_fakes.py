@@ -74,7 +74,7 @@ class FakeSpeculator:
         ids = tuple(ord(c) for c in text)
         stats = GenerationStats(steps=max(1, -(-len(text) // 3)), new_tokens=len(ids),
                                 prompt_tokens=7, seconds=0.01, drafted={"prompt_lookup": 2},
-                                accepted={"prompt_lookup": 1})
+                                accepted={"prompt_lookup": 1}, cached_tokens=3)
         gen = Generation(text, ids, stats, "stop" if cuts else "length")
         if session is not None:
             session.observe(gen)

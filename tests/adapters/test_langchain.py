@@ -108,7 +108,8 @@ def test_stream_concatenates_to_invoke_with_metadata(fake_spec: FakeSpeculator) 
     full = _concat(chunks)
     assert full.content == result.content == fake_spec.reply
     assert result.usage_metadata == {"input_tokens": 7, "output_tokens": len(fake_spec.reply),
-                                     "total_tokens": 7 + len(fake_spec.reply)}
+                                     "total_tokens": 7 + len(fake_spec.reply),
+                                     "input_token_details": {"cache_read": 3}}
     meta = result.response_metadata
     assert meta["model_name"] == "my-model" and meta["accepted_by_source"] == {"prompt_lookup": 1}
     assert meta["steps"] >= 1 and "seconds" in meta and "tokens_per_step" in meta
