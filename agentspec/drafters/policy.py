@@ -244,6 +244,21 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    # The synthetic prompts' rows are of no later call's use: kept out of the target's prefix
+    # cache (not saved while measuring, dropped from the KV after).
+    prefix_cache = getattr(target, "prefix_cache", None)
+    if prefix_cache is not None:
+        target.prefix_cache = None
+    try:
+        return _cached_or_measured(target, sizes, context, repeats, cache_file)
+    finally:
+        if prefix_cache is not None:
+            target.crop(0)
+            target.prefix_cache = prefix_cache
+
+
+def _cached_or_measured(target: Any, sizes: tuple[int, ...] | None, context: int, repeats: int,
+                        cache_file: Path | None) -> CostModel:
     now = None  # the probe, when a cached curve was checked with it
     if cache_file is not None and cache_file.exists():
         try:
@@ -258,6 +273,18 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache file is measured again
 
+    model = _measure(target, sizes, context, repeats)
+    if cache_file is not None:
+        probe = now if now is not None else probe_cost(target)  # taken moments ago: reused
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(json.dumps({"version": COST_CACHE_VERSION, "base": model.base,
+                                          "per_token": model.per_token,
+                                          "points": [list(p) for p in model.points],
+                                          "probe": probe}))
+    return model
+
+
+def _measure(target: Any, sizes: tuple[int, ...] | None, context: int, repeats: int) -> CostModel:
     widest = max(sizes) if sizes else 63
     context = max(2, min(context, target.max_context - widest - (len(sizes) if sizes else 12) * (repeats + 1) - 2))
     prompt = [1 + t % (target.vocab_size - 1) for t in range(context)]
@@ -267,15 +294,7 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
         sizes = tuple(w - 1 for w in widths) if widths else (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63)
     sizes = tuple(sorted(set(sizes)))
     best = dict(zip(sizes, _fastest_rounds(target, prompt[-1], sizes, repeats), strict=True))
-    model = CostModel.fit(cost_points(best, widths))
-    if cache_file is not None:
-        probe = now if now is not None else probe_cost(target)  # taken moments ago: reused
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        cache_file.write_text(json.dumps({"version": COST_CACHE_VERSION, "base": model.base,
-                                          "per_token": model.per_token,
-                                          "points": [list(p) for p in model.points],
-                                          "probe": probe}))
-    return model
+    return CostModel.fit(cost_points(best, widths))
 
 
 def probe_cost(target: Any, *, rounds: int = 3) -> list[float]:

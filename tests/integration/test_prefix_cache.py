@@ -124,3 +124,16 @@ def test_a_generation_reports_the_prompt_tokens_it_did_not_compute(spec: Specula
     assert again.token_ids == first.token_ids
     assert again.stats.cached_tokens >= PREFIX // BLOCK * BLOCK
     assert again.stats.as_dict()["cached_tokens"] == again.stats.cached_tokens
+
+
+def test_measuring_the_cost_curve_leaves_nothing_in_the_prefix_cache(tmp_path) -> None:
+    from agentspec.drafters.policy import measure_cost
+
+    cached, _ = _pair("fp32")
+    a, _ = _agents()
+    _rows(cached, a)
+    for _ in range(2):  # measured, then read from its file after a probe
+        measure_cost(cached, sizes=(0, 7), context=3 * BLOCK, repeats=1,
+                     cache_file=tmp_path / "cost.json")
+    _rows(cached, a)  # the synthetic prompt's rows were neither saved nor left to be
+    assert cached.prefix_cache.stats.saved_blocks == 0
