@@ -208,6 +208,8 @@ def _run_and_report(loaded: Any, model: str, config: Any, *, json_out: Path | No
     console.print(report_mod.rich_table(summary), width=max(console.width, 150))
     if report_mod.versus_line(summary):
         console.print(report_mod.versus_line(summary), markup=False)
+    if report_mod.cached_line(summary):
+        console.print(report_mod.cached_line(summary), markup=False)
     if json_out is not None:
         report_mod.write_json(summary, json_out)
     if plot is not None:

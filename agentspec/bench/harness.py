@@ -105,6 +105,8 @@ class Outcome:
         steps: target forwards after the prefill (``None`` for transformers).
         drafted, accepted: draft tokens by source (agentspec only).
         text: the output text (agentspec only).
+        cached_tokens: prompt tokens whose KV rows the call did not compute (held from the
+            call before or restored from the prefix cache; agentspec only).
     """
 
     token_ids: tuple[int, ...]
@@ -113,6 +115,7 @@ class Outcome:
     drafted: dict[str, int] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
     text: str | None = None
+    cached_tokens: int = 0
 
 
 class System(Protocol):
@@ -187,7 +190,7 @@ class SpecSystem:
         stats = gen.stats
         return Outcome(cut_at_stop(gen.token_ids, self.spec.stop_token_ids)[0], seconds,
                        stats.steps, dict(stats.drafted_by_source), dict(stats.accepted_by_source),
-                       gen.text)
+                       gen.text, stats.cached_tokens)
 
 
 def build_systems(target: Any, config: BenchConfig, db_url: str,

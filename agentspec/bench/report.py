@@ -67,6 +67,10 @@ def system_totals(requests: tuple[RequestResult, ...], name: str) -> dict[str, A
         accepted, drafted = _merge([o.accepted for o in outs]), _merge([o.drafted for o in outs])
         row["accepted_by_source"] = {s: accepted.get(s, 0) for s in sorted({*SOURCES, *accepted})}
         row["drafted_by_source"] = {s: drafted.get(s, 0) for s in sorted({*SOURCES, *drafted})}
+        prompt = sum(r.prompt_tokens * len(r.outcomes[name]) for r in requests)
+        # The share of the prompts' tokens no forward computed (prefix reuse, prefix cache).
+        row["cached_prompt_share"] = round(sum(o.cached_tokens for o in outs) / prompt, 3) \
+            if prompt else None
     return row
 
 
@@ -190,6 +194,14 @@ def versus_line(summary: dict[str, Any]) -> str:
     return f"{summary['workload']}: " + "; ".join(parts) if parts else ""
 
 
+def cached_line(summary: dict[str, Any]) -> str:
+    """One line: each agentspec system's share of prompt tokens it did not prefill."""
+    shares = [f"{name} {s['cached_prompt_share']:.0%}" for name, s in summary["systems"].items()
+              if s.get("cached_prompt_share") is not None]
+    return ("prompt tokens read from the KV (prefix reuse, prefix cache): " + ", ".join(shares)
+            if shares else "")
+
+
 def _row(request: RequestResult, names: list[str]) -> dict[str, Any]:
     ref = request.outcomes[REFERENCE][0].token_ids
     row: dict[str, Any] = {"id": request.item.id, "scope": request.item.scope,
@@ -202,6 +214,7 @@ def _row(request: RequestResult, names: list[str]) -> dict[str, Any]:
         if outs[0].steps is not None:
             cell["steps"] = sum(o.steps or 0 for o in outs)
             cell["accepted_by_source"] = _merge([o.accepted for o in outs])
+            cell["cached_tokens"] = sum(o.cached_tokens for o in outs)
         row["systems"][name] = cell
     return row
 
@@ -312,6 +325,8 @@ def to_markdown(summary: dict[str, Any]) -> str:
             for n, c in summary["tool_calls"].items()))
     if versus_line(summary):
         parts.append("Versus: " + versus_line(summary))
+    if cached_line(summary):
+        parts.append(cached_line(summary)[0].upper() + cached_line(summary)[1:] + ".")
     for group, g in summary["groups"].items():
         parts += ["", f"### Requests with ids `{group}-*` ({g['requests']})", ""]
         rows = [[n, f"{s['tokens_per_second']:.1f}", f"{s['speedup']:.2f}x",

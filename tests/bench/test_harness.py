@@ -29,7 +29,8 @@ class FakeSystem:
         tokens = tuple(range(self.offset, self.offset + n))
         spec = self.name.startswith("agentspec")
         return Outcome(tokens, self.seconds, steps=2 if spec else None,
-                       accepted={"prompt_lookup": 2} if spec else {})
+                       accepted={"prompt_lookup": 2} if spec else {},
+                       cached_tokens=2 if self.name == "agentspec" else 0)
 
 
 def _workload(tmp_path: Path) -> object:
@@ -211,3 +212,14 @@ def test_tool_call_steps_counts_only_call_outputs_under_a_tool_grammar() -> None
             req(free, '{"name": "ls"}', 12))
     got = report.tool_call_steps(reqs, ["hf-greedy", "agentspec"])
     assert got == {"agentspec": {"calls": 1, "tokens": 12, "steps": 3, "tokens_per_step": 4.0}}
+
+
+def test_the_share_of_prompt_tokens_read_from_the_kv_per_agentspec_system(tmp_path: Path) -> None:
+    log: list[tuple[str, str]] = []
+    summary = report.summarize(_run(tmp_path, {n: FakeSystem(n, log) for n in ALL},
+                                    BenchConfig(systems=ALL)))
+    shares = {n: s.get("cached_prompt_share") for n, s in summary["systems"].items()}
+    assert shares == {"hf-greedy": None, "hf-pld": None, "agentspec-pld": 0.0,
+                      "agentspec": round(2 / 3, 3)}  # 2 of each request's 3 prompt tokens
+    assert report.cached_line(summary).endswith("agentspec-pld 0%, agentspec 67%")
+    assert summary["requests"][0]["systems"]["agentspec"]["cached_tokens"] == 2
