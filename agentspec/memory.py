@@ -183,8 +183,12 @@ class CompletionMemory:
         self.close()
 
     # --- the public operations ---------------------------------------------------------------
-    def lookup(self, key_text: str, *, scope: str, model: str, k: int = 8) -> list[tuple[Record, float]]:
+    def lookup(self, key_text: str, *, scope: str, model: str, k: int = 8,
+               min_similarity: float | None = None) -> list[tuple[Record, float]]:
         """Up to ``k`` records of exactly ``scope`` and ``model``, most similar first.
+
+        ``min_similarity``: leave out neighbours less similar than this (their rows are not
+        even read from the store: a request like no other costs no SQL).
 
         Returns:
             ``(record, similarity)`` pairs; similarity is the inner product of unit vectors.
@@ -199,7 +203,7 @@ class CompletionMemory:
             self._flush()
             if self._guard.due("read"):
                 try:
-                    out = self._nearest(query, scope, model, k)
+                    out = self._nearest(query, scope, model, k, min_similarity)
                 except StoreError as e:
                     self._guard.failed("read", e)
                 else:
@@ -208,14 +212,18 @@ class CompletionMemory:
             self._guard.counts["lookups_skipped"] += 1
             return []
 
-    def _nearest(self, query: np.ndarray, scope: str, model: str,
-                 k: int) -> list[tuple[Record, float]]:
+    def _nearest(self, query: np.ndarray, scope: str, model: str, k: int,
+                 min_similarity: float | None = None) -> list[tuple[Record, float]]:
         state = self._sync(scope)
         size = len(state.index)
         fetch = min(size, 2 * k)  # over-fetch a little: other models may share the scope
         while True:
             hits = state.index.search(query, fetch)
-            found = {r.id: r for r in self.store.get_many([i for i, _ in hits])}
+            if min_similarity is not None:
+                close = [(i, s) for i, s in hits if s >= min_similarity]
+                if len(close) < len(hits):  # the rest is less similar still: stop there
+                    hits, size = close, fetch
+            found = {r.id: r for r in self.store.get_many([i for i, _ in hits])} if hits else {}
             out = [(found[i], s) for i, s in hits if i in found and found[i].model == model]
             if len(out) >= k or fetch >= size:  # other models crowd the top: look deeper
                 return out[:k]

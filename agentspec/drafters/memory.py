@@ -10,6 +10,7 @@ tree, best first. Accepted tokens are credited to the records they came from at 
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,15 @@ class MemoryDrafter:
             raise ValueError(f"k must be >= 1, got {k}")
         self.memory, self.model, self.k = memory, model, k
         self.min_similarity, self.max_nodes = min_similarity, max_nodes
+        # Whether the memory leaves the dissimilar out itself (CompletionMemory: without
+        # reading their rows); a memory of the user's may take only the basic arguments.
+        lookup = getattr(memory, "lookup", None)
+        try:
+            params = list(inspect.signature(lookup).parameters.values()) if callable(lookup) else []
+        except (TypeError, ValueError):  # a builtin without a signature
+            params = []
+        self._filters = any(p.name == "min_similarity" or p.kind is inspect.Parameter.VAR_KEYWORD
+                            for p in params)
         # The acceptance class of the last proposal, for the drafter chain: "memory/follow"
         # when its best candidate has matched every generated token so far. Read right after
         # ``propose``, within the same step.
@@ -78,7 +88,9 @@ class MemoryDrafter:
         req = self._request(context)
         if not context.key_text:
             return
-        hits = self.memory.lookup(context.key_text, scope=context.scope, model=self.model, k=self.k)
+        extra = {"min_similarity": self.min_similarity} if self._filters else {}
+        hits = self.memory.lookup(context.key_text, scope=context.scope, model=self.model, k=self.k,
+                                  **extra)
         req.cands = [_Candidate(rec.id, list(rec.completion_ids), sim)
                      for rec, sim in hits if sim >= self.min_similarity and rec.completion_ids]
 

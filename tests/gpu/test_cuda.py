@@ -56,3 +56,24 @@ def test_drafts_and_prefix_reuse_leave_bf16_outputs_unchanged_on_cuda(gpu_spec):
     spec = Speculator(HFTarget(base.model, base.tokenizer), memory=None)
     for prompt in ALL_PROMPTS:
         assert spec.generate(prompt, 48).token_ids == plain.generate(prompt, 48).token_ids
+
+
+def test_prefix_cache_restores_the_rows_a_prefill_computes_on_cuda(gpu_spec):
+    # Interleaved prompts of two long openings: each call after the first two gets its opening
+    # back from the prefix cache (copied into the captured graphs' KV buffers) and must score
+    # the rows a fresh prefill does, bitwise.
+    from agentspec.bench.prompts import ALL_PROMPTS
+    from agentspec.target import HFTarget
+    from agentspec.types import Draft
+
+    base = gpu_spec.target
+    cached = HFTarget(base.model, base.tokenizer)
+    fresh = HFTarget(base.model, base.tokenizer, reuse_prefix=False)
+    a, b = gpu_spec.encode(ALL_PROMPTS[0]), gpu_spec.encode(ALL_PROMPTS[1])
+    for n, ids in enumerate([a + [11, 12], b + [13], a + [14, 15, 16], b + [17, 18]]):
+        rows = []
+        for target in (cached, fresh):
+            target.start(ids)
+            rows.append(target.score(ids[-1], Draft.chain(ids[3:6], "x")).clone())
+        assert torch.equal(rows[0], rows[1]), f"call {n}"
+    assert cached.prefix_cache.stats.hits == 2

@@ -35,6 +35,34 @@ def test_lookup_finds_the_nearest_record(memory):
         memory.lookup("x", scope="s", model="m", k=-1)
 
 
+def test_lookup_leaves_out_the_dissimilar_without_reading_their_rows(memory, monkeypatch):
+    ids = [rec(memory, k) for k in ("what is the capital of france", "list the files in /tmp")]
+    everything = memory.lookup("what is the capital of France?", scope="s", model="m", k=2)
+    top = everything[0][1]
+    assert [r.id for r, _ in everything][0] == ids[0] and everything[1][1] < top
+    close = memory.lookup("what is the capital of France?", scope="s", model="m", k=2,
+                          min_similarity=(top + everything[1][1]) / 2)
+    assert [(r.id, s) for r, s in close] == [(everything[0][0].id, top)]
+    read: list[list[int]] = []
+    get_many = memory.store.get_many
+    monkeypatch.setattr(memory.store, "get_many", lambda i: read.append(list(i)) or get_many(i))
+    assert memory.lookup("zzzz qqqq", scope="s", model="m", k=2, min_similarity=0.99) == []
+    assert read == []  # no row was read for neighbours below the bar
+
+
+def test_a_memory_of_the_users_without_min_similarity_still_drafts():
+    from agentspec.drafters.memory import MemoryDrafter
+    from agentspec.protocols import DraftContext
+
+    class Basic:  # the arguments CompletionMemory.lookup took before min_similarity
+        def lookup(self, key_text, *, scope, model, k=8):
+            return []
+
+    drafter = MemoryDrafter(Basic(), "m")
+    drafter.begin(DraftContext(tokens=[1, 2], prompt_len=2, scope="s", key_text="hello"))
+    assert drafter._filters is False
+
+
 def test_scope_and_model_isolation(memory):
     a = rec(memory, "shared key", scope="tenant-a")
     b = rec(memory, "shared key", scope="tenant-b")
