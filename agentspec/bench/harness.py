@@ -214,7 +214,8 @@ def build_systems(target: Any, config: BenchConfig, db_url: str,
         raise ValueError("agentspec-chain needs a memory database of its own (chain_db_url)")
     plain = Speculator(HFTarget(target.model, target.tokenizer, name=target.name,
                                 reuse_prefix=False), speculate=False)
-    pld = Speculator(target.fork())
+    # Prompt lookup only: no head either, even where one is trained for the model.
+    pld = Speculator(target.fork(), config=SpecConfig(draft_head=False))
     pld.warmup()
     built: dict[str, System] = {}
     for name in config.systems:

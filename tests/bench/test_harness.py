@@ -223,3 +223,15 @@ def test_the_share_of_prompt_tokens_read_from_the_kv_per_agentspec_system(tmp_pa
                       "agentspec": round(2 / 3, 3)}  # 2 of each request's 3 prompt tokens
     assert report.cached_line(summary).endswith("agentspec-pld 0%, agentspec 67%")
     assert summary["requests"][0]["systems"]["agentspec"]["cached_tokens"] == 2
+
+
+@pytest.mark.slow
+def test_agentspec_pld_drafts_by_prompt_lookup_alone_even_where_a_head_is_trained(
+        spec, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import agentspec.drafters.head as head
+
+    monkeypatch.setattr(head, "heads_exist", lambda fingerprint: True)  # as if trained
+    config = BenchConfig(systems=("hf-greedy", "agentspec-pld"))
+    systems = harness.build_systems(spec.target, config, f"sqlite:///{tmp_path / 'm.db'}")
+    drafters = systems["agentspec-pld"].spec._default_drafters()  # type: ignore[attr-defined]
+    assert [d.name for d in drafters] == ["prompt_lookup"]
