@@ -149,7 +149,8 @@ def _gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         key = torch.nn.functional.pad(key, (0, 0, 0, pad))
         value = torch.nn.functional.pad(value, (0, 0, 0, pad))
     blocks = (length + pad) // KEY_BLOCK
-    forbidden = _forbidden(attention_mask, groups, length, pad)  # [b, 1, blocks, g * w, KEY_BLOCK]
+    # [b, 1, blocks, g * w, KEY_BLOCK], and the range of blocks holding any masked key
+    forbidden, (lo, hi) = _forbidden(attention_mask, groups, length, pad)
     # Query heads j * groups .. j * groups + groups - 1 share key/value head j (repeat_kv's order).
     q = query.reshape(batch, kv_heads, 1, groups * width, dim).float()  # [b, kvh, 1, g * w, dim]
     k = key.float().reshape(batch, kv_heads, blocks, KEY_BLOCK, dim)
@@ -166,7 +167,10 @@ def _gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         scores = torch.matmul(q, k.transpose(-1, -2))  # [b, kvh, blocks, g * w, KEY_BLOCK]
     # In place from here on: the same elementwise kernels, the same bits, but no temporaries
     # (the scores of a 256-row prompt chunk are ~19 MB a layer; each copy is a pass over them).
-    scores.mul_(scale).masked_fill_(forbidden, float("-inf"))
+    scores.mul_(scale)
+    # Only the blocks with a masked key are filled (on the CPU a prompt chunk's or a step's
+    # earlier blocks are fully visible: filling them wrote nothing, in a pass over them).
+    scores[:, :, lo:hi].masked_fill_(forbidden[:, :, lo:hi], float("-inf"))
     top = scores.amax(dim=-1, keepdim=True).amax(dim=2, keepdim=True)  # [b, kvh, 1, g * w, 1]
     weights = scores.sub_(top).exp_()  # every row attends itself: ``top`` is finite
     sums = weights.sum(dim=-1)  # [b, kvh, blocks, g * w]
@@ -183,12 +187,16 @@ def _gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
 
 # The last forward's mask, as the blocks' "forbidden" tensor: every layer of a forward gets the
 # same mask object, so it is laid out once per forward, not once per layer.
-_LAST_MASK: tuple[torch.Tensor, tuple[int, int, int], torch.Tensor] | None = None
+_LAST_MASK: tuple[torch.Tensor, tuple[int, int, int],
+                  tuple[torch.Tensor, tuple[int, int]]] | None = None
 
 
-def _forbidden(mask: torch.Tensor, groups: int, length: int, pad: int) -> torch.Tensor:
+def _forbidden(mask: torch.Tensor, groups: int, length: int,
+               pad: int) -> tuple[torch.Tensor, tuple[int, int]]:
     """``~mask`` over the first ``length`` keys (padded by ``pad`` masked keys) in the
-    scores' layout: ``[b, 1, blocks, groups * width, KEY_BLOCK]``."""
+    scores' layout: ``[b, 1, blocks, groups * width, KEY_BLOCK]``, and ``(lo, hi)``: the
+    blocks outside ``lo:hi`` mask no key. On CUDA (forwards captured as graphs, where no
+    value may be read back to the host) every block is in the range."""
     global _LAST_MASK
     last = _LAST_MASK  # one read: another thread may replace it
     if last is not None and last[0] is mask and last[1] == (groups, length, pad):
@@ -199,8 +207,14 @@ def _forbidden(mask: torch.Tensor, groups: int, length: int, pad: int) -> torch.
     width, blocks = cut.shape[-2], (length + pad) // KEY_BLOCK
     out = (~cut[:, :, None].expand(-1, -1, groups, -1, -1)  # [b, 1, g, w, keys]
            .reshape(cut.shape[0], 1, groups * width, blocks, KEY_BLOCK).transpose(2, 3)).contiguous()
-    _LAST_MASK = (mask, (groups, length, pad), out)
-    return out
+    if out.device.type == "cpu":
+        masked = out.flatten(3).any(dim=3).any(dim=0)[0].tolist()  # per block
+        first = masked.index(True) if True in masked else blocks
+        span = (first, blocks - masked[::-1].index(True)) if first < blocks else (0, 0)
+    else:
+        span = (0, blocks)
+    _LAST_MASK = (mask, (groups, length, pad), (out, span))
+    return out, span
 
 
 def _register() -> None:
