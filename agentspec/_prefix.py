@@ -140,7 +140,7 @@ class PrefixCache:
                 for layer, buf in enumerate(bufs):
                     buf[0, :, start:end].copy_(stored[layer])
             self._counts.hits += 1
-            self._counts.restored_tokens += end - max(held, start)
+            self._counts.restored_tokens += end - held  # start <= held: whole blocks only
         self._touch(chain)
         return max(held, len(chain) * BLOCK)
 

@@ -219,13 +219,13 @@ class CompletionMemory:
         fetch = min(size, 2 * k)  # over-fetch a little: other models may share the scope
         while True:
             hits = state.index.search(query, fetch)
-            if min_similarity is not None:
-                close = [(i, s) for i, s in hits if s >= min_similarity]
-                if len(close) < len(hits):  # the rest is less similar still: stop there
-                    hits, size = close, fetch
+            deepest = fetch >= size
+            if min_similarity is not None and hits and hits[-1][1] < min_similarity:
+                hits = [(i, s) for i, s in hits if s >= min_similarity]
+                deepest = True  # what lies deeper is less similar still
             found = {r.id: r for r in self.store.get_many([i for i, _ in hits])} if hits else {}
             out = [(found[i], s) for i, s in hits if i in found and found[i].model == model]
-            if len(out) >= k or fetch >= size:  # other models crowd the top: look deeper
+            if len(out) >= k or deepest:  # other models crowd the top: look deeper
                 return out[:k]
             fetch = min(size, fetch * 4)
 

@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from agentspec import SamplingParams, Speculator
     from agentspec.bench.cli import resolve_workload
     from agentspec.bench.harness import grammar_of, prompt_of
-    from agentspec.bench.workload import load_workload
+    from agentspec.bench.workload import in_turn, load_workload
     from agentspec.target import HFTarget, load_target
 
     parser = argparse.ArgumentParser(prog="python -m agentspec.bench.interleaved",
@@ -56,12 +56,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     items = load_workload(resolve_workload(args.workload),
                           default_max_new_tokens=args.max_new_tokens).measure
-    firsts = list({item.scope: item for item in reversed(items)}.values())[::-1]
-    if len(firsts) < args.streams:
-        parser.error(f"--streams {args.streams}: the workload has {len(firsts)} scopes")
+    scopes = len({item.scope for item in items})
+    if scopes < args.streams:
+        parser.error(f"--streams {args.streams}: the workload has {scopes} scopes")
     calls = [{"prompt": prompt_of(item), "max_new_tokens": args.max_new_tokens,
               "sampling": SamplingParams(grammar=grammar_of(item)), "scope": item.scope}
-             for item in firsts[: args.streams]]
+             for item in in_turn(items)[: args.streams]]  # each scope's first request
     base = load_target(args.model)
     specs = {s: Speculator(HFTarget(base.model, base.tokenizer, name=base.name,
                                     prefix_cache_bytes=0 if s == "off" else None))

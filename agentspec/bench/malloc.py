@@ -23,22 +23,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from agentspec.bench.workload import WorkloadItem
+from agentspec.bench.workload import WorkloadItem, in_turn
 
 SETTINGS = ("default", "tuned")
 
 
 def ordered(items: Sequence[WorkloadItem], order: str) -> list[WorkloadItem]:
     """The workload's order, or one request of each scope in turn (agents interleaving)."""
-    if order == "workload":
-        return list(items)
-    queues: dict[str, list[WorkloadItem]] = {}
-    for item in items:
-        queues.setdefault(item.scope, []).append(item)
-    out: list[WorkloadItem] = []
-    while any(queues.values()):
-        out += [q.pop(0) for q in queues.values() if q]
-    return out
+    return list(items) if order == "workload" else in_turn(items)
 
 
 def child(workload: str, model: str, limit: int | None, order: str) -> dict[str, Any]:

@@ -325,8 +325,8 @@ def to_markdown(summary: dict[str, Any]) -> str:
             for n, c in summary["tool_calls"].items()))
     if versus_line(summary):
         parts.append("Versus: " + versus_line(summary))
-    if cached_line(summary):
-        parts.append(cached_line(summary)[0].upper() + cached_line(summary)[1:] + ".")
+    if cached := cached_line(summary):
+        parts.append(cached[0].upper() + cached[1:] + ".")
     for group, g in summary["groups"].items():
         parts += ["", f"### Requests with ids `{group}-*` ({g['requests']})", ""]
         rows = [[n, f"{s['tokens_per_second']:.1f}", f"{s['speedup']:.2f}x",

@@ -125,6 +125,18 @@ class Workload:
         return tuple(i for i in self.items if i.phase == "measure")
 
 
+def in_turn(items: Iterable[WorkloadItem]) -> list[WorkloadItem]:
+    """One item of each scope in turn, scopes in order of first appearance (agents
+    interleaving): the first ``len(scopes)`` are each scope's first item."""
+    queues: dict[str, list[WorkloadItem]] = {}
+    for item in items:
+        queues.setdefault(item.scope, []).append(item)
+    out: list[WorkloadItem] = []
+    while any(queues.values()):
+        out += [q.pop(0) for q in queues.values() if q]
+    return out
+
+
 def _as_messages(messages: Any) -> tuple[Mapping[str, str], ...]:
     """Validates chat messages and returns them as a tuple of plain dicts."""
     if not isinstance(messages, (list, tuple)) or not messages:

@@ -134,3 +134,11 @@ def test_items_validate_on_construction_and_writer_refuses_duplicates(tmp_path: 
     assert item.messages == (USER,)
     with pytest.raises(ValueError, match="duplicate workload id 'a'"):
         write_workload(tmp_path / "w.jsonl", [item, item])
+
+
+def test_in_turn_takes_one_item_of_each_scope_in_turn() -> None:
+    from agentspec.bench.workload import in_turn
+
+    items = [WorkloadItem(id=f"{s}{i}", prompt="p", scope=s) for s, i in
+             (("a", 0), ("a", 1), ("b", 0), ("a", 2), ("c", 0), ("b", 1))]
+    assert [i.id for i in in_turn(items)] == ["a0", "b0", "c0", "a1", "b1", "a2"]
