@@ -97,8 +97,10 @@ class _Request:
 
     sources: list[Guarded]
     untimed: set[str] = field(default_factory=set)
-    chosen_key: str = ""
-    proposals: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    proposals: list[tuple[tuple[str, ...], tuple[int, ...]]] = field(default_factory=list)
+    # Every pair of consecutive tokens of the context, and how many of its tokens they cover.
+    pairs: set[tuple[int, int]] = field(default_factory=set)
+    paired: int = 0
 
 
 class DrafterChain:
@@ -142,7 +144,6 @@ class DrafterChain:
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
         req = self._request(context)
         best, best_rate = EMPTY_DRAFT, 1.0 / self.cost.seconds(0)
-        req.chosen_key = ""
         req.proposals = []
         max_tokens = min(max_tokens, self.max_depth)
         for drafter in req.sources:
@@ -167,31 +168,61 @@ class DrafterChain:
             if draft.num_nodes == 0:
                 continue
             # A drafter may name a finer acceptance class for this proposal (the memory: a
-            # candidate that has matched every generated token so far).
+            # candidate that has matched every generated token so far); the chain refines it
+            # per node (:meth:`_node_keys`).
             key = getattr(drafter.drafter, "acceptance_key", None)
             key = key if isinstance(key, str) and key else drafter.name
-            alpha = self._acceptance(key).alpha
-            req.proposals.append((key, draft.token_ids[: spine_length(draft.parents)]))
             if not self.trees and not draft.is_chain:
                 draft = first_path(draft)
-            keep, rate = best_subtree(draft.parents, alpha, self.cost, spent,
+            keys = self._node_keys(req, context, key, draft)
+            spine = spine_length(draft.parents)
+            req.proposals.append((keys[:spine], draft.token_ids[:spine]))
+            rates = {k: self.rate(k) for k in set(keys)}
+            keep, rate = best_subtree(draft.parents, [rates[k] for k in keys], self.cost, spent,
                                       self.alternatives[drafter.name].alpha)
             if keep and rate > best_rate:
                 best, best_rate = sub_draft(draft, keep), rate
-                req.chosen_key = key
         return best
+
+    def _node_keys(self, req: _Request, context: DraftContext, key: str,
+                   draft: Draft) -> tuple[str, ...]:
+        """Each node's acceptance class: the proposal's ``key`` refined by whether the
+        request's context holds the node's token right after its parent's (``key|seen``) or
+        not (``key|new``).
+
+        A copy goes wrong where its source differed from this request: a remembered call's
+        argument value came from its own request, and is a pair of tokens this one does not
+        hold. Each refinement starts from the rate of the class it refines and learns its
+        own (:class:`~agentspec.drafters.policy.Acceptance` with a parent).
+        """
+        tokens = context.tokens
+        start = max(req.paired, 1)  # the pairs that end at tokens not covered yet
+        req.pairs.update(zip(tokens[start - 1 : -1], tokens[start:], strict=True))
+        req.paired = len(tokens)
+        last = tokens[-1] if tokens else -1
+        ids, pairs, seen, new = draft.token_ids, req.pairs, f"{key}|seen", f"{key}|new"
+        return tuple(seen if (ids[p] if p >= 0 else last, t) in pairs else new
+                     for t, p in zip(ids, draft.parents, strict=True))
 
     def _acceptance(self, key: str) -> Acceptance:
         if key not in self.acceptance:
-            self.acceptance[key] = Acceptance(PRIORS.get(key, PRIORS.get(key.split("/")[0], 0.5)))
+            self.acceptance[key] = (Acceptance.refining() if "|" in key else
+                                    Acceptance(PRIORS.get(key, PRIORS.get(key.split("/")[0], 0.5))))
         return self.acceptance[key]
+
+    def rate(self, key: str) -> float:
+        """The acceptance rate of class ``key``; a refinement ``coarser|...`` over the rate of
+        ``coarser`` (:meth:`Acceptance.alpha_over`)."""
+        coarser, _, _ = key.rpartition("|")
+        acc = self._acceptance(key)
+        return acc.alpha_over(self.rate(coarser)) if coarser else acc.alpha
 
     def _best_rate(self, name: str, max_tokens: int, spent: float) -> float:
         """The best rate any draft from source ``name`` could reach, chain or tree, by the
         best of its acceptance classes (``memory`` and ``memory/follow``: which one a
         proposal gets is known only once it is made)."""
-        alpha = max(a.alpha for key, a in self.acceptance.items()
-                    if key == name or key.startswith(name + "/"))
+        alpha = max(self.rate(key) for key in list(self.acceptance)
+                    if key == name or key.startswith((name + "/", name + "|")))
         return best_tree_rate(alpha, self.cost, spent, max_depth=max_tokens,
                               alternative=self.alternatives[name].alpha if self.trees else 0.0)
 
@@ -209,10 +240,18 @@ class DrafterChain:
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         req = self._request(context)
         committed = verdict.new_tokens
-        for key, spine in req.proposals:  # every source that proposed, chosen or not
+        for keys, spine in req.proposals:  # every source that proposed, chosen or not
             accepted = common_prefix_len(spine, committed)
             rejected = accepted < min(len(spine), len(committed))
-            self._acceptance(key).update(accepted + rejected, accepted)
+            # Each class met on the way, and each coarser class it refines: its accepted nodes,
+            # and the rejection where it fell.
+            counts: dict[str, list[int]] = {}
+            for i, key in enumerate(keys[: accepted + rejected]):
+                while key:
+                    counts.setdefault(key, [0, 0])[i >= accepted] += 1
+                    key = key.rpartition("|")[0]
+            for key, (hits, misses) in counts.items():
+                self._acceptance(key).add(hits, misses)
         req.proposals = []
         if draft.num_nodes:
             name = draft.source_of(0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import json
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,37 +157,48 @@ def best_tree_rate(alpha: float, cost: CostModel, overhead: float = 0.0, *, max_
     return best_rate
 
 
-def node_probabilities(parents: tuple[int, ...] | list[int], alpha: float,
+def node_probabilities(parents: tuple[int, ...] | list[int], alpha: float | Sequence[float],
                        alternative: float | None = None) -> list[float]:
     """P(node accepted) for a draft tree whose candidates come best first.
 
-    The first child of an accepted node is accepted with probability ``alpha``. Its later
-    siblings are alternatives, tried where the first child fails: the ``k``-th (``k >= 1``)
-    with ``(1 - alpha) * beta * (1 - beta) ** (k - 1)``, ``beta = alternative`` (how often an
-    alternative was right where the first child was wrong; default ``alpha``). Siblings
-    exclude each other; a chain gets ``alpha ** depth``; no node is more probable than its
-    parent.
+    The first child of an accepted node is accepted with probability ``alpha``: one rate for
+    every node, or one per node (its acceptance class's). Its later siblings are
+    alternatives, tried where the first child fails: the ``k``-th (``k >= 1``) with
+    ``(1 - a) * beta * (1 - beta) ** (k - 1)``, ``a`` the first child's rate and ``beta =
+    alternative`` (how often an alternative was right where the first child was wrong;
+    default ``a``). Siblings exclude each other; a chain of one rate gets ``alpha ** depth``;
+    no node is more probable than its parent.
     """
-    beta = alpha if alternative is None else alternative
+    rates = [float(alpha)] * len(parents) if isinstance(alpha, float | int) else list(alpha)
+    if len(rates) != len(parents):
+        raise ValueError(f"{len(rates)} acceptance rates for {len(parents)} nodes")
     probs: list[float] = []
-    children: dict[int, int] = {}
-    for parent in parents:
-        rank = children.get(parent, 0)
-        children[parent] = rank + 1
+    first: dict[int, float] = {}  # parent -> its first child's rate
+    count: dict[int, int] = {}
+    for node, parent in enumerate(parents):
+        rank = count.get(parent, 0)
+        count[parent] = rank + 1
         above = 1.0 if parent < 0 else probs[parent]
-        step = alpha if rank == 0 else (1.0 - alpha) * beta * (1.0 - beta) ** (rank - 1)
+        if rank == 0:
+            step = first[parent] = rates[node]
+        else:
+            lead = first[parent]
+            beta = lead if alternative is None else alternative
+            step = (1.0 - lead) * beta * (1.0 - beta) ** (rank - 1)
         probs.append(above * step)
     return probs
 
 
-def best_subtree(parents: tuple[int, ...] | list[int], alpha: float, cost: CostModel,
-                 overhead: float = 0.0, alternative: float | None = None) -> tuple[list[int], float]:
+def best_subtree(parents: tuple[int, ...] | list[int], alpha: float | Sequence[float],
+                 cost: CostModel, overhead: float = 0.0,
+                 alternative: float | None = None) -> tuple[list[int], float]:
     """The nodes worth verifying and the expected tokens per second they give.
 
     Keeps the ``n`` most probable nodes (always a subtree: parents are at least as probable
     as their children and come first on ties), ``n`` maximising expected tokens, ``1 + sum
     of P(node)``, per second of ``cost(n) + overhead``. ``([], plain rate)`` when no draft pays.
-    For a chain this is :func:`best_length`.
+    ``alpha``: one acceptance rate, or one per node (:func:`node_probabilities`). For a chain
+    of one rate this is :func:`best_length`.
     """
     probs = node_probabilities(parents, alpha, alternative)
     order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
@@ -202,21 +214,43 @@ def best_subtree(parents: tuple[int, ...] | list[int], alpha: float, cost: CostM
 
 
 class Acceptance:
-    """Per-token acceptance of one source, a decayed count with a Beta prior."""
+    """Per-token acceptance of one class of draft nodes, a decayed count with a Beta prior.
+
+    ``alpha`` is the rate with the prior ``prior`` of weight ``strength``, decayed with the
+    evidence. :meth:`alpha_over` is the rate of a class that refines a coarser one: the
+    coarser class's rate as a prior of weight ``strength`` that does not decay, so a
+    refinement starts as its coarser class and leaves it as its own evidence grows.
+    """
 
     def __init__(self, prior: float = 0.6, strength: float = 4.0, decay: float = 0.9) -> None:
         self.hits = prior * strength
         self.misses = (1 - prior) * strength
+        self.strength = strength
         self.decay = decay
+
+    @classmethod
+    def refining(cls, strength: float = 4.0, decay: float = 0.9) -> Acceptance:
+        """A class with no evidence and no prior of its own (read it with :meth:`alpha_over`)."""
+        acc = cls(0.0, strength, decay)
+        acc.hits = acc.misses = 0.0
+        return acc
 
     @property
     def alpha(self) -> float:
         return self.hits / (self.hits + self.misses)
 
+    def alpha_over(self, prior: float) -> float:
+        """The rate over a prior rate ``prior`` (the coarser class's) of weight ``strength``."""
+        return (self.hits + self.strength * prior) / (self.hits + self.misses + self.strength)
+
     def update(self, drafted: int, accepted: int) -> None:
         """A chain of ``drafted`` tokens had ``accepted`` accepted (then, maybe, a rejection)."""
-        self.hits = self.decay * self.hits + accepted
-        self.misses = self.decay * self.misses + (1.0 if accepted < drafted else 0.0)
+        self.add(accepted, 1.0 if accepted < drafted else 0.0)
+
+    def add(self, hits: float, misses: float) -> None:
+        """One draft's evidence: ``hits`` accepted nodes and ``misses`` rejected ones."""
+        self.hits = self.decay * self.hits + hits
+        self.misses = self.decay * self.misses + misses
 
 
 def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: int = 1024,

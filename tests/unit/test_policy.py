@@ -480,3 +480,83 @@ def test_a_cheap_tree_source_that_cannot_win_is_asked_rarely_and_a_free_one_ever
     for _ in range(10):
         chain.propose(ctx, max_tokens=30)
     assert head.asked == asked + 10
+
+
+def test_node_probabilities_take_a_rate_per_node():
+    from agentspec.drafters.policy import best_subtree, node_probabilities
+
+    assert node_probabilities([-1, 0, 1], [0.9, 0.5, 0.8]) == pytest.approx([0.9, 0.45, 0.36])
+    # An alternative is tried where its first sibling failed, at that sibling's rate.
+    assert node_probabilities([-1, -1], [0.75, 0.1], 0.5) == pytest.approx([0.75, 0.125])
+    # One rate for every node is the single-rate tree.
+    parents = [-1, 0, 0, 1, -1]
+    assert node_probabilities(parents, [0.7] * 5, 0.3) == pytest.approx(
+        node_probabilities(parents, 0.7, 0.3))
+    with pytest.raises(ValueError, match="2 acceptance rates for 3 nodes"):
+        node_probabilities([-1, 0, 1], [0.5, 0.5])
+    # A node that is likely wrong ends the draft before it; one rate drafts past it.
+    keep, _ = best_subtree([-1, 0, 1, 2, 3, 4, 5], [0.99, 0.99, 0.99, 0.05, 0.99, 0.99, 0.99], CPU)
+    assert len(keep) <= 4 < len(best_subtree([-1, 0, 1, 2, 3, 4, 5], 0.95, CPU)[0])
+
+
+def test_a_refined_class_starts_at_its_coarser_rate_and_learns_its_own():
+    refined = Acceptance.refining()
+    assert refined.alpha_over(0.8) == pytest.approx(0.8)
+    assert refined.alpha_over(0.3) == pytest.approx(0.3)  # follows its coarser class
+    refined.add(0, 3)
+    assert refined.alpha_over(0.8) == pytest.approx(3.2 / 7)  # (0 + 4 * 0.8) / (3 + 4)
+    refined.add(20, 0)
+    assert refined.alpha_over(0.3) > 0.75  # its own evidence outweighs the prior
+
+
+class PairedDrafter(FixedDrafter):
+    """Copies the truth for ``right`` tokens; the next one, the copy's own, is never right and
+    never follows the token before it anywhere in the context (an argument value from another
+    request)."""
+
+    def __init__(self, truth, right):
+        super().__init__("memory", [])
+        self.truth, self.right = truth, right
+
+    def propose(self, context, *, max_tokens):
+        done = len(context.tokens) - context.prompt_len
+        good = self.truth[done : done + self.right]
+        return Draft.chain([*good, 900 + done, *self.truth[done + self.right + 1 :]][:max_tokens],
+                           self.name)
+
+
+def test_the_chain_learns_that_copies_break_at_a_pair_the_context_never_showed():
+    # The context repeats the output's text, so every right token follows its parent there.
+    truth = [10 + i % 40 for i in range(400)]
+    chain = DrafterChain([PairedDrafter(truth, 3)], cost=CPU)
+    ctx = DraftContext(tokens=[1, *truth[:80]], prompt_len=81)
+    chain.begin(ctx)
+    for _ in range(25):
+        done = len(ctx.tokens) - ctx.prompt_len
+        draft = chain.propose(ctx, max_tokens=30)
+        n = 0
+        while n < draft.num_nodes and draft.token_ids[n] == truth[done + n]:
+            n += 1
+        verdict = Verdict(tuple(range(n)), tuple(truth[done : done + n]), truth[done + n])
+        ctx.tokens.extend(verdict.new_tokens)
+        chain.observe(ctx, draft, verdict)
+    assert chain.rate("memory|seen") > 0.9 > 0.25 > chain.rate("memory|new")
+    assert chain.rate("memory|new") < chain.rate("memory") < chain.rate("memory|seen")
+    # Sized by its nodes' own classes the draft stops at the unseen pair (or just after it,
+    # where that node costs nothing more): one rate for every node would draft on past it.
+    assert chain.propose(ctx, max_tokens=30).num_nodes <= 4
+    from agentspec.drafters.policy import best_subtree
+
+    assert len(best_subtree([-1, *range(29)], chain.rate("memory"), CPU)[0]) > 4
+
+
+def test_each_step_books_its_nodes_on_their_classes_and_the_classes_they_refine():
+    chain = DrafterChain([FixedDrafter("memory", [2, 3, 9, 9])], cost=CPU)
+    ctx = DraftContext(tokens=[1, 2, 3, 1], prompt_len=4)  # holds the pairs 1-2 and 2-3
+    draft = chain.propose(ctx, max_tokens=4)
+    coarse = chain.acceptance["memory"].hits, chain.acceptance["memory"].misses
+    chain.observe(ctx, draft, Verdict((0, 1), (2, 3), 5))  # 2 and 3 accepted, 9 rejected
+    assert (chain.acceptance["memory|seen"].hits, chain.acceptance["memory|seen"].misses) == (2, 0)
+    assert (chain.acceptance["memory|new"].hits, chain.acceptance["memory|new"].misses) == (0, 1)
+    assert chain.acceptance["memory"].hits == pytest.approx(0.9 * coarse[0] + 2)
+    assert chain.acceptance["memory"].misses == pytest.approx(0.9 * coarse[1] + 1)
