@@ -24,7 +24,7 @@ bench_app = typer.Typer(
 )
 
 SYSTEMS = ("hf-greedy", "hf-pld", "hf-static", "agentspec-plain", "agentspec-pld", "agentspec",
-           "agentspec-chain")
+           "agentspec-chain", "agentspec-suffix")
 # Systems that need something trained first (the draft head: agentspec head train).
 TRAINED_SYSTEMS = ("agentspec-head",)
 DEFAULT_SYSTEMS = "hf-greedy,hf-pld,agentspec-pld,agentspec"

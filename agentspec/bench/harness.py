@@ -17,6 +17,11 @@ Systems (names as on the command line):
   verifies its best chain), in a memory of its own: what trees add.
 - ``agentspec-head``: ``agentspec`` plus the trained draft head of the model (``agentspec
   head train``; the other memory systems run without it), in a memory of its own.
+- ``agentspec-suffix``: the draftless methods that index past outputs, SuffixDecoding (Oliaro
+  et al. 2024: suffix matches over earlier outputs and the prompt) and REST (He et al. 2023:
+  retrieval by exact suffix match from a datastore, here the earlier outputs): the suffix
+  drafter over its own store of every earlier completion, and prompt lookup; no semantic
+  lookup (its store's keys are hashed, not embedded by MiniLM), agentspec's engine and policy.
 
 Per request the systems run one after another, the order rotated by one each request, so
 that a slow or fast phase of a shared machine falls on every system alike (docs/architecture.md).
@@ -39,7 +44,7 @@ from agentspec.bench.workload import Workload, WorkloadItem
 from agentspec.text import cut_at_stop
 
 # Systems with a completion memory.
-MEMORY_SYSTEMS = ("agentspec", "agentspec-chain", "agentspec-head")
+MEMORY_SYSTEMS = ("agentspec", "agentspec-chain", "agentspec-head", "agentspec-suffix")
 # Systems that carry something from one call to the next (a memory, the target's prefix cache,
 # the drafters' acceptance estimates): the warmup lines run through them, as the traffic
 # before the measured calls would in use. agentspec-plain reuses nothing.
@@ -196,7 +201,8 @@ class SpecSystem:
 def build_systems(target: Any, config: BenchConfig, db_url: str,
                   chain_db_url: str | None = None, *,
                   static_len: int | None = None,
-                  head_db_url: str | None = None) -> dict[str, System]:
+                  head_db_url: str | None = None,
+                  suffix_db_url: str | None = None) -> dict[str, System]:
     """The named systems on one loaded target.
 
     They share its weights; each agentspec system keeps a KV of its own, so prompt-prefix reuse
@@ -246,6 +252,11 @@ def build_systems(target: Any, config: BenchConfig, db_url: str,
                                  "(agentspec head train) and a memory database of its own")
             built[name] = SpecSystem(name, _memory_speculator(target, head_db_url), temperature=t,
                                      record=True)
+        elif name == "agentspec-suffix":
+            if suffix_db_url is None:
+                raise ValueError("agentspec-suffix needs a memory database of its own")
+            built[name] = SpecSystem(name, _suffix_speculator(target, suffix_db_url),
+                                     temperature=t, record=True)
         else:
             raise ValueError(f"unknown system {name!r}")
     return built
@@ -257,6 +268,26 @@ def _memory_speculator(target: Any, db_url: str, config: Any = None) -> Any:
     from agentspec.stores import SQLStore
 
     spec = Speculator(target.fork(), memory=CompletionMemory(SQLStore(db_url)), config=config)
+    spec.warmup()
+    return spec
+
+
+def _suffix_speculator(target: Any, db_url: str) -> Any:
+    """Suffix matching over earlier outputs and prompt lookup (``agentspec-suffix``): its store
+    keeps every completion for the suffix drafter; keys get a hashed vector (no model), as
+    nothing looks them up."""
+    from agentspec import SpecConfig, Speculator
+    from agentspec.drafters.prompt_lookup import PromptLookupDrafter
+    from agentspec.drafters.suffix import SuffixDrafter
+    from agentspec.embedder import HashEmbedder
+    from agentspec.memory import CompletionMemory
+    from agentspec.stores import SQLStore
+
+    fork = target.fork()
+    memory = CompletionMemory(SQLStore(db_url), embedder=HashEmbedder(8))
+    config = SpecConfig()
+    spec = Speculator(fork, memory=memory, config=config,
+                      drafters=[SuffixDrafter(memory, fork.fingerprint), PromptLookupDrafter(config)])
     spec.warmup()
     return spec
 
@@ -344,7 +375,8 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
         db_url = config.db or f"sqlite:///{Path(tmp) / 'memory.db'}"
         systems = build_systems(target, config, db_url, f"sqlite:///{Path(tmp) / 'chain.db'}",
                                 static_len=static_len,
-                                head_db_url=f"sqlite:///{Path(tmp) / 'head.db'}")
+                                head_db_url=f"sqlite:///{Path(tmp) / 'head.db'}",
+                                suffix_db_url=f"sqlite:///{Path(tmp) / 'suffix.db'}")
         warmup_outputs: dict[str, tuple[int, ...]] = {}
         requests = run_requests(workload, systems, config, encode=encode,
                                 on_progress=on_progress, warmup_outputs=warmup_outputs)

@@ -16,6 +16,8 @@ records the warmup lines and every earlier measured line, as in ``agentspec benc
 - ``prompt-lookup``: prompt lookup alone (``agentspec-pld``);
 - ``agentspec``: memory, suffix and prompt lookup with tree drafts (``agentspec``);
 - ``agentspec-chain``: the same verifying chains only (``agentspec-chain``);
+- ``suffix``: suffix matching over earlier outputs and prompt lookup, no semantic lookup
+  (``agentspec-suffix``: SuffixDecoding's and REST's sources);
 - ``ceiling-pld`` / ``ceiling``: each step the one drafter whose proposal is accepted furthest,
   chosen with hindsight and cut one token past its accepted length: an upper bound on what any
   policy choosing among these drafters' proposals can reach.
@@ -58,7 +60,7 @@ from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
 _STOP = -1  # stands for the stop token that ended an output (no draft proposes it)
 MODEL = "replay"  # the model fingerprint of the replay's memory rows
-POLICIES = ("prompt-lookup", "agentspec", "agentspec-chain", "ceiling-pld", "ceiling")
+POLICIES = ("prompt-lookup", "suffix", "agentspec", "agentspec-chain", "ceiling-pld", "ceiling")
 
 
 @dataclass(frozen=True)
@@ -282,6 +284,8 @@ def policies(memory: Any, cost: CostModel) -> dict[str, Callable[[], Drafter]]:
 
     return {
         "prompt-lookup": lambda: DrafterChain([PromptLookupDrafter(SpecConfig())], cost=cost),
+        "suffix": lambda: DrafterChain([SuffixDrafter(memory, MODEL),
+                                        PromptLookupDrafter(SpecConfig())], cost=cost),
         "agentspec": lambda: DrafterChain(all_drafters(), cost=cost, trees=True),
         "agentspec-chain": lambda: DrafterChain(all_drafters(), cost=cost, trees=False),
         "ceiling-pld": lambda: Hindsight([PromptLookupDrafter(SpecConfig())]),

@@ -135,7 +135,7 @@ def _ratios(systems: dict[str, dict[str, Any]]) -> dict[str, float]:
     out = {}
     if "hf-pld" in systems:
         base = systems["hf-pld"]["tokens_per_second"]
-        for name in ("agentspec-pld", "agentspec", "agentspec-chain"):
+        for name in ("agentspec-pld", "agentspec", "agentspec-chain", "agentspec-suffix"):
             if name in systems and base:
                 out[f"{name}/hf-pld"] = round(systems[name]["tokens_per_second"] / base, 3)
     return out
@@ -157,9 +157,10 @@ def tool_call_steps(requests: tuple[RequestResult, ...], names: list[str]) -> di
     return out
 
 
-# Systems that draft from one source only: the full system should never be slower than the
-# best of them (issue 13).
-SINGLE_SOURCE = ("agentspec-pld",)
+# The draftless baselines that draft from one kind of source: the prompt (prompt lookup) or
+# the earlier outputs (SuffixDecoding / REST). The full system should never be slower than
+# the best of them (issue 13).
+SINGLE_SOURCE = ("agentspec-pld", "agentspec-suffix")
 
 
 def versus(systems: dict[str, dict[str, Any]], ceiling: float | None) -> dict[str, Any]:

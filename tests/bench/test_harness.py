@@ -235,3 +235,22 @@ def test_agentspec_pld_drafts_by_prompt_lookup_alone_even_where_a_head_is_traine
     systems = harness.build_systems(spec.target, config, f"sqlite:///{tmp_path / 'm.db'}")
     drafters = systems["agentspec-pld"].spec._default_drafters()  # type: ignore[attr-defined]
     assert [d.name for d in drafters] == ["prompt_lookup"]
+
+
+@pytest.mark.slow
+def test_agentspec_suffix_drafts_from_earlier_outputs_and_the_prompt_without_a_semantic_lookup(
+        spec, tmp_path: Path) -> None:
+    config = BenchConfig(systems=("hf-greedy", "agentspec-suffix"))
+    with pytest.raises(ValueError, match="agentspec-suffix needs a memory database"):
+        harness.build_systems(spec.target, config, f"sqlite:///{tmp_path / 'm.db'}")
+    systems = harness.build_systems(spec.target, config, f"sqlite:///{tmp_path / 'm.db'}",
+                                    suffix_db_url=f"sqlite:///{tmp_path / 's.db'}")
+    suffix = systems["agentspec-suffix"].spec  # type: ignore[attr-defined]
+    assert [d.name for d in suffix.drafters] == ["suffix", "prompt_lookup"]
+    assert suffix.memory.embedder.name.startswith("hash")  # no model embeds its keys
+    item = WorkloadItem(id="a", scope="s", messages=({"role": "user", "content": "Count from 1 to 30."},))
+    first = systems["agentspec-suffix"].run(item, 48, None)
+    again = systems["agentspec-suffix"].run(item, 48, None)
+    assert again.token_ids == first.token_ids
+    assert (again.accepted or {}).get("suffix", 0) > 0  # the first output was recorded
+    harness._close_memory(systems["agentspec-suffix"])

@@ -97,12 +97,14 @@ def test_ceiling_is_at_least_every_policy_and_memory_replays_a_repeat(tmp_path: 
              _line([1, 2, 3], body, id="m2")]
     results = rp.run_policies(lines, cost=FREE)
     assert set(results) == set(rp.POLICIES)
-    for name in ("prompt-lookup", "agentspec", "agentspec-chain"):
+    for name in ("prompt-lookup", "suffix", "agentspec", "agentspec-chain"):
         assert results["ceiling"].tokens_per_step >= results[name].tokens_per_step - 1e-9
     assert results["ceiling-pld"].tokens_per_step >= results["prompt-lookup"].tokens_per_step
     # The repeat of the warmup line is drafted from memory; prompt lookup alone cannot.
     assert results["agentspec"].accepted["memory"] >= len(body) - 1
     assert results["agentspec"].tokens_per_step > results["prompt-lookup"].tokens_per_step
+    # The suffix policy finds it too once three tokens match an earlier output.
+    assert results["suffix"].accepted["suffix"] > 0
 
 
 def test_lines_round_trip_and_the_table(tmp_path: Path):
