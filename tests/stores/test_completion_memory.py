@@ -309,6 +309,15 @@ def test_minilm_embeds_offline():
     long = "system: you are a tool user. " * 200
     a, b = e.embed([long + "user: how old is he?", long + "user: where does he live?"])
     assert a @ b < 0.99  # the tail reaches the model although the head fills its window
+    # Tool docs in JSON are dense in word pieces: a head-and-tail cut of 1,000 characters of
+    # them filled the model's 256 before the request at the end. The latest turns reach it.
+    docs = 'system: {"name": "find_movies", "parameters": {"genre": {"type": "string"}}} ' * 40
+    a, b = e.embed([docs + "user: movies by Wes Anderson", docs + "user: book a table for two"])
+    assert a @ b < 0.9
+    # Only the latest turns reach it: what came before the last 300 characters does not count.
+    turns = "\nuser: movies by Wes Anderson\nassistant: [...]\ntool: " + "no result. " * 30
+    a, b = e.embed([docs + turns, "system: you answer questions about films. " * 30 + turns])
+    assert a @ b > 0.999
 
 
 def test_minilm_missing_package_names_the_install(monkeypatch):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from agentspec.embedder import truncate_middle
 from agentspec.memory import conversation_key
+from agentspec.text import truncate_middle
 
 SYSTEM = {"role": "system", "content": "You are an assistant. Tools: search(q), calc(expr)."}
 
