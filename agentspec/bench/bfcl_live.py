@@ -115,13 +115,15 @@ def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOO
                    warmup: int = WARMUP, measure: int = MEASURE,
                    max_doc_chars: int = MAX_DOC_CHARS,
                    max_new_tokens: int = MAX_NEW_TOKENS,
-                   choice: str | None = "required", rest: bool = False) -> list[WorkloadItem]:
+                   choice: str | None = "required", rest: bool = False,
+                   skip: int = 0) -> list[WorkloadItem]:
     """The workload lines: all warmup lines, then the measured ones; within each phase the
     requests of one tool set come together, as consecutive requests to one deployed agent.
     ``rest``: instead, the chosen tool sets' other requests (after their warmup and measured
     ones, as warmup lines): more of the same agents' traffic, e.g. to train a draft head on.
     ``choice``: each line's reply grammar (:func:`reply_grammar`: ``"required"`` or ``"auto"``),
-    or None for unconstrained replies.
+    or None for unconstrained replies. ``skip``: leave out the ``skip`` most frequent tool sets
+    that qualify (``skip=6``: held-out tool sets, none of them in the shipped ``bfcl-live``).
 
     Raises:
         ValueError: a count is not positive, ``choice`` is unknown, or fewer than
@@ -133,16 +135,19 @@ def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOO
                         ("max_doc_chars", max_doc_chars), ("max_new_tokens", max_new_tokens)):
         if value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value}")
+    if skip < 0:
+        raise ValueError(f"skip must be >= 0, got {skip}")
     by_set: dict[str, list[Mapping[str, Any]]] = {}
     for entry in entries:
         if any(m["role"] == "user" for m in entry["question"][0]):
             by_set.setdefault(tool_set_key(entry), []).append(entry)
     counts = Counter({k: len(v) for k, v in by_set.items()
                       if len(v) >= warmup + measure and len(k) <= max_doc_chars})
-    chosen = [k for k, _ in counts.most_common(tool_sets)]  # ties: first seen first
+    chosen = [k for k, _ in counts.most_common(skip + tool_sets)][skip:]  # ties: first seen first
     if len(chosen) < tool_sets:
         raise ValueError(f"only {len(chosen)} tool sets have {warmup + measure} requests and "
-                         f"docs of at most {max_doc_chars} characters; asked for {tool_sets}")
+                         f"docs of at most {max_doc_chars} characters (after skipping {skip}); "
+                         f"asked for {tool_sets}")
     items: list[WorkloadItem] = []
     phases = [("warmup", 0, warmup), ("measure", warmup, warmup + measure)]
     if rest:

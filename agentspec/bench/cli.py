@@ -312,6 +312,13 @@ def build_bfcl_live(
     choice: Annotated[str, typer.Option(
         "--choice", help="Each reply's grammar: 'required' (a JSON list of calls of the tool "
         "set's tools), 'auto' (such a list or plain text) or 'none' (unconstrained).")] = "required",
+    tool_sets: Annotated[int, typer.Option("--tool-sets", help="How many tool sets.")] = 6,
+    warmup: Annotated[int, typer.Option("--warmup", help="Warmup requests per tool set.")] = 10,
+    measure: Annotated[int, typer.Option("--measure", help="Measured requests per tool set.")] = 4,
+    skip: Annotated[int, typer.Option(
+        "--skip", help="Leave out the most frequent qualifying tool sets: --skip 6 --tool-sets "
+                       "9 --warmup 6 --measure 4 gives held-out tool sets, none of them in "
+                       "the shipped bfcl-live.")] = 0,
 ) -> None:
     """Write the single-turn BFCL workload (live_multiple requests over recurring tool sets).
 
@@ -324,9 +331,38 @@ def build_bfcl_live(
     from agentspec.bench import bfcl_live
     from agentspec.bench.workload import write_workload
 
-    items = bfcl_live.build_workload(bfcl_live.load_entries(), max_new_tokens=max_new_tokens,
-                                     choice=None if choice == "none" else choice)
+    try:
+        items = bfcl_live.build_workload(bfcl_live.load_entries(), max_new_tokens=max_new_tokens,
+                                         choice=None if choice == "none" else choice,
+                                         tool_sets=tool_sets, warmup=warmup, measure=measure,
+                                         skip=skip)
+    except ValueError as e:
+        fail(str(e), EXIT_USAGE)
     n = write_workload(out, items)
     warm = sum(i.phase == "warmup" for i in items)
     console.print(f"wrote {n} calls ({warm} warmup, {n - warm} measure) over "
                   f"{len({i.scope for i in items})} tool sets to {out}")
+
+
+@bench_app.command("build-humaneval")
+@handles_errors
+def build_humaneval(
+    out: Annotated[Path, typer.Option("--out", help="The workload file to write.")],
+    warmup: Annotated[int, typer.Option("--warmup", help="Problems that fill the memory.")] = 10,
+    measure: Annotated[int, typer.Option("--measure", help="Problems measured.")] = 40,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 128,
+) -> None:
+    """Write a code-completion workload from HumanEval (one problem per line, one scope).
+
+    Example: agentspec bench build-humaneval --out out/humaneval.jsonl
+    """
+    from agentspec.bench import humaneval
+    from agentspec.bench.workload import write_workload
+
+    try:
+        items = humaneval.build_workload(humaneval.load_problems(), warmup=warmup,
+                                         measure=measure, max_new_tokens=max_new_tokens)
+    except ValueError as e:
+        fail(str(e), EXIT_USAGE)
+    n = write_workload(out, items)
+    console.print(f"wrote {n} calls ({warmup} warmup, {measure} measure) to {out}")

@@ -88,3 +88,24 @@ def test_a_head_corpus_leaves_out_every_variant_of_the_held_out_tasks() -> None:
     assert {t.id.rsplit("_", 1)[0] for t in tasks} == {"multi_turn_base", "multi_turn_miss_param"}
     with pytest.raises(KeyError, match="unknown BFCL suite 'nope'"):
         head_corpus.corpus_tasks("GorillaFileSystem", suites=("nope",))
+
+
+def test_skip_leaves_out_the_most_frequent_tool_sets_for_a_held_out_workload() -> None:
+    entries = [_entry(i, "abc"[i % 3] if i < 27 else "d") for i in range(40)]  # d: 13, a-c: 9
+    shipped = bfcl_live.build_workload(entries, tool_sets=1, warmup=4, measure=2)
+    held_out = bfcl_live.build_workload(entries, tool_sets=3, warmup=4, measure=2, skip=1)
+    assert {i.scope for i in shipped} == {"bfcl-live-d"}
+    assert {i.scope for i in held_out} == {"bfcl-live-a", "bfcl-live-b", "bfcl-live-c"}
+    with pytest.raises(ValueError, match="after skipping 2"):
+        bfcl_live.build_workload(entries, tool_sets=3, warmup=4, measure=2, skip=2)
+    with pytest.raises(ValueError, match="skip must be >= 0, got -1"):
+        bfcl_live.build_workload(entries, skip=-1)
+
+
+def test_the_held_out_tool_sets_are_none_of_the_shipped_ones(tmp_path: Path) -> None:
+    pytest.importorskip("bfcl_eval")
+    held_out = bfcl_live.build_workload(bfcl_live.load_entries(), tool_sets=9, warmup=6,
+                                        measure=4, skip=6)
+    shipped = load_workload(resolve_workload("bfcl-live"), default_max_new_tokens=1)
+    assert len(held_out) == 90
+    assert not {i.scope for i in held_out} & {i.scope for i in shipped.items}
