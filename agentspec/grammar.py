@@ -17,7 +17,7 @@ grammar forbids needs its mask to pick the argmax among the allowed tokens.
 
 The matcher is llguidance (MIT, no dependencies): forced-token sequences and rollback are
 primitives of its API, which is exactly what speculation needs. It is not the faster mask on
-this CPU even with pooled matchers and masks cached by token path (below): on held-out BFCL
+this CPU even with warm matchers and masks cached by token path (below): on held-out BFCL
 calls ``python -m agentspec.bench.grammar_cost`` measured xgrammar's mask at p50 1.5 us / p99
 30-33 us per draft node against llguidance's 9-10 us / 63-87 us (BENCHMARKS.md, "Engine
 costs, tool-call traffic under a grammar"); with the LRU mask cache, on a faster machine of
@@ -272,7 +272,6 @@ _TOKENIZERS: dict[tuple[int, int, tuple[int, ...], bool], tuple[Any, Any]] = {}
 _LOCK = threading.Lock()
 # The first character of free text under ``or_text``: anything but what JSON starts with.
 TEXT_START = "start: TEXT\nTEXT: /[^{\\[\\s][\\s\\S]*/\n"
-POOL_SIZE = 8  # idle matchers kept per grammar
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], *,
@@ -298,13 +297,21 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], *,
 
 
 class _Compiled:
-    """One grammar on one tokenizer, shared by the requests that use it: idle matchers (a new
-    one costs ~5 ms to build, and a used one has warm lexer caches) and the masks computed so
-    far, by token path (the root's is the empty output's, which every request starts with)."""
+    """One grammar on one tokenizer, shared by the requests that use it: a pristine matcher
+    that each request's is copied from (building one costs ~1 ms, a copy ~2 us) and the masks
+    computed so far, by token path (the root's is the empty output's, which every request
+    starts with).
+
+    A used matcher is never reset for another request: in llguidance 1.9.1 a matcher that
+    computed masks and rolled back, once ``reset()``, can compute wrong masks on a later path
+    (inside a string value it allowed ``"}`` and refused ``",`` where the object had required
+    keys left; tests/unit/test_grammar_reuse.py replays the operations that showed it). A
+    wrong mask would be cached by token path and handed to every later request: it could
+    fail a request or change its output, so the output would depend on earlier calls."""
 
     def __init__(self, ll_tok: Any, spec: str) -> None:
         self.ll_tok, self.spec = ll_tok, spec
-        self.idle: list[Any] = []
+        self._pristine: Any = None  # built on first use; never consumes a token
         # The masks of the outputs seen so far, by token path: [mask or None, children]. A
         # mask is a function of the grammar and the tokens consumed, and calls of one tool set
         # share their skeleton (``[{"name": "``, a tool's name, its keys), which costs the
@@ -324,39 +331,33 @@ class _Compiled:
     def warm(self, token_lists: Sequence[Sequence[int]], words: int) -> None:
         """Walk texts valid under the grammar once (the first request does, before its
         prefill): every mask along them is computed into the token-path cache and the lexer
-        states they pass through are built, in a pooled matcher that the requests reuse. A
-        walk stops at the first token the grammar refuses; nothing else depends on it."""
+        states they pass through are built (copies of one pristine matcher share its lexer's
+        cache, so the requests find them built). A walk stops at the first token the grammar
+        refuses; nothing else depends on it."""
         with _LOCK:
             if self.warmed:
                 return
             self.warmed = True
-        matcher = self.take()
-        try:
-            for ids in token_lists:
-                node: list[Any] | None = self.root
-                for token in [*ids, None]:
-                    if node is not None and node[0] is None and not _cache_mask(self, matcher, node, words):
-                        return
-                    if token is None or matcher.is_stopped() or not matcher.consume_token(token):
-                        break
-                    node = _child(node, token)
-                if not matcher.reset():
+        for ids in token_lists:
+            matcher = self.take()  # one copy per text: a used matcher is never reset (class doc)
+            node: list[Any] | None = self.root
+            for token in [*ids, None]:
+                if node is not None and node[0] is None and not _cache_mask(self, matcher, node, words):
                     return
-        finally:
-            self.give_back(matcher)
+                if token is None or matcher.is_stopped() or not matcher.consume_token(token):
+                    break
+                node = _child(node, token)
 
     def take(self) -> Any:
+        """A matcher at the grammar's start, for one request (a copy of the pristine one)."""
         with _LOCK:
-            if self.idle:
-                return self.idle.pop()
-        return _llguidance().LLMatcher(self.ll_tok, self.spec, log_level=0)
+            if self._pristine is None:
+                self._pristine = _llguidance().LLMatcher(self.ll_tok, self.spec, log_level=0)
+            return self._pristine.deep_copy()
 
     def give_back(self, matcher: Any) -> None:
-        if matcher.is_error() or not matcher.reset():
-            return
-        with _LOCK:
-            if len(self.idle) < POOL_SIZE:
-                self.idle.append(matcher)
+        """A request is done with ``matcher``: it is dropped, never reset for another one
+        (see the class)."""
 
 
 # The grammars in use, least recently used first.
@@ -480,7 +481,7 @@ class GrammarState:
         self._version = 0  # bumped by every change of the committed state or the walk
 
     def close(self) -> None:
-        """Hand the matcher back to this grammar's pool (reset); the state is spent."""
+        """Drop the request's matcher; the state is spent."""
         if self.matcher is not None:
             self._shared.give_back(self.matcher)
             self.matcher = None
@@ -856,7 +857,7 @@ class GrammarLogitsProcessor:
         if input_ids.shape[0] != 1:
             raise ValueError(f"GrammarLogitsProcessor takes batch size 1, got {input_ids.shape[0]}")
         # Assisted generation (prompt lookup) calls with candidate prefixes it may reject: on
-        # a rejected token start over from a pooled matcher and consume the kept prefix.
+        # a rejected token start over from a fresh matcher and consume the kept prefix.
         generated = input_ids[0, self.prompt_len:].tolist()
         keep = common_prefix_len(self.consumed, generated)
         if keep < len(self.consumed):
