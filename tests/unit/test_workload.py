@@ -142,3 +142,12 @@ def test_in_turn_takes_one_item_of_each_scope_in_turn() -> None:
     items = [WorkloadItem(id=f"{s}{i}", prompt="p", scope=s) for s, i in
              (("a", 0), ("a", 1), ("b", 0), ("a", 2), ("c", 0), ("b", 1))]
     assert [i.id for i in in_turn(items)] == ["a0", "b0", "c0", "a1", "b1", "a2"]
+
+
+def test_package_data_says_what_is_missing() -> None:
+    from agentspec.bench.workload import package_data
+
+    with pytest.raises(FileNotFoundError, match=r"no-such-data is not installed: pip install --no-deps no-such-data==1\.0"):
+        package_data("agentspec_no_such_data", "no-such-data==1.0", "x.json")
+    with pytest.raises(FileNotFoundError, match="nothing.json not found in agentspec"):
+        package_data("agentspec", "agentspec==0", "nothing.json")
