@@ -8,12 +8,13 @@ path and read by every later request of the grammar, so one such mask could fail
 change its output. ``data/llguidance_reset.json`` holds the operations that showed it (one
 request's consumes, rollbacks and masks, recorded from the offline replay of that traffic) and
 the later request's path. The real SmolLM2 tokenizer, no model. The reset matcher, what the
-pool did, fails the same comparison (if an llguidance release fixes its reset, that test says
-so, and matchers could be pooled again).
+pool did, fails the same comparison (under another llguidance release whose reset masks right,
+that test skips and says so: matchers could then be pooled again).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -103,4 +104,8 @@ def test_a_reset_matcher_fails_the_comparison(tok, shared) -> None:
         return earlier
 
     got = _after_history(shared, words, reset)
-    assert not torch.equal(got, ref), "llguidance's reset no longer shows the bug this guards"
+    version = importlib.metadata.version("llguidance")
+    if torch.equal(got, ref) and not version.startswith("1.9."):
+        pytest.skip(f"llguidance {version}: a reset matcher now masks as a fresh one (the bug "
+                    "this file guards against was seen in 1.9.1)")
+    assert not torch.equal(got, ref), f"llguidance {version}: the reset matcher's mask is right"
