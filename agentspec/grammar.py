@@ -355,10 +355,6 @@ class _Compiled:
                 self._pristine = _llguidance().LLMatcher(self.ll_tok, self.spec, log_level=0)
             return self._pristine.deep_copy()
 
-    def give_back(self, matcher: Any) -> None:
-        """A request is done with ``matcher``: it is dropped, never reset for another one
-        (see the class)."""
-
 
 # The grammars in use, least recently used first.
 _SHARED: OrderedDict[tuple[int, str], _Compiled] = OrderedDict()
@@ -481,10 +477,9 @@ class GrammarState:
         self._version = 0  # bumped by every change of the committed state or the walk
 
     def close(self) -> None:
-        """Drop the request's matcher; the state is spent."""
-        if self.matcher is not None:
-            self._shared.give_back(self.matcher)
-            self.matcher = None
+        """Drop the request's matcher (never reset for another request: see ``_Compiled``);
+        the state is spent."""
+        self.matcher = None
 
     def _check(self) -> None:
         if self.matcher.is_error():
@@ -496,7 +491,6 @@ class GrammarState:
             matcher = shared.take()
             if not _cache_mask(shared, matcher, shared.root, self._words):
                 raise GrammarError(f"the {self.grammar.kind} grammar failed: {matcher.get_error()}")
-            shared.give_back(matcher)
         return shared.root[0]
 
     def _fill(self, row: int, node: list[Any] | None, first: bool | None = None) -> None:

@@ -145,6 +145,10 @@ class DrafterChain:
         req = self._request(context)
         best, best_rate = EMPTY_DRAFT, 1.0 / self.cost.seconds(0)
         req.proposals = []
+        tokens = context.tokens
+        start = max(req.paired, 1)  # add the pairs that end at tokens not covered yet
+        req.pairs.update(zip(tokens[start - 1 : -1], tokens[start:], strict=True))
+        req.paired = len(tokens)
         max_tokens = min(max_tokens, self.max_depth)
         for drafter in req.sources:
             if drafter.failed:
@@ -174,7 +178,7 @@ class DrafterChain:
             key = key if isinstance(key, str) and key else drafter.name
             if not self.trees and not draft.is_chain:
                 draft = first_path(draft)
-            keys = self._node_keys(req, context, key, draft)
+            keys = self._node_keys(req.pairs, context, key, draft)
             spine = spine_length(draft.parents)
             req.proposals.append((keys[:spine], draft.token_ids[:spine]))
             rates = {k: self.rate(k) for k in set(keys)}
@@ -184,23 +188,20 @@ class DrafterChain:
                 best, best_rate = sub_draft(draft, keep), rate
         return best
 
-    def _node_keys(self, req: _Request, context: DraftContext, key: str,
+    @staticmethod
+    def _node_keys(pairs: set[tuple[int, int]], context: DraftContext, key: str,
                    draft: Draft) -> tuple[str, ...]:
         """Each node's acceptance class: the proposal's ``key`` refined by whether the
-        request's context holds the node's token right after its parent's (``key|seen``) or
-        not (``key|new``).
+        request's context (its consecutive token ``pairs``) holds the node's token right after
+        its parent's (``key|seen``) or not (``key|new``).
 
         A copy goes wrong where its source differed from this request: a remembered call's
         argument value came from its own request, and is a pair of tokens this one does not
         hold. Each refinement starts from the rate of the class it refines and learns its
-        own (:class:`~agentspec.drafters.policy.Acceptance` with a parent).
+        own (:meth:`rate`).
         """
-        tokens = context.tokens
-        start = max(req.paired, 1)  # the pairs that end at tokens not covered yet
-        req.pairs.update(zip(tokens[start - 1 : -1], tokens[start:], strict=True))
-        req.paired = len(tokens)
-        last = tokens[-1] if tokens else -1
-        ids, pairs, seen, new = draft.token_ids, req.pairs, f"{key}|seen", f"{key}|new"
+        last = context.tokens[-1] if context.tokens else -1
+        ids, seen, new = draft.token_ids, f"{key}|seen", f"{key}|new"
         return tuple(seen if (ids[p] if p >= 0 else last, t) in pairs else new
                      for t, p in zip(ids, draft.parents, strict=True))
 

@@ -64,7 +64,6 @@ def _after_history(shared: Any, words: int, next_request: Callable[[Any], Any]) 
             _mask(matcher, words)
         else:
             matcher.compute_ff_tokens()
-    shared.give_back(matcher)
     later = next_request(matcher)
     for token in DATA["path"]:
         assert later.consume_token(token), later.get_error()
