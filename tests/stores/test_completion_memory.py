@@ -320,6 +320,35 @@ def test_minilm_embeds_offline():
     assert a @ b > 0.999
 
 
+@pytest.mark.slow
+def test_minilm_runs_in_float32_on_the_cpu_whatever_its_files_hold(tmp_path, monkeypatch):
+    # float16 files (a copy shrunk for transfer, say) would run as float16 matrix products on
+    # the CPU, ~3.5x as slow per key: the embedder loads them as float32.
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import agentspec.embedder as embedder_module
+
+    src = embedder_module.minilm_model_dir()
+    half = tmp_path / "model"
+    shutil.copytree(src, half)
+    weights = half / "model.safetensors"
+    save_file({k: v.to(torch.float16) for k, v in load_file(weights).items()}, weights,
+              metadata={"format": "pt"})
+    text = ["user: book two tickets for the late show of a comedy in San Francisco"]
+    reference = MiniLMEmbedder(device="cpu").embed(text)
+    monkeypatch.setattr(embedder_module, "minilm_model_dir", lambda: half)
+    e = MiniLMEmbedder(device="cpu")
+    v = e.embed(text)
+    assert next(e._model.parameters()).dtype == torch.float32
+    assert float(v[0] @ reference[0]) > 0.9999  # only the float16 rounding of the weights
+    auto = MiniLMEmbedder()  # the default: the GPU where there is one
+    auto.embed(text)
+    assert auto.device == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def test_minilm_missing_package_names_the_install(monkeypatch):
     import importlib.util
 
