@@ -84,6 +84,11 @@ class SpecConfig:
             that ``agentspec head train`` need not replay it through the target. Off by
             default (2 bytes per hidden unit per generated token on disk: 1.15 KiB for
             SmolLM2-135M).
+        prefetch_key: embed a call's memory key on a worker thread as the call starts, while
+            the prompt is tokenised and prefilled, instead of in the lookup after them.
+            ``None`` (the default): where the target runs on an accelerator, whose prefill
+            leaves the host waiting; on a CPU the embedding and the prefill would share the
+            same cores.
     """
 
     max_draft_tokens: int = 64
@@ -95,6 +100,7 @@ class SpecConfig:
     lazy_masks: bool = True
     draft_head: bool = True
     head_rows: bool = False
+    prefetch_key: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:

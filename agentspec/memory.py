@@ -30,6 +30,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,9 @@ class CompletionMemory:
         # generation's lookup and its record embed the same key, and agents repeat requests.
         self._vectors: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
         self._vectors_lock = threading.Lock()
+        # Keys being embedded ahead of their lookup (prefetch), on one worker thread.
+        self._embedding: dict[tuple[str, str], Future[np.ndarray]] = {}
+        self._embed_pool: ThreadPoolExecutor | None = None
 
     @classmethod
     def open(cls, url: str | None = None, **kw: Any) -> CompletionMemory:
@@ -164,6 +168,9 @@ class CompletionMemory:
     def close(self) -> None:
         """Write the queued completions, save the indexes (when ``index_dir`` is set) and close
         a store opened by ``open``; what cannot be written is warned about, not raised."""
+        if self._embed_pool is not None:
+            self._embed_pool.shutdown(wait=True)
+            self._embed_pool = None
         left = self.flush()
         if left:
             warnings.warn(f"{left} queued completion(s) could not be written to "
@@ -183,6 +190,21 @@ class CompletionMemory:
         self.close()
 
     # --- the public operations ---------------------------------------------------------------
+    def prefetch(self, key_text: str) -> None:
+        """Start embedding ``key_text`` on a worker thread and return at once; the lookup and
+        the record of the same text take that vector (waiting for it if it is not ready yet).
+        A caller that knows its key before it has other work to do (the
+        :class:`~agentspec.Speculator` while a GPU prefills the prompt) hides the embedding
+        behind that work. A failed prefetch costs nothing: the lookup embeds again and meets
+        the error itself."""
+        key = (self.embedder.name, key_text)
+        with self._vectors_lock:
+            if key in self._vectors or key in self._embedding:
+                return
+            if self._embed_pool is None:
+                self._embed_pool = ThreadPoolExecutor(1, thread_name_prefix="agentspec-embed")
+            self._embedding[key] = self._embed_pool.submit(self._embed_now, key)
+
     def lookup(self, key_text: str, *, scope: str, model: str, k: int = 8,
                min_similarity: float | None = None) -> list[tuple[Record, float]]:
         """Up to ``k`` records of exactly ``scope`` and ``model``, most similar first.
@@ -399,10 +421,21 @@ class CompletionMemory:
             if hit is not None:
                 self._vectors.move_to_end(key)
                 return hit
-        vector = np.ascontiguousarray(self.embedder.embed([text])[0], np.float32)  # [dim]
+            pending = self._embedding.get(key)
+        if pending is not None:
+            try:
+                return pending.result()
+            except Exception:  # embedded again here, where the error is raised to the caller
+                with self._vectors_lock:
+                    self._embedding.pop(key, None)
+        return self._embed_now(key)
+
+    def _embed_now(self, key: tuple[str, str]) -> np.ndarray:
+        vector = np.ascontiguousarray(self.embedder.embed([key[1]])[0], np.float32)  # [dim]
         vector.setflags(write=False)  # shared by every caller of this key
         with self._vectors_lock:
             self._vectors[key] = vector
+            self._embedding.pop(key, None)
             while len(self._vectors) > EMBED_CACHE:
                 self._vectors.popitem(last=False)
         return vector

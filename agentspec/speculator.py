@@ -222,19 +222,21 @@ class Speculator:
         if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         stops = StopStrings(stop)
+        key_text = conversation_key(prompt) if self.memory is not None else ""
+        if key_text and self._prefetch_key:
+            self._prefetch(key_text)
         prompt_ids = self.encode(prompt)
         self.target.check_length(len(prompt_ids) + max_new_tokens)
-        return Stream(self._run(prompt, prompt_ids, max_new_tokens, sampling=sampling,
+        return Stream(self._run(prompt, prompt_ids, key_text, max_new_tokens, sampling=sampling,
                                 stops=stops, scope=scope, record=record,
                                 session=current_session(self)))
 
-    def _run(self, prompt: Prompt, prompt_ids: list[int], max_new_tokens: int, *,
+    def _run(self, prompt: Prompt, prompt_ids: list[int], key_text: str, max_new_tokens: int, *,
              sampling: SamplingParams | None, stops: StopStrings, scope: str | None,
              record: bool, session: Session | None) -> Generator[str, None, Generation]:
         scope = scope or (session.scope if session else "default")
         sampling = sampling or SamplingParams()
         run = _Run(prompt_len=len(prompt_ids))
-        key_text = conversation_key(prompt) if self.memory is not None else ""
         generator = make_generator(sampling.seed, self.target.device)
         context = DraftContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), scope=scope,
                                key_text=key_text,
@@ -303,6 +305,25 @@ class Speculator:
         except OSError as e:
             warn_once(f"cannot keep hidden rows for head training ({e}); "
                       "agentspec head train will replay these completions")
+
+    @property
+    def _prefetch_key(self) -> bool:
+        """Whether calls embed their memory key ahead (:attr:`SpecConfig.prefetch_key`)."""
+        if self.config.prefetch_key is not None:
+            return self.config.prefetch_key
+        return self.target.device.type != "cpu"
+
+    def _prefetch(self, key_text: str) -> None:
+        """Start the memory embedding the call's key while the prompt is encoded and
+        prefilled; a memory without ``prefetch``, or one whose prefetch fails, embeds it in
+        the lookup as before (where a failure is met and reported)."""
+        prefetch = getattr(self.memory, "prefetch", None)
+        if prefetch is None:
+            return
+        try:
+            prefetch(key_text)
+        except Exception:  # the lookup embeds again and meets the error there
+            return
 
     def _step(self, steps: Generator[Step, None, None], run: _Run) -> Step | None:
         """The next step of a generation, computed holding a turn (the first one prefills:

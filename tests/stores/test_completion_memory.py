@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -344,9 +345,6 @@ def test_minilm_runs_in_float32_on_the_cpu_whatever_its_files_hold(tmp_path, mon
     v = e.embed(text)
     assert next(e._model.parameters()).dtype == torch.float32
     assert float(v[0] @ reference[0]) > 0.9999  # only the float16 rounding of the weights
-    auto = MiniLMEmbedder()  # the default: the GPU where there is one
-    auto.embed(text)
-    assert auto.device == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_minilm_missing_package_names_the_install(monkeypatch):
@@ -386,6 +384,60 @@ def test_a_key_is_embedded_once_for_its_lookup_and_its_record():
     np.testing.assert_array_equal(stored, fresh.embed(["user: list the files"])[0])
 
 
+class SlowEmbedder(CountingEmbedder):
+    """Embeds after ``gate`` opens, failing the first ``failures`` times."""
+
+    def __init__(self, failures=0):
+        super().__init__()
+        self.gate = threading.Event()
+        self.failures = failures
+        self.threads = []
+
+    def embed(self, texts):
+        self.threads.append(threading.current_thread().name)
+        assert self.gate.wait(10)
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("embedder down")
+        return super().embed(texts)
+
+
+def test_a_prefetched_key_is_embedded_once_off_the_callers_thread():
+    embedder = SlowEmbedder()
+    memory = CompletionMemory(InMemoryStore(), embedder=embedder, sync_interval_s=0.0)
+    embedder.gate.set()
+    rid = memory.record(scope="s", model="m", request_text="r", key_text="user: list the files",
+                        completion_text="ls", completion_ids=[1, 2])
+    embedder.gate.clear()
+    memory.prefetch("user: list the files please")
+    memory.prefetch("user: list the files please")  # already on its way: not embedded twice
+    embedder.gate.set()  # the caller goes on; the lookup waits for the worker's vector
+    hits = memory.lookup("user: list the files please", scope="s", model="m")
+    memory.record(scope="s", model="m", request_text="r2", key_text="user: list the files please",
+                  completion_text="ls -l", completion_ids=[1, 3])
+    assert embedder.texts == ["user: list the files", "user: list the files please"]
+    assert embedder.threads[1].startswith("agentspec-embed")
+    fresh = HashEmbedder()
+    assert hits[0][0].id == rid and hits[0][1] == pytest.approx(
+        float(fresh.embed(["user: list the files"])[0] @ fresh.embed(["user: list the files please"])[0]),
+        abs=1e-6)
+    memory.close()
+    assert memory._embed_pool is None
+
+
+def test_a_failed_prefetch_is_embedded_again_by_the_lookup():
+    embedder = SlowEmbedder(failures=1)
+    embedder.gate.set()
+    memory = CompletionMemory(InMemoryStore(), embedder=embedder, sync_interval_s=0.0)
+    memory.prefetch("user: hello")
+    assert memory.lookup("user: hello", scope="s", model="m") == []  # an empty memory, no error
+    assert embedder.texts == ["user: hello"] and len(embedder.threads) == 2
+    embedder.failures = 5
+    memory.prefetch("user: bye")
+    with pytest.raises(RuntimeError, match="embedder down"):  # the caller meets a lasting fault
+        memory.lookup("user: bye", scope="s", model="m")
+
+
 @pytest.mark.slow
 def test_speculator_warmup_warms_the_memory_and_takes_a_memory_without_warmup(spec):
     from agentspec import Speculator
@@ -407,6 +459,26 @@ def test_speculator_warmup_warms_the_memory_and_takes_a_memory_without_warmup(sp
             pass
 
     Speculator(spec.target, memory=Bare(), cost=DEFAULT_COST).warmup()
+
+
+@pytest.mark.slow
+def test_a_speculator_prefetches_its_key_only_where_asked_or_on_an_accelerator(spec):
+    from agentspec import SpecConfig, Speculator
+    from agentspec.drafters.policy import DEFAULT_COST
+
+    prompt = [{"role": "user", "content": "Name three colours."}]
+    outputs = []
+    for prefetch in (None, True):
+        embedder = CountingEmbedder()
+        memory = CompletionMemory(InMemoryStore(), embedder=embedder)
+        run = Speculator(spec.target, memory=memory, cost=DEFAULT_COST,
+                         config=SpecConfig(prefetch_key=prefetch))
+        outputs.append(run.generate(prompt, 8).token_ids)
+        assert len(embedder.texts) == 1  # the lookup and the record took the one vector
+        # The CPU default embeds in the lookup: no worker thread is started.
+        assert (memory._embed_pool is not None) is bool(prefetch)
+        memory.close()
+    assert outputs[0] == outputs[1]
 
 
 def test_a_row_committed_while_the_memory_catches_up_is_added_once():
