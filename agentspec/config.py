@@ -112,3 +112,5 @@ class SpecConfig:
             )
         if self.max_tree_nodes < 1:
             raise ValueError(f"max_tree_nodes must be >= 1, got {self.max_tree_nodes}")
+        if self.prefetch_key not in (None, True, False):
+            raise ValueError(f"prefetch_key must be True, False or None, got {self.prefetch_key!r}")

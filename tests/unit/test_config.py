@@ -29,6 +29,7 @@ def test_bad_sampling_params(kwargs, match):
         ({"max_draft_tokens": 0}, "max_draft_tokens"),
         ({"ngram_min": 3, "ngram_max": 2}, "ngram_min"),
         ({"max_tree_nodes": 0}, "max_tree_nodes"),
+        ({"prefetch_key": "yes"}, "prefetch_key"),
     ],
 )
 def test_bad_spec_config(kwargs, match):
