@@ -142,8 +142,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--models", type=int, default=1, help="model fingerprints per scope")
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1,
-                        help="faiss OpenMP threads; 0 keeps faiss's default (all cores), which "
-                             "is slower for one query at a time on a small or busy machine")
+                        help="faiss OpenMP threads outside a search (adds, the IVF's "
+                             "training); 0 keeps faiss's default (all cores). A search runs "
+                             "one thread per query whatever this says (FaissIndex.search)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--requests", type=int, default=0,
                         help="then time this many requests' whole memory work (lookup, record, "

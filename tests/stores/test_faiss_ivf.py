@@ -29,3 +29,31 @@ def test_ivf_finds_near_duplicates_and_removes(tmp_path):
     loaded = FaissIndex.load(tmp_path / "ivf.faiss")
     assert loaded.is_ivf and len(loaded) == 2998
     assert [loaded.search(q, 1)[0][0] for q in queries[2:]] == found[2:]
+
+
+def test_one_query_runs_on_one_thread_and_the_callers_setting_comes_back():
+    import faiss
+
+    rng = np.random.default_rng(1)
+    vecs = unit(rng.standard_normal((200, 16)))
+    index = FaissIndex(16)
+    index.add(list(range(1, 201)), vecs)
+    seen = []
+    inner = index._index
+
+    class Spy:  # the faiss index, noting the OpenMP threads its search runs with
+        ntotal = inner.ntotal
+
+        def search(self, q, k):
+            seen.append(faiss.omp_get_max_threads())
+            return inner.search(q, k)
+
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(2)
+    try:
+        index._index = Spy()
+        assert index.search(vecs[7], 3)[0][0] == 8
+        assert seen == [1] and faiss.omp_get_max_threads() == 2
+    finally:
+        index._index = inner
+        faiss.omp_set_num_threads(before)
