@@ -1,0 +1,194 @@
+"""Where a request's time goes, phase by phase, for bench systems on a workload.
+
+    python -m agentspec.bench.phases --workload bfcl-live --systems agentspec-pld,agentspec
+
+Each system runs the workload's warmup lines untimed, then its measured lines with every phase
+of the decode loop timed: the prefill (``target.start``), the forwards (``target.score``), the
+commit, drafting (the chain's ``begin``/``propose``/``observe``/``end``), sanitising, the
+grammar (``constrain``, ``advance``, its set-up), verification, and the memory's lookup,
+embedding and record. On CUDA each timed call is bracketed by a device synchronisation, so a
+phase holds its own kernels and not the next one's wait (and the whole runs a little slower
+than the bench). Prints, per system, each phase's milliseconds per request and per call;
+``--json`` writes them. Nested phases overlap: a chain's ``begin`` holds the memory's lookup,
+which holds its embedding.
+
+On an H100 (BENCHMARKS.md, fifteenth session) it showed the memory's ~18 ms per request
+(lookup, embedding, record) beside 7 ms steps, the embedding slowed by float16 weights on the
+CPU, which the bench's totals alone did not show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+SYSTEMS = ("agentspec-plain", "agentspec-pld", "agentspec-suffix", "agentspec")
+
+
+class PhaseClock:
+    """Accumulated seconds and calls per phase, while ``on``."""
+
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+        self.seconds: defaultdict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
+        self.on = False
+        self._sync = sync or (lambda: None)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+    def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return fn(*args, **kwargs)
+            self._sync()
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._sync()
+                self.seconds[label] += time.perf_counter() - start
+                self.calls[label] += 1
+
+        return timed
+
+
+@contextmanager
+def _patched(owner: Any, name: str, clock: PhaseClock, label: str) -> Iterator[None]:
+    """``owner.name`` timed under ``label`` inside the block, restored after."""
+    had = name in vars(owner)
+    original = getattr(owner, name)
+    setattr(owner, name, clock.wrap(label, original))
+    try:
+        yield
+    finally:
+        if had:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
+
+
+@contextmanager
+def timing(clock: PhaseClock, targets: Sequence[Any] = ()) -> Iterator[PhaseClock]:
+    """Every phase of the decode loop, and each of ``targets``' forwards, timed on ``clock``."""
+    import agentspec.decode as decode
+    from agentspec.drafters.chain import DrafterChain
+    from agentspec.grammar import GrammarState
+    from agentspec.memory import CompletionMemory
+
+    spots: list[tuple[Any, str, str]] = [
+        (decode, "sanitize", "sanitize"), (decode, "verify", "verify"),
+        (GrammarState, "__init__", "grammar.setup"), (GrammarState, "constrain", "grammar.constrain"),
+        (GrammarState, "advance", "grammar.advance"),
+        (CompletionMemory, "lookup", "memory.lookup"), (CompletionMemory, "_embed", "memory.embed"),
+        (CompletionMemory, "record", "memory.record"), (CompletionMemory, "credit", "memory.credit"),
+    ]
+    spots += [(DrafterChain, m, f"drafting.{m}") for m in ("begin", "propose", "observe", "end")]
+    for target in targets:
+        spots += [(target, m, f"target.{m}") for m in ("start", "score", "commit")]
+    with ExitStack() as stack:
+        for owner, name, label in spots:
+            stack.enter_context(_patched(owner, name, clock, label))
+        yield clock
+
+
+def profile(workload: str, systems: Sequence[str], *, model: str = "smollm2-135m-instruct",
+            measure: int | None = None, device: str | None = None,
+            on_system: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run ``systems`` (bench names, agentspec ones) over ``workload``; per system: requests,
+    steps, seconds and every phase's ``[seconds, calls]`` over the measured lines."""
+    from agentspec import load_target
+    from agentspec.bench.cli import resolve_workload
+    from agentspec.bench.harness import BenchConfig, SpecSystem, _budget, build_systems
+    from agentspec.bench.workload import load_workload
+
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad or not systems:
+        raise ValueError(f"systems must be among {', '.join(SYSTEMS)}, got {list(systems)}")
+    if measure is not None and measure < 1:
+        raise ValueError(f"measure must be >= 1, got {measure}")
+    items = load_workload(resolve_workload(workload), default_max_new_tokens=128)
+    target = load_target(model, device=device)
+    sync = None
+    if target.device.type == "cuda":
+        import torch
+
+        sync = torch.cuda.synchronize
+    config = BenchConfig(systems=("hf-greedy", *systems))
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="agentspec-phases-") as tmp:
+        built = build_systems(target, config, f"sqlite:///{Path(tmp) / 'memory.db'}",
+                              suffix_db_url=f"sqlite:///{Path(tmp) / 'suffix.db'}")
+        for name in systems:
+            system = built[name]
+            assert isinstance(system, SpecSystem)
+            for item in items.warmup:
+                system.run(item, _budget(item, config), None)
+            clock = PhaseClock(sync)
+            steps, seconds, lines = 0, 0.0, list(items.measure)[:measure]
+            with timing(clock, [system.spec.target]):
+                clock.on = True
+                for item in lines:
+                    outcome = system.run(item, _budget(item, config), None)
+                    steps += outcome.steps or 0
+                    seconds += outcome.seconds
+                clock.on = False
+            out[name] = {"requests": len(lines), "steps": steps, "seconds": seconds,
+                         "phases": {k: [clock.seconds[k], clock.calls[k]] for k in clock.seconds}}
+            if on_system:
+                on_system(name, out[name])
+            memory = getattr(system.spec, "memory", None)
+            if memory is not None:
+                memory.close()
+    return out
+
+
+def format_system(name: str, result: dict[str, Any]) -> str:
+    """One system's phases, dearest first: ms per request, ms per call, calls."""
+    n, steps = max(result["requests"], 1), max(result["steps"], 1)
+    lines = [f"{name}: {result['requests']} requests, {result['steps']} steps, "
+             f"{result['seconds'] * 1e3 / n:.1f} ms per request, "
+             f"{result['seconds'] * 1e3 / steps:.2f} ms per step",
+             f"  {'phase':22s} {'ms/request':>10s} {'ms/call':>9s} {'calls':>7s}"]
+    for label, (sec, calls) in sorted(result["phases"].items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"  {label:22s} {sec * 1e3 / n:10.2f} {sec * 1e3 / max(calls, 1):9.3f} "
+                     f"{calls:7d}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agentspec.bench.phases",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="bfcl-live", help="a shipped name or a .jsonl")
+    parser.add_argument("--systems", default="agentspec-pld,agentspec",
+                        help=f"comma-separated among {', '.join(SYSTEMS)}")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--measure", type=int, default=None,
+                        help="time only the first N measured lines")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA if any)")
+    parser.add_argument("--json", type=Path, default=None, help="write the phases here")
+    args = parser.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    try:
+        result = profile(args.workload, systems, model=args.model, measure=args.measure,
+                         device=args.device,
+                         on_system=lambda name, r: print(format_system(name, r), flush=True))
+    except ValueError as e:
+        parser.error(str(e))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

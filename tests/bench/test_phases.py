@@ -1,0 +1,63 @@
+"""The phase profiler: times what runs inside its block, only while on, and leaves every
+patched function as it found it."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentspec.bench.phases import PhaseClock, format_system, profile, timing
+
+
+class Target:
+    def start(self, ids):
+        return len(ids)
+
+    def score(self, last, draft):
+        return last
+
+    def commit(self, draft, verdict):
+        return None
+
+
+def test_timing_counts_only_while_on_and_restores_what_it_patched():
+    import agentspec.decode as decode
+    from agentspec.drafters.chain import DrafterChain
+    from agentspec.memory import CompletionMemory
+
+    before = (decode.sanitize, decode.verify, DrafterChain.propose, CompletionMemory.lookup)
+    target = Target()
+    clock = PhaseClock()
+    with timing(clock, [target]):
+        assert decode.sanitize is not before[0] and "score" in vars(target)
+        target.score(3, None)  # off: not counted
+        clock.on = True
+        assert target.score(4, None) == 4 and target.start([1, 2]) == 2
+        target.score(5, None)
+    assert clock.calls == {"target.score": 2, "target.start": 1}
+    assert clock.seconds["target.score"] >= 0
+    assert (decode.sanitize, decode.verify, DrafterChain.propose, CompletionMemory.lookup) == before
+    assert "score" not in vars(target) and Target.score is not None
+
+
+def test_format_lists_the_dearest_phase_first():
+    text = format_system("agentspec", {"requests": 2, "steps": 10, "seconds": 0.5, "phases": {
+        "verify": [0.01, 10], "target.score": [0.4, 10]}})
+    lines = text.splitlines()
+    assert "250.0 ms per request" in lines[0] and "50.00 ms per step" in lines[0]
+    assert lines[2].split()[0] == "target.score" and lines[3].split()[0] == "verify"
+
+
+def test_bad_systems_are_named():
+    with pytest.raises(ValueError, match="hf-greedy"):
+        profile("prompts", ["hf-greedy"])
+
+
+@pytest.mark.slow
+def test_a_real_run_times_each_forward_once():
+    result = profile("prompts", ["agentspec-pld"], measure=1, device="cpu")["agentspec-pld"]
+    phases = result["phases"]
+    assert result["requests"] == 1 and result["steps"] > 0
+    # every step scores once; the forwards are part of the request's time, not more
+    assert phases["target.score"][1] == result["steps"]
+    assert 0 < phases["target.score"][0] < result["seconds"]
+    assert phases["drafting.propose"][1] >= result["steps"] - 1
