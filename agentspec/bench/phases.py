@@ -13,8 +13,8 @@ than the bench). Prints, per system, each phase's milliseconds per request and p
 which holds its embedding.
 
 On an H100 (BENCHMARKS.md, fifteenth session) it showed the memory's ~18 ms per request
-(lookup, embedding, record) beside 7 ms steps, the embedding slowed by float16 weights on the
-CPU, which the bench's totals alone did not show.
+(the lookup with its key's embedding, the record, the credit) beside 7 ms steps: the bench's
+totals said the full system was slower than its best single drafter, not where.
 """
 
 from __future__ import annotations
