@@ -223,7 +223,7 @@ class Speculator:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         stops = StopStrings(stop)
         key_text = conversation_key(prompt) if self.memory is not None else ""
-        if key_text and self._prefetch_key:
+        if key_text:
             self._prefetch(key_text)
         prompt_ids = self.encode(prompt)
         self.target.check_length(len(prompt_ids) + max_new_tokens)
@@ -306,19 +306,16 @@ class Speculator:
             warn_once(f"cannot keep hidden rows for head training ({e}); "
                       "agentspec head train will replay these completions")
 
-    @property
-    def _prefetch_key(self) -> bool:
-        """Whether calls embed their memory key ahead (:attr:`SpecConfig.prefetch_key`)."""
-        if self.config.prefetch_key is not None:
-            return self.config.prefetch_key
-        return self.target.device.type != "cpu"
-
     def _prefetch(self, key_text: str) -> None:
-        """Start the memory embedding the call's key while the prompt is encoded and
-        prefilled; a memory without ``prefetch``, or one whose prefetch fails, embeds it in
-        the lookup as before (where a failure is met and reported)."""
+        """Where :attr:`SpecConfig.prefetch_key` says so (default: a target off the CPU),
+        start the memory embedding the call's key while the prompt is encoded and prefilled;
+        a memory without ``prefetch``, or one whose prefetch fails, embeds it in the lookup as
+        before (where a failure is met and reported)."""
+        ahead = self.config.prefetch_key
+        if ahead is None:
+            ahead = self.target.device.type != "cpu"
         prefetch = getattr(self.memory, "prefetch", None)
-        if prefetch is None:
+        if not ahead or prefetch is None:
             return
         try:
             prefetch(key_text)

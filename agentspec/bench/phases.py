@@ -42,10 +42,6 @@ class PhaseClock:
         self.on = False
         self._sync = sync or (lambda: None)
 
-    def reset(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
-
     def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
             if not self.on:
@@ -108,7 +104,13 @@ def profile(workload: str, systems: Sequence[str], *, model: str = "smollm2-135m
     steps, seconds and every phase's ``[seconds, calls]`` over the measured lines."""
     from agentspec import load_target
     from agentspec.bench.cli import resolve_workload
-    from agentspec.bench.harness import BenchConfig, SpecSystem, _budget, build_systems
+    from agentspec.bench.harness import (
+        BenchConfig,
+        SpecSystem,
+        _budget,
+        _close_memory,
+        build_systems,
+    )
     from agentspec.bench.workload import load_workload
 
     bad = [s for s in systems if s not in SYSTEMS]
@@ -146,9 +148,7 @@ def profile(workload: str, systems: Sequence[str], *, model: str = "smollm2-135m
                          "phases": {k: [clock.seconds[k], clock.calls[k]] for k in clock.seconds}}
             if on_system:
                 on_system(name, out[name])
-            memory = getattr(system.spec, "memory", None)
-            if memory is not None:
-                memory.close()
+            _close_memory(system)
     return out
 
 
