@@ -89,6 +89,12 @@ class SpecConfig:
             ``None`` (the default): where the target runs on an accelerator, whose prefill
             leaves the host waiting; on a CPU the embedding and the prefill would share the
             same cores.
+        write_behind: hand a call's memory writes (its completion's record, the credits of
+            the remembered drafts it accepted) to the memory's worker thread and return
+            without waiting for the database; the next read of the memory waits for them, so
+            every call still drafts from every completion recorded before it
+            (:meth:`~agentspec.memory.CompletionMemory.record_behind`). False writes them
+            before the call returns.
     """
 
     max_draft_tokens: int = 64
@@ -101,6 +107,7 @@ class SpecConfig:
     draft_head: bool = True
     head_rows: bool = False
     prefetch_key: bool | None = None
+    write_behind: bool = True
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
@@ -114,3 +121,5 @@ class SpecConfig:
             raise ValueError(f"max_tree_nodes must be >= 1, got {self.max_tree_nodes}")
         if self.prefetch_key not in (None, True, False):
             raise ValueError(f"prefetch_key must be True, False or None, got {self.prefetch_key!r}")
+        if self.write_behind not in (True, False):
+            raise ValueError(f"write_behind must be True or False, got {self.write_behind!r}")

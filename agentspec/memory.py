@@ -30,7 +30,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -136,9 +136,12 @@ class CompletionMemory:
         # generation's lookup and its record embed the same key, and agents repeat requests.
         self._vectors: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
         self._vectors_lock = threading.Lock()
-        # Keys being embedded ahead of their lookup (prefetch), on one worker thread.
+        # Keys being embedded ahead of their lookup (prefetch) and writes handed over behind a
+        # call (record_behind, credit_behind), in order on one worker thread.
         self._embedding: dict[tuple[str, str], Future[np.ndarray]] = {}
+        self._writes: list[Future[Any]] = []
         self._embed_pool: ThreadPoolExecutor | None = None
+        self._on_worker = threading.local()
 
     @classmethod
     def open(cls, url: str | None = None, **kw: Any) -> CompletionMemory:
@@ -167,10 +170,12 @@ class CompletionMemory:
 
     def close(self) -> None:
         """Write the queued completions, save the indexes (when ``index_dir`` is set) and close
-        a store opened by ``open``; what cannot be written is warned about, not raised."""
+        a store opened by ``open``; what cannot be written is warned about, not raised. The
+        writes handed to the worker thread are done first."""
         if self._embed_pool is not None:
-            self._embed_pool.shutdown(wait=True)
+            self._embed_pool.shutdown(wait=True)  # runs what was handed over, then stops
             self._embed_pool = None
+        self._writes = []
         left = self.flush()
         if left:
             warnings.warn(f"{left} queued completion(s) could not be written to "
@@ -201,9 +206,53 @@ class CompletionMemory:
         with self._vectors_lock:
             if key in self._vectors or key in self._embedding:
                 return
-            if self._embed_pool is None:
-                self._embed_pool = ThreadPoolExecutor(1, thread_name_prefix="agentspec-embed")
-            self._embedding[key] = self._embed_pool.submit(self._embed_now, key)
+            self._embedding[key] = self._worker().submit(self._embed_now, key)
+
+    def record_behind(self, *, scope: str, model: str, request_text: str, key_text: str,
+                      completion_text: str, completion_ids: Sequence[int]) -> Future[int]:
+        """:meth:`record` on the memory's worker thread: returns at once, with the future of
+        the record id. Every later read of this memory (a lookup, ``completions``, ``search``,
+        ``stats``, ``records``) and every later write first waits for the writes handed over
+        before it, so a call still drafts from every completion recorded before it; ``flush``
+        and ``close`` wait for them too. What ``record`` would raise (never StoreError: an
+        outage queues the record) is the future's exception."""
+        ids = tuple(int(t) for t in completion_ids)  # the caller may reuse its list
+        return self._behind(self.record, scope=scope, model=model, request_text=request_text,
+                            key_text=key_text, completion_text=completion_text,
+                            completion_ids=ids)
+
+    def credit_behind(self, record_id: int, accepted_tokens: int) -> None:
+        """:meth:`credit` on the memory's worker thread, in order with the other writes handed
+        over (see :meth:`record_behind`); an error other than the store's (which ``credit``
+        counts and drops) is warned about."""
+        done = self._behind(self.credit, int(record_id), int(accepted_tokens))
+        done.add_done_callback(_warn_failed_credit)
+
+    def _worker(self) -> ThreadPoolExecutor:
+        """The one worker thread (started on first use). Called under ``_vectors_lock``."""
+        if self._embed_pool is None:
+            self._embed_pool = ThreadPoolExecutor(1, thread_name_prefix="agentspec-embed",
+                                                  initializer=self._mark_worker)
+        return self._embed_pool
+
+    def _mark_worker(self) -> None:
+        self._on_worker.is_worker = True
+
+    def _behind(self, fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:
+        with self._vectors_lock:
+            self._writes = [w for w in self._writes if not w.done()]
+            done = self._worker().submit(fn, *args, **kwargs)
+            self._writes.append(done)
+        return done
+
+    def _settle(self) -> None:
+        """Wait for the writes handed to the worker so far (on the worker itself: nothing to
+        wait for, they run in order)."""
+        if not self._writes or getattr(self._on_worker, "is_worker", False):
+            return
+        with self._vectors_lock:
+            writes, self._writes = self._writes, []
+        wait(writes)
 
     def lookup(self, key_text: str, *, scope: str, model: str, k: int = 8,
                min_similarity: float | None = None) -> list[tuple[Record, float]]:
@@ -220,6 +269,7 @@ class CompletionMemory:
             raise ValueError(f"k must be >= 0, got {k}")
         if k == 0:
             return []
+        self._settle()
         query = self._embed(key_text)
         with self._lock:
             self._flush()
@@ -254,6 +304,7 @@ class CompletionMemory:
     def completions(self, *, scope: str, model: str, after_id: int = 0) -> Iterator[Record]:
         """Records of ``scope`` and ``model`` with ``id > after_id``, in id order, for drafters:
         when the store fails the iteration ends early (never raises StoreError)."""
+        self._settle()
         if not self._guard.due("read"):
             return
         try:
@@ -275,6 +326,7 @@ class CompletionMemory:
         """
         if len(completion_ids) == 0:
             return -1
+        self._settle()
         vector = self._embed(key_text)
         record = Record(scope=scope, model=model, request_text=request_text, key_text=key_text,
                         completion_text=completion_text,
@@ -296,7 +348,9 @@ class CompletionMemory:
         return rid
 
     def flush(self) -> int:
-        """Try to write the queued completions now; returns how many are still queued."""
+        """Try to write the queued completions now (after the writes handed to the worker
+        thread); returns how many are still queued."""
+        self._settle()
         with self._lock:
             self._flush(force=True)
             return len(self._guard.pending)
@@ -342,6 +396,7 @@ class CompletionMemory:
     def credit(self, record_id: int, accepted_tokens: int) -> None:
         """Note that a draft from ``record_id`` had ``accepted_tokens`` accepted (LRU + stats);
         dropped (and counted) while the store cannot be written."""
+        self._settle()
         with self._lock:
             if self._guard.due("write"):
                 try:
@@ -359,6 +414,7 @@ class CompletionMemory:
             raise ValueError(f"k must be >= 0, got {k}")
         if k == 0:
             return []
+        self._settle()
         query = self._embed(text)
         scopes = [scope] if scope is not None else sorted(self.store.stats()["scopes"])
         hits: list[tuple[int, float]] = []
@@ -374,6 +430,7 @@ class CompletionMemory:
         ``faults`` (:meth:`StoreGuard.stats`: queued, dropped and flushed completions, skipped
         lookups, the last errors) and ``store_error`` (None, or why the store's totals are
         missing: it cannot be read)."""
+        self._settle()
         try:
             out = self.store.stats()
             out["store_error"] = None
@@ -387,6 +444,7 @@ class CompletionMemory:
 
     def records(self, scope: str | None = None, model: str | None = None) -> Iterator[Record]:
         """Every record of ``scope`` and ``model`` (None: any), in id order."""
+        self._settle()
         return self.store.iter(scope=scope, model=model)
 
     def rebuild(self, scope: str) -> int:
@@ -396,6 +454,7 @@ class CompletionMemory:
         Raises:
             StoreError: the store cannot be read.
         """
+        self._settle()
         with self._lock:
             state = ScopeIndex(FaissIndex(int(self.embedder.dim)))
             self._add_rows(state, self.store.ids_after(0, scope=scope, embedder=self.embedder.name))
@@ -407,6 +466,7 @@ class CompletionMemory:
         """Write every loaded index to ``index_dir`` (nothing when it is None)."""
         if self.index_dir is None:
             return
+        self._settle()
         with self._lock:
             for (scope, _), state in self._indexes.items():
                 save_index(self.index_dir, scope, self.embedder.name, self._store_id(), state)
@@ -422,7 +482,9 @@ class CompletionMemory:
                 self._vectors.move_to_end(key)
                 return hit
             pending = self._embedding.get(key)
-        if pending is not None:
+        # On the worker, a prefetch of this key may be queued behind the running task: it is
+        # embedded here, not waited for (the queued prefetch then finds the vector).
+        if pending is not None and (pending.done() or not getattr(self._on_worker, "is_worker", False)):
             try:
                 return pending.result()
             except Exception:  # embedded again here, where the error is raised to the caller
@@ -431,6 +493,11 @@ class CompletionMemory:
         return self._embed_now(key)
 
     def _embed_now(self, key: tuple[str, str]) -> np.ndarray:
+        with self._vectors_lock:
+            hit = self._vectors.get(key)
+            if hit is not None:  # a prefetch of a key embedded meanwhile
+                self._embedding.pop(key, None)
+                return hit
         vector = np.ascontiguousarray(self.embedder.embed([key[1]])[0], np.float32)  # [dim]
         vector.setflags(write=False)  # shared by every caller of this key
         with self._vectors_lock:
@@ -511,3 +578,10 @@ class CompletionMemory:
 
     def _store_id(self) -> str:
         return str(getattr(self.store, "url", type(self.store).__name__))
+
+
+def _warn_failed_credit(done: Future[Any]) -> None:
+    error = done.exception()
+    if error is not None:
+        warnings.warn(f"a credit written behind a call failed ({type(error).__name__}: {error}); "
+                      f"it is dropped", MemoryFaultWarning, stacklevel=2)

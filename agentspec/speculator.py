@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,7 +153,8 @@ class Speculator:
         drafters: list[Drafter] = []
         if self.memory is not None:
             fp = self.target.fingerprint
-            drafters += [MemoryDrafter(self.memory, fp, max_nodes=self.config.max_tree_nodes),
+            drafters += [MemoryDrafter(self.memory, fp, max_nodes=self.config.max_tree_nodes,
+                                       write_behind=self.config.write_behind),
                          SuffixDrafter(self.memory, fp)]
         drafters.append(PromptLookupDrafter(self.config))
         if self.config.draft_head:
@@ -279,14 +281,17 @@ class Speculator:
             session.observe(generation)
         if record and self.memory is not None and run.token_ids:
             text = request_text(prompt)
+            behind = getattr(self.memory, "record_behind", None) if self.config.write_behind else None
+            write = behind if callable(behind) else self.memory.record
             try:
-                self.memory.record(scope=scope, model=self.target.fingerprint,
-                                   request_text=text, key_text=key_text,
-                                   completion_text=run.text, completion_ids=list(run.token_ids))
+                done = write(scope=scope, model=self.target.fingerprint, request_text=text,
+                             key_text=key_text, completion_text=run.text,
+                             completion_ids=list(run.token_ids))
             except Exception as e:  # an accelerator's fault: the generation is done and exact
-                warn_once(f"the completion memory could not record a completion "
-                          f"({type(e).__name__}: {e}); the call's output is unaffected, the "
-                          f"completion is not remembered")
+                _record_failed(e)
+            else:
+                if isinstance(done, Future):  # written behind the call: its error comes later
+                    done.add_done_callback(_record_done)
             if keep_rows:
                 self._keep_rows(scope, text, prompt_ids[-1], run.token_ids, kept)
         return generation
@@ -356,6 +361,18 @@ class Speculator:
         dtype = str(next(self.target.model.parameters()).dtype).removeprefix("torch.")
         cache = agentspec_home() / "costs" / f"{fp}-{self.target.device.type}-{dtype}.json"
         return measure_cost(self.target, cache_file=cache)
+
+
+def _record_done(done: Future[int]) -> None:
+    error = done.exception()
+    if error is not None:
+        _record_failed(error)
+
+
+def _record_failed(error: BaseException) -> None:
+    warn_once(f"the completion memory could not record a completion "
+              f"({type(error).__name__}: {error}); the call's output is unaffected, the "
+              f"completion is not remembered")
 
 
 def open_memory(memory: Any) -> Any:

@@ -6,7 +6,9 @@ Each system runs the workload's warmup lines untimed, then its measured lines wi
 of the decode loop timed: the prefill (``target.start``), the forwards (``target.score``), the
 commit, drafting (the chain's ``begin``/``propose``/``observe``/``end``), sanitising, the
 grammar (``constrain``, ``advance``, its set-up), verification, and the memory's lookup,
-embedding and record. On CUDA each timed call is bracketed by a device synchronisation, so a
+embedding and record (only on the calls' own thread: a write handed to the memory's worker
+thread counts as its hand-over, ``memory.record_behind``, and as the wait of a later read
+for it, ``memory.settle``). On CUDA each timed call is bracketed by a device synchronisation, so a
 phase holds its own kernels and not the next one's wait (and the whole runs a little slower
 than the bench). Prints, per system, each phase's milliseconds per request and per call;
 ``--json`` writes them. Nested phases overlap: a chain's ``begin`` holds the memory's lookup,
@@ -23,6 +25,7 @@ import argparse
 import json
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -34,17 +37,19 @@ SYSTEMS = ("agentspec-plain", "agentspec-pld", "agentspec-suffix", "agentspec")
 
 
 class PhaseClock:
-    """Accumulated seconds and calls per phase, while ``on``."""
+    """Accumulated seconds and calls per phase, while ``on``, on the thread that made it (the
+    calls' own thread: work the memory does behind them on its worker thread is not theirs)."""
 
     def __init__(self, sync: Callable[[], None] | None = None) -> None:
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.calls: Counter[str] = Counter()
         self.on = False
         self._sync = sync or (lambda: None)
+        self._thread = threading.get_ident()
 
     def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if not self.on:
+            if not self.on or threading.get_ident() != self._thread:
                 return fn(*args, **kwargs)
             self._sync()
             start = time.perf_counter()
@@ -87,6 +92,9 @@ def timing(clock: PhaseClock, targets: Sequence[Any] = ()) -> Iterator[PhaseCloc
         (GrammarState, "advance", "grammar.advance"),
         (CompletionMemory, "lookup", "memory.lookup"), (CompletionMemory, "_embed", "memory.embed"),
         (CompletionMemory, "record", "memory.record"), (CompletionMemory, "credit", "memory.credit"),
+        (CompletionMemory, "record_behind", "memory.record_behind"),
+        (CompletionMemory, "credit_behind", "memory.credit_behind"),
+        (CompletionMemory, "_settle", "memory.settle"),
     ]
     spots += [(DrafterChain, m, f"drafting.{m}") for m in ("begin", "propose", "observe", "end")]
     for target in targets:

@@ -57,16 +57,19 @@ class MemoryDrafter:
         k: neighbours fetched per request.
         min_similarity: neighbours below this cosine similarity are ignored.
         max_nodes: node budget of the merged tree.
+        write_behind: credit accepted tokens through the memory's ``credit_behind`` (on its
+            worker thread, after the call) where it has one.
     """
 
     name = "memory"
 
     def __init__(self, memory: Any, model: str, *, k: int = 8, min_similarity: float = 0.3,
-                 max_nodes: int = 64) -> None:
+                 max_nodes: int = 64, write_behind: bool = False) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         self.memory, self.model, self.k = memory, model, k
         self.min_similarity, self.max_nodes = min_similarity, max_nodes
+        self.write_behind = write_behind
         # Whether the memory leaves the dissimilar out itself (CompletionMemory: without
         # reading their rows); a memory of the user's may take only the basic arguments.
         lookup = getattr(memory, "lookup", None)
@@ -141,6 +144,9 @@ class MemoryDrafter:
 
     def end(self, context: DraftContext) -> None:
         req = self._request(context)
-        for record_id, accepted in req.credits.items():
-            self.memory.credit(record_id, accepted)
+        behind = getattr(self.memory, "credit_behind", None) if self.write_behind else None
+        credit = behind if callable(behind) else getattr(self.memory, "credit", None)
+        if callable(credit):  # a memory of the user's may keep no credits
+            for record_id, accepted in req.credits.items():
+                credit(record_id, accepted)
         req.credits = Counter()

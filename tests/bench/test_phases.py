@@ -39,6 +39,20 @@ def test_timing_counts_only_while_on_and_restores_what_it_patched():
     assert "score" not in vars(target) and Target.score is not None
 
 
+def test_only_the_calls_own_thread_is_timed():
+    import threading
+
+    target = Target()
+    clock = PhaseClock()
+    with timing(clock, [target]):
+        clock.on = True
+        worker = threading.Thread(target=target.score, args=(1, None))  # a write behind a call
+        worker.start()
+        worker.join()
+        target.score(2, None)
+    assert clock.calls == {"target.score": 1}
+
+
 def test_format_lists_the_dearest_phase_first():
     text = format_system("agentspec", {"requests": 2, "steps": 10, "seconds": 0.5, "phases": {
         "verify": [0.01, 10], "target.score": [0.4, 10]}})

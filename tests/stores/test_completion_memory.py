@@ -438,6 +438,106 @@ def test_a_failed_prefetch_is_embedded_again_by_the_lookup():
         memory.lookup("user: bye", scope="s", model="m")
 
 
+class GatedStore(InMemoryStore):
+    """Each ``add`` waits for ``gate``: a slow database."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def add(self, record):
+        assert self.gate.wait(10)
+        return super().add(record)
+
+
+def behind(memory, key, n=3):
+    return memory.record_behind(scope="s", model="m", request_text=f"request: {key}", key_text=key,
+                                completion_text=f"answer to {key}", completion_ids=list(range(n)))
+
+
+class WorkerGatedEmbedder(CountingEmbedder):
+    """On the memory's worker thread, embeds only once ``gate`` opens: a record written
+    behind a call is still on its way."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def embed(self, texts):
+        if threading.current_thread().name.startswith("agentspec-embed"):
+            assert self.gate.wait(10)
+        return super().embed(texts)
+
+
+@pytest.mark.parametrize("settles", [True, False])
+def test_a_write_behind_returns_at_once_and_every_later_read_sees_it(settles, monkeypatch):
+    """The record is written on the worker thread while the caller goes on; a lookup, the
+    suffix drafter's ``completions`` and ``stats`` wait for it. A memory whose reads do not
+    wait (``settles=False``, deliberately wrong) misses the completion just recorded."""
+    embedder = WorkerGatedEmbedder()
+    memory = CompletionMemory(InMemoryStore(), embedder=embedder, sync_interval_s=0.0)
+    if not settles:
+        monkeypatch.setattr(memory, "_settle", lambda: None)
+    done = behind(memory, "list the files in /tmp")
+    assert not done.done()  # the caller is not held while the worker embeds and writes
+    if settles:
+        threading.Timer(0.2, embedder.gate.set).start()
+    hits = memory.lookup("list the files in /tmp", scope="s", model="m")
+    if not settles:
+        assert hits == []
+        embedder.gate.set()
+        memory.close()
+        return
+    assert [r.id for r, _ in hits] == [done.result()]
+    assert [r.id for r in memory.completions(scope="s", model="m")] == [done.result()]
+    memory.credit_behind(done.result(), 2)
+    assert memory.stats()["accepted_tokens"] == 2
+    memory.close()
+
+
+def test_close_writes_what_was_handed_behind():
+    store = GatedStore()
+    memory = CompletionMemory(store, embedder=HashEmbedder())
+    for i in range(3):
+        behind(memory, f"call {i}")
+    memory.credit_behind(1, 4)
+    threading.Timer(0.2, store.gate.set).start()
+    memory.close()
+    assert len(store) == 3 and store.get_many([1])[0].accepted_tokens == 4
+
+
+def test_a_prefetch_queued_behind_a_record_of_its_own_key_does_not_deadlock():
+    """The worker records key K while a prefetch of K waits behind it in the queue: the record
+    embeds K itself instead of waiting for that prefetch (which would never run)."""
+    embedder = SlowEmbedder()
+    memory = CompletionMemory(InMemoryStore(), embedder=embedder, sync_interval_s=0.0)
+    memory.prefetch("user: another call")  # holds the worker until the gate opens
+    done = behind(memory, "user: list the files")
+    memory.prefetch("user: list the files")  # the next call repeats the request
+    embedder.gate.set()
+    assert done.result(timeout=10) == 1
+    hits = memory.lookup("user: list the files", scope="s", model="m")
+    assert [r.id for r, _ in hits] == [1]
+    assert embedder.texts == ["user: another call", "user: list the files"]  # embedded once
+    memory.close()
+
+
+def test_a_failed_credit_behind_is_warned_about(monkeypatch):
+    from agentspec.errors import MemoryFaultWarning
+
+    memory = CompletionMemory(InMemoryStore(), embedder=HashEmbedder())
+    rid = rec(memory, "x")
+
+    def broken(record_id, accepted_tokens):
+        raise RuntimeError("bad row")
+
+    monkeypatch.setattr(memory.store, "touch", broken)
+    with pytest.warns(MemoryFaultWarning, match="credit written behind a call failed .*bad row"):
+        memory.credit_behind(rid, 1)
+        memory.flush()
+    memory.close()
+
+
 @pytest.mark.slow
 def test_speculator_warmup_warms_the_memory_and_takes_a_memory_without_warmup(spec):
     from agentspec import Speculator
@@ -469,16 +569,70 @@ def test_a_speculator_prefetches_its_key_only_where_asked_or_on_an_accelerator(s
     prompt = [{"role": "user", "content": "Name three colours."}]
     outputs = []
     for prefetch in (None, True):
-        embedder = CountingEmbedder()
+        embedder = SlowEmbedder()
+        embedder.gate.set()
         memory = CompletionMemory(InMemoryStore(), embedder=embedder)
         run = Speculator(spec.target, memory=memory, cost=DEFAULT_COST,
                          config=SpecConfig(prefetch_key=prefetch))
         outputs.append(run.generate(prompt, 8).token_ids)
         assert len(embedder.texts) == 1  # the lookup and the record took the one vector
-        # The CPU default embeds in the lookup: no worker thread is started.
-        assert (memory._embed_pool is not None) is bool(prefetch)
+        # The CPU default embeds in the lookup, on the caller's thread.
+        assert embedder.threads[0].startswith("agentspec-embed") is bool(prefetch)
         memory.close()
     assert outputs[0] == outputs[1]
+
+
+class ThreadNotingStore(InMemoryStore):
+    """Notes the thread of each ``add``; raises ``error`` there when one is set."""
+
+    def __init__(self, error=None):
+        super().__init__()
+        self.threads, self.error = [], error
+
+    def add(self, record):
+        self.threads.append(threading.current_thread().name)
+        if self.error is not None:
+            raise self.error
+        return super().add(record)
+
+
+@pytest.mark.slow
+def test_a_speculator_writes_behind_its_calls_and_the_next_call_drafts_from_them(spec):
+    from agentspec import SpecConfig, Speculator
+    from agentspec.drafters.policy import DEFAULT_COST
+
+    prompt = [{"role": "user", "content": "Name three colours."}]
+    seen = {}
+    for write_behind in (False, True):
+        store = ThreadNotingStore()
+        memory = CompletionMemory(store, embedder=HashEmbedder())
+        run = Speculator(spec.target, memory=memory, cost=DEFAULT_COST,
+                         config=SpecConfig(write_behind=write_behind))
+        first = run.generate(prompt, 12)
+        again = run.generate(prompt, 12)  # its lookup waits for the first call's record
+        memory.close()
+        assert store.threads[0].startswith("agentspec-embed") is write_behind
+        assert again.stats.accepted.get("memory", 0) > 0
+        assert store.get_many([1])[0].accepted_tokens > 0  # credited, behind the call or not
+        seen[write_behind] = (first.token_ids, again.token_ids)
+    assert seen[True] == seen[False]
+
+
+@pytest.mark.slow
+def test_a_record_that_fails_behind_the_call_is_warned_about(spec):
+    from agentspec import Speculator
+    from agentspec.drafters.policy import DEFAULT_COST
+
+    memory = CompletionMemory(ThreadNotingStore(RuntimeError("row 4 is on fire")),
+                              embedder=HashEmbedder())
+    run = Speculator(spec.target, memory=memory, cost=DEFAULT_COST)
+    plain = Speculator(spec.target, speculate=False)
+    prompt = [{"role": "user", "content": "Say hi."}]
+    with pytest.warns(UserWarning, match="could not record a completion .*row 4 is on fire"):
+        out = run.generate(prompt, 6)
+        memory.flush()  # waits for the write handed over
+    assert out.token_ids == plain.generate(prompt, 6).token_ids
+    memory.close()
 
 
 def test_a_row_committed_while_the_memory_catches_up_is_added_once():
