@@ -30,6 +30,40 @@ def test_incremental_growth_equals_fresh_index():
         assert grown.match(tokens[:end]) == NgramIndex(1, 3).match(tokens[:end]), end
 
 
+def reference_table(tokens, n_min, n_max):
+    """Every n-gram with a continuation, mapped to the stop of its latest occurrence, one tuple
+    at a time: what the index's table must hold."""
+    table = {}
+    for stop in range(n_min, len(tokens)):
+        for n in range(n_min, min(n_max, stop) + 1):
+            table[tuple(tokens[stop - n : stop])] = stop
+    return table
+
+
+@pytest.mark.parametrize(("n_min", "n_max"), [(1, 4), (2, 8), (3, 3)])
+def test_the_table_grown_in_random_steps_holds_every_ngram_at_its_latest_stop(n_min, n_max):
+    import random
+
+    rng = random.Random(n_min * 10 + n_max)
+    tokens = [rng.randrange(6) for _ in range(400)]  # a small alphabet: many repeats
+    grown, end = NgramIndex(n_min, n_max), 0
+    while end < len(tokens):
+        end = min(len(tokens), end + rng.randrange(1, 40))
+        grown.match(tokens[:end])
+        assert grown._table == reference_table(tokens[:end], n_min, n_max), end
+
+
+def test_a_table_keeping_the_first_stop_fails_the_reference():
+    """The check above can fail: an index that kept each n-gram's first occurrence instead of
+    its latest differs from the reference on a sequence with repeats."""
+    tokens = [1, 2, 1, 2, 1, 2, 3]
+    earliest = {}
+    for stop in range(2, len(tokens)):
+        for n in range(2, min(3, stop) + 1):
+            earliest.setdefault(tuple(tokens[stop - n : stop]), stop)
+    assert earliest != reference_table(tokens, 2, 3)
+
+
 def test_query_over_another_sequence():
     src = [10, 11, 12, 13, 14]
     assert NgramIndex(2, 3).match(src, [0, 11, 12]) == (2, 3)
