@@ -251,8 +251,10 @@ class CompletionMemory:
         if not self._writes or getattr(self._on_worker, "is_worker", False):
             return
         with self._vectors_lock:
-            writes, self._writes = self._writes, []
+            writes = list(self._writes)  # kept: a reader on another thread waits for them too
         wait(writes)
+        with self._vectors_lock:
+            self._writes = [w for w in self._writes if not w.done()]
 
     def lookup(self, key_text: str, *, scope: str, model: str, k: int = 8,
                min_similarity: float | None = None) -> list[tuple[Record, float]]:

@@ -254,3 +254,33 @@ def test_agentspec_suffix_drafts_from_earlier_outputs_and_the_prompt_without_a_s
     assert again.token_ids == first.token_ids
     assert (again.accepted or {}).get("suffix", 0) > 0  # the first output was recorded
     harness._close_memory(systems["agentspec-suffix"])
+
+
+def test_the_results_table_keeps_every_system_name_when_written_to_a_file(tmp_path: Path) -> None:
+    """A bench written to a log laid its table out in 80 columns and cut the names of the
+    systems to ``agen…``; the CLI's console is as wide as the table needs off a terminal."""
+    import io
+
+    from rich.console import Console
+
+    from agentspec.cli.common import PIPE_WIDTH, output_width
+
+    names = ("hf-greedy", "agentspec-pld", "agentspec-suffix", "agentspec")
+    systems = {n: FakeSystem(n, []) for n in names}
+    summary = report.summarize(_run(tmp_path, systems, BenchConfig(systems=names)))
+
+    class File(io.StringIO):
+        def isatty(self) -> bool:
+            return False
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    assert output_width(File(), {}) == PIPE_WIDTH
+    assert output_width(Terminal(), {}) is None and output_width(File(), {"COLUMNS": "90"}) is None
+    for width, whole in ((output_width(File(), {}), True), (80, False)):  # 80: the old layout
+        out = File()
+        Console(file=out, width=width, highlight=False).print(report.rich_table(summary))
+        shown = {n for n in names if f" {n} " in out.getvalue()}
+        assert (shown == set(names)) is whole

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -492,6 +493,24 @@ def test_a_write_behind_returns_at_once_and_every_later_read_sees_it(settles, mo
     assert [r.id for r in memory.completions(scope="s", model="m")] == [done.result()]
     memory.credit_behind(done.result(), 2)
     assert memory.stats()["accepted_tokens"] == 2
+    memory.close()
+
+
+def test_two_readers_both_wait_for_a_write_behind():
+    """A reader on another thread waiting for the writes does not take them from this one
+    (an earlier draft of ``_settle`` emptied the list it waited on: the second reader went
+    ahead and missed the completion)."""
+    embedder = WorkerGatedEmbedder()
+    memory = CompletionMemory(InMemoryStore(), embedder=embedder, sync_interval_s=0.0)
+    done = behind(memory, "list the files in /tmp")
+    other = threading.Thread(target=memory.lookup, args=("list the files in /tmp",),
+                             kwargs={"scope": "s", "model": "m"})
+    other.start()
+    time.sleep(0.2)  # the other reader is waiting for the write
+    threading.Timer(0.2, embedder.gate.set).start()
+    hits = memory.lookup("list the files in /tmp", scope="s", model="m")
+    other.join()
+    assert [r.id for r, _ in hits] == [done.result()]
     memory.close()
 
 
