@@ -49,13 +49,15 @@ def test_summarize_speedups() -> None:
 
 
 @pytest.mark.slow
-def test_demo_tiny_run(tmp_path: Path) -> None:
+def test_demo_tiny_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)  # the output is not a terminal: as wide as needed
     out = tmp_path / "demo.json"
     res = CliRunner().invoke(app, ["demo", "--tasks", "multi_turn_base_26", "--max-turns", "1",
                                    "--max-calls-per-turn", "1", "--max-new-tokens", "16",
                                    "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert "cold pass" in res.stdout and "warm pass" in res.stdout
+    assert "median speedup" in res.stdout  # the table's headers whole (80 columns cut them)
     summary = json.loads(out.read_text())
     assert summary["exact_match"]["rate"] == 1.0 and summary["exact_match"]["calls"] == 2
     cold, warm = summary["passes"]["cold"], summary["passes"]["warm"]

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ from rich.table import Table
 
 from agentspec.bench import bfcl
 from agentspec.bench.toolcalls import ToolCall, ToolEnvironment, parse_tool_calls
+from agentspec.cli.common import output_width
 from agentspec.config import SamplingParams
 from agentspec.grammar import compiled
 from agentspec.text import cut_at_stop
@@ -265,7 +267,7 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
     Raises:
         KeyError: a task id is not in BFCL's multi-turn suite (the message names it).
     """
-    console = console or Console(highlight=False)
+    console = console or Console(highlight=False, width=output_width(sys.stdout))
     tasks = bfcl.load_tasks(list(config.task_ids))
     started = time.perf_counter()
     report = Reporter(console)
@@ -347,7 +349,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
 
 def print_summary(summary: dict[str, Any], console: Console | None = None) -> None:
     """The summary table, the exact-match line and the run time."""
-    console = console or Console(highlight=False)
+    console = console or Console(highlight=False, width=output_width(sys.stdout))
     console.print(summary_table(summary), width=max(console.width, 130))
     exact = summary["exact_match"]
     style = "green" if exact["matched"] == exact["calls"] else "bold red"
@@ -395,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, KeyError) as e:
         err.print(f"error: {e.args[0]}", markup=False)
         return 2
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=output_width(sys.stdout))
     summary = run_demo(config, console=console)
     print_summary(summary, console)
     if args.json is not None:
