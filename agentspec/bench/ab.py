@@ -1,0 +1,162 @@
+"""The full system under two settings, side by side: is a `SpecConfig` change faster?
+
+    python -m agentspec.bench.ab --workload bfcl --b write_behind=false
+    python -m agentspec.bench.ab --workload bfcl-live --a prefetch_key=false --b prefetch_key=true
+
+Two `agentspec` systems (memory, suffix and prompt-lookup drafters, as `agentspec bench` builds
+them), one `SpecConfig` each (``--a`` and ``--b``: ``field=value`` pairs over the bench's own
+config), each with a memory of its own, on one loaded target. Every warmup line runs through
+both, then every measured line, the order alternating from line to line, so a slow spell of a
+shared machine falls on both alike. Prints each setting's seconds and tokens/s, B over A in
+aggregate speed and the median of the per-line ratios, and whether the outputs were the same
+(they must be at temperature 0: no setting may change an output). ``--json`` writes it all.
+
+A change of a few percent needs this rather than two bench runs: on the 2-core CPU two runs of
+one system differ by ~3 %. The sixteenth session's write-behind (1.001x on bfcl) and a
+one-thread prefetch (0.991x) were measured this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+_BOOLS = {"true": True, "false": False, "on": True, "off": False, "1": True, "0": False}
+
+
+def parse_settings(text: str) -> dict[str, Any]:
+    """``"field=value,field=value"`` as `SpecConfig` keyword arguments.
+
+    Values are read by the field's type: ``true``/``false`` (``on``/``off``, ``1``/``0``) for
+    flags, ``none`` for a field that may be None, integers for integer fields.
+
+    Raises:
+        ValueError: an unknown field, a pair without ``=``, or a value the field cannot take
+            (each message names it).
+    """
+    from agentspec.config import SpecConfig
+
+    fields = {f.name: f for f in dataclasses.fields(SpecConfig)}
+    out: dict[str, Any] = {}
+    for pair in (p.strip() for p in text.split(",")):
+        if not pair:
+            continue
+        name, eq, raw = (s.strip() for s in pair.partition("="))
+        if not eq:
+            raise ValueError(f"expected field=value, got {pair!r}")
+        if name not in fields:
+            raise ValueError(f"SpecConfig has no field {name!r}; fields: {', '.join(fields)}")
+        kind, value = str(fields[name].type), raw.lower()
+        if "None" in kind and value == "none":
+            out[name] = None
+        elif "bool" in kind and value in _BOOLS:
+            out[name] = _BOOLS[value]
+        elif "int" in kind and value.lstrip("-").isdigit():
+            out[name] = int(value)
+        else:
+            raise ValueError(f"{name}={raw!r}: expected a value of type {kind}")
+    return out
+
+
+def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
+            model: str = "smollm2-135m-instruct", measure: int | None = None,
+            device: str | None = None) -> dict[str, Any]:
+    """Run both settings over ``workload`` (warmup through both, measured lines alternating)."""
+    from agentspec import SpecConfig, load_target
+    from agentspec.bench.cli import resolve_workload
+    from agentspec.bench.harness import (
+        BenchConfig,
+        SpecSystem,
+        _budget,
+        _close_memory,
+        _memory_speculator,
+    )
+    from agentspec.bench.workload import load_workload
+
+    if measure is not None and measure < 1:
+        raise ValueError(f"measure must be >= 1, got {measure}")
+    configs = {"a": SpecConfig(**{"draft_head": False, **a}),
+               "b": SpecConfig(**{"draft_head": False, **b})}
+    items = load_workload(resolve_workload(workload), default_max_new_tokens=128)
+    target = load_target(model, device=device)
+    bench = BenchConfig(systems=("hf-greedy", "agentspec"))
+    seconds: dict[str, list[float]] = {"a": [], "b": []}
+    tokens = {"a": 0, "b": 0}
+    outputs: dict[str, list[tuple[int, ...]]] = {"a": [], "b": []}
+    with tempfile.TemporaryDirectory(prefix="agentspec-ab-") as tmp:
+        systems = {k: SpecSystem(f"agentspec-{k}", _memory_speculator(
+            target, f"sqlite:///{Path(tmp) / f'{k}.db'}", config), temperature=0.0, record=True)
+            for k, config in configs.items()}
+        try:
+            for item in items.warmup:
+                for system in systems.values():
+                    system.run(item, _budget(item, bench), None)
+            for i, item in enumerate(list(items.measure)[:measure]):
+                for k in ("a", "b") if i % 2 == 0 else ("b", "a"):
+                    outcome = systems[k].run(item, _budget(item, bench), None)
+                    seconds[k].append(outcome.seconds)
+                    tokens[k] += len(outcome.token_ids)
+                    outputs[k].append(tuple(outcome.token_ids))
+        finally:
+            for system in systems.values():
+                _close_memory(system)
+    ratios = [sa / sb for sa, sb in zip(seconds["a"], seconds["b"], strict=True) if sb > 0]
+    return {
+        "workload": workload, "model": model, "device": str(target.device),
+        "a": a, "b": b, "requests": len(seconds["a"]),
+        "seconds": {k: sum(v) for k, v in seconds.items()},
+        "tokens_per_second": {k: tokens[k] / sum(seconds[k]) if sum(seconds[k]) else 0.0
+                              for k in seconds},
+        "b_over_a": sum(seconds["a"]) / sum(seconds["b"]) if sum(seconds["b"]) else 0.0,
+        "median_b_over_a": statistics.median(ratios) if ratios else 0.0,
+        "same_outputs": outputs["a"] == outputs["b"],
+    }
+
+
+def format_result(result: dict[str, Any]) -> str:
+    def named(settings: dict[str, Any]) -> str:
+        return ", ".join(f"{k}={v}" for k, v in settings.items()) or "the bench's settings"
+
+    lines = [f"{result['workload']}: {result['requests']} measured requests on {result['device']}"]
+    for k in ("a", "b"):
+        lines.append(f"  {k.upper()} ({named(result[k])}): {result['seconds'][k]:.2f} s, "
+                     f"{result['tokens_per_second'][k]:.2f} tok/s")
+    lines.append(f"  B / A: {result['b_over_a']:.3f}x aggregate, "
+                 f"{result['median_b_over_a']:.3f}x median per request; same outputs: "
+                 f"{'yes' if result['same_outputs'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m agentspec.bench.ab",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="bfcl", help="a shipped name or a .jsonl")
+    parser.add_argument("--a", default="", help="setting A: field=value,... (default: none)")
+    parser.add_argument("--b", default="", help="setting B: field=value,...")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--measure", type=int, default=None,
+                        help="only the first N measured lines")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA if any)")
+    parser.add_argument("--json", type=Path, default=None, help="write the result here")
+    args = parser.parse_args(argv)
+    try:
+        a, b = parse_settings(args.a), parse_settings(args.b)
+        result = compare(args.workload, a, b, model=args.model, measure=args.measure,
+                         device=args.device)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+    print(format_result(result), flush=True)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0 if result["same_outputs"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
