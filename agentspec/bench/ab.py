@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from agentspec.bench.report import write_json
 
 _BOOLS = {"true": True, "false": False, "on": True, "off": False, "1": True, "0": False}
 
@@ -73,9 +74,9 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
     from agentspec.bench.harness import (
         BenchConfig,
         SpecSystem,
-        _budget,
         _close_memory,
         _memory_speculator,
+        run_requests,
     )
     from agentspec.bench.workload import load_workload
 
@@ -83,39 +84,34 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
         raise ValueError(f"measure must be >= 1, got {measure}")
     configs = {"a": SpecConfig(**{"draft_head": False, **a}),
                "b": SpecConfig(**{"draft_head": False, **b})}
-    items = load_workload(resolve_workload(workload), default_max_new_tokens=128)
+    work = load_workload(resolve_workload(workload), default_max_new_tokens=128)
+    kept = set(map(id, work.measure[:measure]))
+    work = dataclasses.replace(work, items=tuple(
+        i for i in work.items if i.phase == "warmup" or id(i) in kept))
     target = load_target(model, device=device)
-    bench = BenchConfig(systems=("hf-greedy", "agentspec"))
-    seconds: dict[str, list[float]] = {"a": [], "b": []}
-    tokens = {"a": 0, "b": 0}
-    outputs: dict[str, list[tuple[int, ...]]] = {"a": [], "b": []}
     with tempfile.TemporaryDirectory(prefix="agentspec-ab-") as tmp:
         systems = {k: SpecSystem(f"agentspec-{k}", _memory_speculator(
             target, f"sqlite:///{Path(tmp) / f'{k}.db'}", config), temperature=0.0, record=True)
             for k, config in configs.items()}
-        try:
-            for item in items.warmup:
-                for system in systems.values():
-                    system.run(item, _budget(item, bench), None)
-            for i, item in enumerate(list(items.measure)[:measure]):
-                for k in ("a", "b") if i % 2 == 0 else ("b", "a"):
-                    outcome = systems[k].run(item, _budget(item, bench), None)
-                    seconds[k].append(outcome.seconds)
-                    tokens[k] += len(outcome.token_ids)
-                    outputs[k].append(tuple(outcome.token_ids))
+        try:  # the bench's loop: warmup through both, measured lines in alternating order
+            results = run_requests(work, dict(systems), BenchConfig(systems=("hf-greedy",)),
+                                   encode=systems["a"].spec.encode, warmed=("a", "b"))
         finally:
             for system in systems.values():
                 _close_memory(system)
+    seconds = {k: [r.outcomes[k][0].seconds for r in results] for k in systems}
+    tokens = {k: sum(len(r.outcomes[k][0].token_ids) for r in results) for k in systems}
     ratios = [sa / sb for sa, sb in zip(seconds["a"], seconds["b"], strict=True) if sb > 0]
     return {
         "workload": workload, "model": model, "device": str(target.device),
-        "a": a, "b": b, "requests": len(seconds["a"]),
+        "a": a, "b": b, "requests": len(results),
         "seconds": {k: sum(v) for k, v in seconds.items()},
         "tokens_per_second": {k: tokens[k] / sum(seconds[k]) if sum(seconds[k]) else 0.0
                               for k in seconds},
         "b_over_a": sum(seconds["a"]) / sum(seconds["b"]) if sum(seconds["b"]) else 0.0,
         "median_b_over_a": statistics.median(ratios) if ratios else 0.0,
-        "same_outputs": outputs["a"] == outputs["b"],
+        "same_outputs": all(r.outcomes["a"][0].token_ids == r.outcomes["b"][0].token_ids
+                            for r in results),
     }
 
 
@@ -153,8 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(e))
     print(format_result(result), flush=True)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        write_json(result, args.json)
     return 0 if result["same_outputs"] else 1
 
 

@@ -308,13 +308,13 @@ def run_requests(workload: Workload, systems: dict[str, System], config: BenchCo
                  *, encode: Callable[[Any], list[int]],
                  on_progress: Progress | None = None,
                  warmup_outputs: dict[str, tuple[int, ...]] | None = None,
-                 ) -> tuple[RequestResult, ...]:
-    """Warmup lines through the warmed systems (:data:`WARMED_SYSTEMS`, untimed), a system with a ``warm`` method (one
+                 warmed: Sequence[str] = WARMED_SYSTEMS) -> tuple[RequestResult, ...]:
+    """Warmup lines through the warmed systems (``warmed``, untimed), a system with a ``warm`` method (one
     that compiles) once on the first measured line (untimed), then each measured line through
     every system in rotated order. Pure loop over the :class:`System` seam (tests inject
     systems). ``warmup_outputs``, when given, receives the first warmed system's output of
     each warmup line (by id)."""
-    warm = [name for name in WARMED_SYSTEMS if name in systems]
+    warm = [name for name in warmed if name in systems]
     warmup = workload.warmup if warm else ()
     measure = workload.measure
     total, done = len(warmup) + len(measure), 0

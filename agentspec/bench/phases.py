@@ -22,7 +22,6 @@ totals said the full system was slower than its best single drafter, not where.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import threading
@@ -32,6 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
+
+from agentspec.bench.report import write_json
 
 SYSTEMS = ("agentspec-plain", "agentspec-pld", "agentspec-suffix", "agentspec")
 
@@ -193,8 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+        write_json(result, args.json)
     return 0
 
 
