@@ -13,6 +13,11 @@ requests). An agent serving one tool set sees many requests against the same too
 - within each phase one tool set's requests come one after another (one agent's traffic), so
   consecutive calls share their system prompt, as in a deployed agent.
 
+With ``one_agent`` the chosen tool sets' tools all belong to one agent instead: every system
+prompt lists all of them (14 tools, prompts of ~4,000 SmolLM2 tokens with the defaults), every
+reply's grammar allows a call of any of them, and all lines share one scope. An agent holding
+many tools is the common deployed case, and long prompts are where a wide draft costs most.
+
 Each line is one LLM call: a system prompt listing the tools as JSON schemas and asking for a
 JSON list of calls, then the request's own messages, and (``choice``, default ``"required"``)
 the grammar of that reply: a JSON list of calls of the tool set's tools with arguments valid
@@ -77,10 +82,14 @@ def system_prompt(functions: Sequence[Mapping[str, Any]]) -> str:
         tools="\n".join(json.dumps(f, ensure_ascii=False) for f in functions), example=example)
 
 
-def _messages(entry: Mapping[str, Any]) -> list[dict[str, str]]:
-    """System prompt, then the request's first turn (a system message of its own is kept as
-    a second paragraph of ours)."""
-    system = system_prompt(entry["function"])
+ONE_AGENT_SCOPE = "bfcl-live-agent"
+
+
+def _messages(entry: Mapping[str, Any],
+              functions: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, str]]:
+    """System prompt (for ``functions``, default the request's own tool set), then the
+    request's first turn (a system message of its own is kept as a second paragraph of ours)."""
+    system = system_prompt(entry["function"] if functions is None else functions)
     turn = [m for m in entry["question"][0] if str(m.get("content", "")).strip()]
     own = [m["content"] for m in turn if m["role"] == "system"]
     if own:
@@ -108,7 +117,7 @@ def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOO
                    max_doc_chars: int = MAX_DOC_CHARS,
                    max_new_tokens: int = MAX_NEW_TOKENS,
                    choice: str | None = "required", rest: bool = False,
-                   skip: int = 0) -> list[WorkloadItem]:
+                   skip: int = 0, one_agent: bool = False) -> list[WorkloadItem]:
     """The workload lines: all warmup lines, then the measured ones; within each phase the
     requests of one tool set come together, as consecutive requests to one deployed agent.
     ``rest``: instead, the chosen tool sets' other requests (after their warmup and measured
@@ -116,6 +125,9 @@ def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOO
     ``choice``: each line's reply grammar (:func:`reply_grammar`: ``"required"`` or ``"auto"``),
     or None for unconstrained replies. ``skip``: leave out the ``skip`` most frequent tool sets
     that qualify (``skip=6``: held-out tool sets, none of them in the shipped ``bfcl-live``).
+    ``one_agent``: the same requests sent to one agent holding every chosen tool set's tools
+    (each tool once, by name, in the order the tool sets were chosen): one system prompt, one
+    grammar, one scope (:data:`ONE_AGENT_SCOPE`).
 
     Raises:
         ValueError: a count is not positive, ``choice`` is unknown, or fewer than
@@ -140,6 +152,15 @@ def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOO
         raise ValueError(f"only {len(chosen)} tool sets have {warmup + measure} requests and "
                          f"docs of at most {max_doc_chars} characters (after skipping {skip}); "
                          f"asked for {tool_sets}")
+    union: list[Mapping[str, Any]] = []
+    if one_agent:
+        names: set[str] = set()
+        for key in chosen:
+            for function in by_set[key][0]["function"]:
+                if function["name"] not in names:
+                    names.add(function["name"])
+                    union.append(function)
+    shared = None if choice is None or not one_agent else reply_grammar(union, choice)
     items: list[WorkloadItem] = []
     phases = [("warmup", 0, warmup), ("measure", warmup, warmup + measure)]
     if rest:
@@ -148,8 +169,12 @@ def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOO
         for key in chosen:
             for i in range(lo, min(hi, len(by_set[key]))):
                 entry = by_set[key][i]
-                grammar = None if choice is None else reply_grammar(entry["function"], choice)
-                items.append(WorkloadItem(id=str(entry["id"]), scope=_scope(entry["function"]),
-                                          phase=phase, messages=tuple(_messages(entry)),
+                if one_agent:
+                    grammar, scope, messages = shared, ONE_AGENT_SCOPE, _messages(entry, union)
+                else:
+                    grammar = None if choice is None else reply_grammar(entry["function"], choice)
+                    scope, messages = _scope(entry["function"]), _messages(entry)
+                items.append(WorkloadItem(id=str(entry["id"]), scope=scope, phase=phase,
+                                          messages=tuple(messages),
                                           max_new_tokens=max_new_tokens, grammar=grammar))
     return items

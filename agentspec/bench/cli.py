@@ -319,6 +319,10 @@ def build_bfcl_live(
         "--skip", help="Leave out the most frequent qualifying tool sets: --skip 6 --tool-sets "
                        "9 --warmup 6 --measure 4 gives held-out tool sets, none of them in "
                        "the shipped bfcl-live.")] = 0,
+    one_agent: Annotated[bool, typer.Option(
+        "--one-agent", help="Send the requests to one agent holding every chosen tool set's "
+                            "tools: one system prompt listing them all (~4,000 tokens with "
+                            "the defaults), one grammar over them all, one scope.")] = False,
 ) -> None:
     """Write the single-turn BFCL workload (live_multiple requests over recurring tool sets).
 
@@ -335,13 +339,15 @@ def build_bfcl_live(
         items = bfcl_live.build_workload(bfcl_live.load_entries(), max_new_tokens=max_new_tokens,
                                          choice=None if choice == "none" else choice,
                                          tool_sets=tool_sets, warmup=warmup, measure=measure,
-                                         skip=skip)
+                                         skip=skip, one_agent=one_agent)
     except ValueError as e:
         fail(str(e), EXIT_USAGE)
     n = write_workload(out, items)
     warm = sum(i.phase == "warmup" for i in items)
-    console.print(f"wrote {n} calls ({warm} warmup, {n - warm} measure) over "
-                  f"{len({i.scope for i in items})} tool sets to {out}")
+    held = (f"one agent holding {len(items[0].grammar['tools'])} tools"
+            if one_agent and items[0].grammar else
+            "one agent" if one_agent else f"{len({i.scope for i in items})} tool sets")
+    console.print(f"wrote {n} calls ({warm} warmup, {n - warm} measure) over {held} to {out}")
 
 
 @bench_app.command("build-humaneval")

@@ -109,3 +109,23 @@ def test_the_held_out_tool_sets_are_none_of_the_shipped_ones(tmp_path: Path) -> 
     shipped = load_workload(resolve_workload("bfcl-live"), default_max_new_tokens=1)
     assert len(held_out) == 90
     assert not {i.scope for i in held_out} & {i.scope for i in shipped.items}
+
+
+def test_one_agent_holds_every_tool_set_and_keeps_the_requests() -> None:
+    entries = [_entry(i, "a" if i % 3 else "b") for i in range(30)]
+    for entry in entries[::3]:  # the second tool set shares tool "a" with the first
+        entry["function"] = entry["function"] + [{"name": "a", "parameters": {}}]
+    apart = bfcl_live.build_workload(entries, tool_sets=2, warmup=3, measure=2)
+    one = bfcl_live.build_workload(entries, tool_sets=2, warmup=3, measure=2, one_agent=True)
+    # The same requests in the same order and phases, now one agent's: one scope, one system
+    # prompt listing each tool once, one grammar allowing a call of any of them.
+    assert [(i.id, i.phase) for i in one] == [(i.id, i.phase) for i in apart]
+    assert [i.messages[1:] for i in one] == [i.messages[1:] for i in apart]
+    assert {i.scope for i in one} == {bfcl_live.ONE_AGENT_SCOPE}
+    system = {i.messages[0]["content"] for i in one}
+    assert len(system) == 1
+    assert system.pop().count('"name": "a"') == 1 + 1  # listed once, and named by the example
+    assert {tuple(t["name"] for t in i.grammar["tools"]) for i in one} == {("a", "b")}
+    plain = bfcl_live.build_workload(entries, tool_sets=2, warmup=3, measure=2, one_agent=True,
+                                     choice=None)
+    assert all(i.grammar is None for i in plain)
