@@ -85,11 +85,10 @@ def system_prompt(functions: Sequence[Mapping[str, Any]]) -> str:
 ONE_AGENT_SCOPE = "bfcl-live-agent"
 
 
-def _messages(entry: Mapping[str, Any],
-              functions: Sequence[Mapping[str, Any]] | None = None) -> list[dict[str, str]]:
-    """System prompt (for ``functions``, default the request's own tool set), then the
-    request's first turn (a system message of its own is kept as a second paragraph of ours)."""
-    system = system_prompt(entry["function"] if functions is None else functions)
+def _messages(entry: Mapping[str, Any], functions: Sequence[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """System prompt for ``functions``, then the request's first turn (a system message of its
+    own is kept as a second paragraph of ours)."""
+    system = system_prompt(functions)
     turn = [m for m in entry["question"][0] if str(m.get("content", "")).strip()]
     own = [m["content"] for m in turn if m["role"] == "system"]
     if own:
@@ -160,7 +159,6 @@ def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOO
                 if function["name"] not in names:
                     names.add(function["name"])
                     union.append(function)
-    shared = None if choice is None or not one_agent else reply_grammar(union, choice)
     items: list[WorkloadItem] = []
     phases = [("warmup", 0, warmup), ("measure", warmup, warmup + measure)]
     if rest:
@@ -169,12 +167,10 @@ def build_workload(entries: Sequence[Mapping[str, Any]], *, tool_sets: int = TOO
         for key in chosen:
             for i in range(lo, min(hi, len(by_set[key]))):
                 entry = by_set[key][i]
-                if one_agent:
-                    grammar, scope, messages = shared, ONE_AGENT_SCOPE, _messages(entry, union)
-                else:
-                    grammar = None if choice is None else reply_grammar(entry["function"], choice)
-                    scope, messages = _scope(entry["function"]), _messages(entry)
-                items.append(WorkloadItem(id=str(entry["id"]), scope=scope, phase=phase,
-                                          messages=tuple(messages),
+                functions = union or entry["function"]  # the tools the request is sent with
+                grammar = None if choice is None else reply_grammar(functions, choice)
+                items.append(WorkloadItem(id=str(entry["id"]),
+                                          scope=ONE_AGENT_SCOPE if one_agent else _scope(functions),
+                                          phase=phase, messages=tuple(_messages(entry, functions)),
                                           max_new_tokens=max_new_tokens, grammar=grammar))
     return items

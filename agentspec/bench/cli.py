@@ -344,9 +344,7 @@ def build_bfcl_live(
         fail(str(e), EXIT_USAGE)
     n = write_workload(out, items)
     warm = sum(i.phase == "warmup" for i in items)
-    held = (f"one agent holding {len(items[0].grammar['tools'])} tools"
-            if one_agent and items[0].grammar else
-            "one agent" if one_agent else f"{len({i.scope for i in items})} tool sets")
+    held = "one agent" if one_agent else f"{len({i.scope for i in items})} tool sets"
     console.print(f"wrote {n} calls ({warm} warmup, {n - warm} measure) over {held} to {out}")
 
 
