@@ -73,6 +73,15 @@ PACKAGED_MODELS = {
         None, chat_template=GEMMA_TURNS, turn_end="<end_of_turn>"),
 }
 _MARKER = "agentspec-converted.json"
+# The CPU's forward widths. A draft is scored at the narrowest width that holds it, so every
+# width is a step of the cost curve the policy sizes drafts on; on the 2-core CPU a forward's
+# time grows with its rows (SmolLM2-135M at 1,024 tokens of context: 4 rows 31 ms, 8: 39,
+# 16: 49, 32: 73, 64: 129), and with powers of two only a draft of 17 tokens paid for 32
+# rows. The steps between (6, 12, 20, 24, 40, 48: 34, 44, 55, 61, 86, 99 ms) let the policy
+# draft as far as a copy is worth: side by side, bfcl-live 1.075x tokens/s, same outputs
+# (BENCHMARKS.md, 2026-11-26). Every width computes a row's bits alike (oneDNN's pointwise
+# products, from 2 rows), and check_widths drops any that does not.
+CPU_WIDTHS = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 # The target whose ``score`` forward is running in this thread (its hidden rows are kept).
 _CAPTURING = threading.local()
 
@@ -224,9 +233,10 @@ class HFTarget:
             docs and earlier turns, so most of a prompt's prefill is skipped. The rows are the
             same bits a fresh prefill computes (``tests/integration/test_invariance.py``).
         widths: the forward widths, smallest first, all of one reduction class. Default on
-            the CPU (2, 4, 8, 16, 32, 64): a 1-row product runs another kernel than 2+ rows;
-            checked on first use (:meth:`check_widths`). On CUDA one width, 64, captured as a
-            CUDA graph (cuBLAS picks kernels by row count; the forward is launch-bound anyway).
+            the CPU :data:`CPU_WIDTHS` (2 to 64 rows; a 1-row product runs another kernel than
+            2+ rows), checked on first use (:meth:`check_widths`). On CUDA one width, 64,
+            captured as a CUDA graph (cuBLAS picks kernels by row count; the forward is
+            launch-bound anyway).
         cuda_graphs: capture the forwards as CUDA graphs (CUDA only; default on).
         prefill_widths: wider forwards for prompt chunks only, kept where they compute the
             same bits as the widest of ``widths`` (:meth:`check_widths`). Default on the CPU
@@ -254,7 +264,7 @@ class HFTarget:
         cuda = self.device.type == "cuda"
         # the engine's large CPU temporaries: reused, not mapped anew (_malloc)
         self.malloc = "off (cuda)" if cuda else _malloc.tune()
-        self.widths = tuple(widths or ((64,) if cuda else (2, 4, 8, 16, 32, 64)))
+        self.widths = tuple(widths or ((64,) if cuda else CPU_WIDTHS))
         if list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
             raise ValueError(f"widths must be distinct positive ints, smallest first, got {widths}")
         self.cuda_graphs = cuda_graphs and cuda

@@ -31,7 +31,9 @@ _TABLE_NODES = 130  # covers the 64-node tree budget and the 64-token depth boun
 # 6: interleaved rounds, a non-decreasing curve, one step per forward width.
 # 7: CPU linears as oneDNN pointwise products on reordered weights (faster forwards).
 # 8: a probe stored with the curve, re-timed whenever the cache is read.
-COST_CACHE_VERSION = 8
+# 9: the target's forward widths stored with the curve (finer CPU widths; a curve measured at
+#    other widths is measured again).
+COST_CACHE_VERSION = 9
 # The probe: forwards of 1 and 8 rows over a short context, best of a few rounds.
 PROBE_SIZES = (0, 7)
 PROBE_CONTEXT = 64
@@ -267,7 +269,8 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
     one size), each size keeps its fastest round, and a size is never dearer than a larger
     one (the curve is the running minimum from the right: a forward over more tokens cannot be
     the cheaper). Cached as JSON in ``cache_file`` (per model fingerprint and device) when
-    given; a cache of another :data:`COST_CACHE_VERSION` is measured again.
+    given; a cache of another :data:`COST_CACHE_VERSION`, or of other forward widths than the
+    target's (``target.widths`` once :meth:`check_widths` has settled them), is measured again.
 
     A load that lasts the whole measurement is no burst: it would inflate the cached curve for
     good, and the policy would draft too little on every later run. So a short probe (forwards
@@ -294,10 +297,14 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
 def _cached_or_measured(target: Any, sizes: tuple[int, ...] | None, context: int, repeats: int,
                         cache_file: Path | None) -> CostModel:
     now = None  # the probe, when a cached curve was checked with it
+    settle = getattr(target, "check_widths", None)
+    if callable(settle):
+        settle()  # the widths a curve is cached for are those left after the probe
     if cache_file is not None and cache_file.exists():
         try:
             data = json.loads(cache_file.read_text())
-            if data.get("version") == COST_CACHE_VERSION:
+            widths = [int(w) for w in getattr(target, "widths", ()) or ()]
+            if data.get("version") == COST_CACHE_VERSION and data.get("widths", []) == widths:
                 cached = CostModel(float(data["base"]), float(data["per_token"]),
                                    tuple((int(t), float(sec)) for t, sec in data["points"]))
                 then = [float(x) for x in data["probe"]]
@@ -314,7 +321,8 @@ def _cached_or_measured(target: Any, sizes: tuple[int, ...] | None, context: int
         cache_file.write_text(json.dumps({"version": COST_CACHE_VERSION, "base": model.base,
                                           "per_token": model.per_token,
                                           "points": [list(p) for p in model.points],
-                                          "probe": probe}))
+                                          "probe": probe,
+                                          "widths": [int(w) for w in getattr(target, "widths", ()) or ()]}))
     return model
 
 

@@ -63,6 +63,22 @@ def test_cost_cache_is_used_and_older_versions_are_measured_again(tmp_path):
     assert data["version"] == COST_CACHE_VERSION and len(data["probe"]) == 2
 
 
+def test_a_curve_of_other_widths_is_measured_again(tmp_path):
+    """A curve is a step per forward width: one cached for other widths (an older default,
+    a width the probe dropped) would size drafts on steps the target does not have."""
+    cache = tmp_path / "cost.json"
+    cached = {"version": COST_CACHE_VERSION, "base": 1.0, "per_token": 0.0,
+              "points": [[1, 1.0], [8, 1.0]], "probe": [0.0, 0.0], "widths": [2, 8]}
+    cache.write_text(json.dumps(cached))
+    target = _WidthsTarget((2, 4, 8))  # its probe drops 4
+    assert measure_cost(target, cache_file=cache).seconds(0) == 1.0  # the same widths: kept
+    assert target.settled
+    target = _WidthsTarget((2, 4, 6, 8), drops=())
+    model = measure_cost(target, context=16, repeats=1, cache_file=cache)
+    assert model.seconds(0) < 0.5 and sorted(set(target.scored)) == [1, 2, 4, 6, 8]
+    assert json.loads(cache.read_text())["widths"] == [2, 4, 6, 8]
+
+
 @pytest.mark.parametrize("reprobe", [True, False])
 def test_a_curve_cached_under_load_is_measured_again(tmp_path, reprobe, monkeypatch):
     import agentspec.drafters.policy as policy
@@ -116,6 +132,20 @@ class _FakeTarget:
 
     def commit(self, draft, verdict):
         pass
+
+
+class _WidthsTarget(_FakeTarget):
+    """A target with forward widths, of which its first forward's probe may drop some."""
+
+    def __init__(self, widths, drops=(4,)):
+        super().__init__()
+        self.widths, self.drops, self.settled = tuple(widths), drops, False
+
+    def check_widths(self):
+        if not self.settled:
+            self.settled = True
+            self.widths = tuple(w for w in self.widths if w not in self.drops)
+        return self.widths
 
 
 def test_expected_tokens():
