@@ -2,10 +2,13 @@
 
     python -m agentspec.bench.ab --workload bfcl --b write_behind=false
     python -m agentspec.bench.ab --workload bfcl-live --a prefetch_key=false --b prefetch_key=true
+    python -m agentspec.bench.ab --workload bfcl-live --a-widths 2,4,8,16,32,64
 
 Two `agentspec` systems (memory, suffix and prompt-lookup drafters, as `agentspec bench` builds
 them), one `SpecConfig` each (``--a`` and ``--b``: ``field=value`` pairs over the bench's own
-config), each with a memory of its own, on one loaded target. Every warmup line runs through
+config), each with a memory of its own, on one loaded target (``--a-widths``/``--b-widths``:
+that side's forward widths instead of the target's, its cost curve measured for them). Every
+warmup line runs through
 both, then every measured line, the order alternating from line to line, so a slow spell of a
 shared machine falls on both alike. Prints each setting's seconds and tokens/s, B over A in
 aggregate speed and the median of the per-line ratios, and whether the outputs were the same
@@ -65,10 +68,29 @@ def parse_settings(text: str) -> dict[str, Any]:
     return out
 
 
+def parse_widths(text: str | None) -> tuple[int, ...] | None:
+    """``"2,4,8"`` as forward widths (``None`` or empty: the target's own).
+
+    Raises:
+        ValueError: a width that is not a positive integer, or widths not strictly increasing.
+    """
+    if not text:
+        return None
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise ValueError(f"widths must be comma-separated integers, got {text!r}") from None
+    if widths[0] < 1 or list(widths) != sorted(set(widths)):
+        raise ValueError(f"widths must be distinct positive integers, smallest first, got {text!r}")
+    return widths
+
+
 def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
             model: str = "smollm2-135m-instruct", measure: int | None = None,
-            device: str | None = None) -> dict[str, Any]:
-    """Run both settings over ``workload`` (warmup through both, measured lines alternating)."""
+            device: str | None = None,
+            widths: dict[str, tuple[int, ...] | None] | None = None) -> dict[str, Any]:
+    """Run both settings over ``workload`` (warmup through both, measured lines alternating);
+    ``widths``: a side's forward widths (``"a"``/``"b"``), where not the target's own."""
     from agentspec import SpecConfig, load_target
     from agentspec.bench.cli import resolve_workload
     from agentspec.bench.harness import (
@@ -79,6 +101,7 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
         run_requests,
     )
     from agentspec.bench.workload import load_workload
+    from agentspec.target import HFTarget
 
     if measure is not None and measure < 1:
         raise ValueError(f"measure must be >= 1, got {measure}")
@@ -89,10 +112,15 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
     work = dataclasses.replace(work, items=tuple(
         i for i in work.items if i.phase == "warmup" or id(i) in kept))
     target = load_target(model, device=device)
+    widths = widths or {}
+    # A side of other widths runs on a target of its own over the same weights (its cost curve
+    # is measured for its widths: the cache keeps one curve, so it may be measured again).
+    targets = {k: target if widths.get(k) is None else HFTarget(
+        target.model, target.tokenizer, name=target.name, widths=widths[k]) for k in configs}
     with tempfile.TemporaryDirectory(prefix="agentspec-ab-") as tmp:
         systems = {k: SpecSystem(f"agentspec-{k}", _memory_speculator(
-            target, f"sqlite:///{Path(tmp) / f'{k}.db'}", config), temperature=0.0, record=True)
-            for k, config in configs.items()}
+            targets[k], f"sqlite:///{Path(tmp) / f'{k}.db'}", config), temperature=0.0,
+            record=True) for k, config in configs.items()}
         try:  # the bench's loop: warmup through both, measured lines in alternating order
             results = run_requests(work, dict(systems), BenchConfig(systems=("hf-greedy",)),
                                    encode=systems["a"].spec.encode, warmed=("a", "b"))
@@ -105,6 +133,9 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
     return {
         "workload": workload, "model": model, "device": str(target.device),
         "a": a, "b": b, "requests": len(results),
+        "widths": {k: list(systems[k].spec.target.widths) for k in systems},
+        "tokens_per_step": {k: tokens[k] / max(1, sum(r.outcomes[k][0].steps or 0 for r in results))
+                            for k in systems},
         "seconds": {k: sum(v) for k, v in seconds.items()},
         "tokens_per_second": {k: tokens[k] / sum(seconds[k]) if sum(seconds[k]) else 0.0
                               for k in seconds},
@@ -120,9 +151,14 @@ def format_result(result: dict[str, Any]) -> str:
         return ", ".join(f"{k}={v}" for k, v in settings.items()) or "the bench's settings"
 
     lines = [f"{result['workload']}: {result['requests']} measured requests on {result['device']}"]
+    widths = result.get("widths", {})
     for k in ("a", "b"):
-        lines.append(f"  {k.upper()} ({named(result[k])}): {result['seconds'][k]:.2f} s, "
-                     f"{result['tokens_per_second'][k]:.2f} tok/s")
+        shown = named(result[k])
+        if widths and widths["a"] != widths["b"]:
+            shown += f"; widths {','.join(map(str, widths[k]))}"
+        lines.append(f"  {k.upper()} ({shown}): {result['seconds'][k]:.2f} s, "
+                     f"{result['tokens_per_second'][k]:.2f} tok/s, "
+                     f"{result['tokens_per_step'][k]:.2f} tok/step")
     lines.append(f"  B / A: {result['b_over_a']:.3f}x aggregate, "
                  f"{result['median_b_over_a']:.3f}x median per request; same outputs: "
                  f"{'yes' if result['same_outputs'] else 'NO'}")
@@ -135,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--workload", default="bfcl", help="a shipped name or a .jsonl")
     parser.add_argument("--a", default="", help="setting A: field=value,... (default: none)")
     parser.add_argument("--b", default="", help="setting B: field=value,...")
+    parser.add_argument("--a-widths", default=None, metavar="W,W,...",
+                        help="setting A's forward widths (default: the target's)")
+    parser.add_argument("--b-widths", default=None, metavar="W,W,...",
+                        help="setting B's forward widths (default: the target's)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--measure", type=int, default=None,
                         help="only the first N measured lines")
@@ -143,8 +183,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         a, b = parse_settings(args.a), parse_settings(args.b)
+        widths = {"a": parse_widths(args.a_widths), "b": parse_widths(args.b_widths)}
         result = compare(args.workload, a, b, model=args.model, measure=args.measure,
-                         device=args.device)
+                         device=args.device, widths=widths)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     print(format_result(result), flush=True)

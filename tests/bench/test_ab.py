@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agentspec.bench.ab import compare, format_result, main, parse_settings
+from agentspec.bench.ab import compare, format_result, main, parse_settings, parse_widths
 
 
 def test_settings_take_each_fields_type():
@@ -32,6 +32,30 @@ def test_the_command_line_rejects_a_bad_setting_before_loading_a_model(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--b", "write_behind=maybe"])
     assert exit_.value.code == 2 and "write_behind='maybe'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["--a-widths", "2,8,4"])
+    assert exit_.value.code == 2 and "smallest first, got '2,8,4'" in capsys.readouterr().err
+
+
+def test_widths_are_read_and_bad_ones_named():
+    assert parse_widths(None) is None and parse_widths("") is None
+    assert parse_widths("2,4,6,8") == (2, 4, 6, 8)
+    for bad, named in (("2,x", "integers, got '2,x'"), ("0,4", "positive"), ("4,4", "distinct")):
+        with pytest.raises(ValueError, match=named):
+            parse_widths(bad)
+
+
+def test_the_report_names_each_sides_widths_where_they_differ():
+    result = {"workload": "bfcl-live", "requests": 3, "device": "cpu", "a": {}, "b": {},
+              "widths": {"a": [2, 4, 8], "b": [2, 4, 6, 8]},
+              "seconds": {"a": 2.0, "b": 1.0}, "tokens_per_second": {"a": 10.0, "b": 20.0},
+              "tokens_per_step": {"a": 2.0, "b": 2.5}, "b_over_a": 2.0, "median_b_over_a": 1.9,
+              "same_outputs": True}
+    text = format_result(result)
+    assert "A (the bench's settings; widths 2,4,8): 2.00 s, 10.00 tok/s, 2.00 tok/step" in text
+    assert "B (the bench's settings; widths 2,4,6,8)" in text and "2.000x aggregate" in text
+    result["widths"]["b"] = [2, 4, 8]
+    assert "widths" not in format_result(result)
 
 
 @pytest.mark.slow
@@ -40,5 +64,6 @@ def test_two_settings_side_by_side_on_a_real_model(tmp_path: Path):
     assert result["requests"] == 2 and result["same_outputs"] is True
     assert result["b_over_a"] > 0 and result["median_b_over_a"] > 0
     text = format_result(result)
-    assert "write_behind=False" in text and "same outputs: yes" in text
+    assert "write_behind=False" in text and "same outputs: yes" in text and "tok/step" in text
+    assert result["widths"]["a"] == result["widths"]["b"]
     json.dumps(result)
