@@ -82,6 +82,12 @@ _MARKER = "agentspec-converted.json"
 # (BENCHMARKS.md, 2026-11-26). Every width computes a row's bits alike (oneDNN's pointwise
 # products, from 2 rows), and check_widths drops any that does not.
 CPU_WIDTHS = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
+# Prompt chunks: 256 rows, and the last chunk at the narrowest width that holds it. An agent's
+# call adds a tail (a user turn, a tool's result) to a prompt whose prefix is in the KV; with
+# 128 and 256 only, a 140-token tail paid for 256 rows (390 ms at 1,000 tokens of context;
+# 160 rows: 253 ms; a 70-token tail 214 -> 149 ms at 96 rows). Side by side: bfcl 1.029x,
+# bfcl-live 1.009x, prompts 1.007x tokens/s, same outputs (BENCHMARKS.md, 2026-11-26).
+CPU_PREFILL_WIDTHS = (96, 128, 160, 192, 256)
 # The target whose ``score`` forward is running in this thread (its hidden rows are kept).
 _CAPTURING = threading.local()
 
@@ -240,9 +246,10 @@ class HFTarget:
         cuda_graphs: capture the forwards as CUDA graphs (CUDA only; default on).
         prefill_widths: wider forwards for prompt chunks only, kept where they compute the
             same bits as the widest of ``widths`` (:meth:`check_widths`). Default on the CPU
-            (128, 256): a 256-row chunk costs about half as much per token as a 64-row one
-            (measured: an 869-token prompt in 2.3 s instead of 4.1 s, transformers' own
-            single forward 1.7 s); none on CUDA, where a captured 64-row graph is cheap.
+            :data:`CPU_PREFILL_WIDTHS`: a 256-row chunk costs about half as much per token as
+            a 64-row one (measured: an 869-token prompt in 2.3 s instead of 4.1 s,
+            transformers' own single forward 1.7 s); none on CUDA, where a captured 64-row
+            graph is cheap.
         prefix_cache_bytes: the budget of the prefix cache (:mod:`agentspec._prefix`): rows
             of earlier calls that a new prompt would overwrite are kept, in blocks of 64
             tokens, and a later prompt that starts with them gets them back instead of
@@ -268,7 +275,7 @@ class HFTarget:
         if list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
             raise ValueError(f"widths must be distinct positive ints, smallest first, got {widths}")
         self.cuda_graphs = cuda_graphs and cuda
-        wide = (() if cuda else (128, 256)) if prefill_widths is None else tuple(prefill_widths)
+        wide = (() if cuda else CPU_PREFILL_WIDTHS) if prefill_widths is None else tuple(prefill_widths)
         self.prefill_widths = tuple(w for w in wide if w > self.widths[-1])
         if list(self.prefill_widths) != sorted(set(self.prefill_widths)):
             raise ValueError(f"prefill_widths must be distinct ints, smallest first, got {prefill_widths}")

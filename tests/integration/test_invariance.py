@@ -31,7 +31,7 @@ from agentspec.embedder import HashEmbedder
 from agentspec.memory import CompletionMemory, conversation_key
 from agentspec.protocols import DraftContext
 from agentspec.stores import SQLStore
-from agentspec.target import HFTarget, load_target
+from agentspec.target import CPU_PREFILL_WIDTHS, HFTarget, load_target
 from agentspec.tree import merge_chains
 from agentspec.types import Draft, Verdict
 
@@ -228,17 +228,19 @@ def _prefill_keys(target: HFTarget, ids: list[int]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
 def test_wide_prefill_chunks_write_the_rows_decode_widths_write(dtype_name):
-    """A prompt prefilled in 256- and 128-row chunks holds the same KV bits as one prefilled in
-    64-row chunks (the rows a decode-width forward writes, which a later call may reuse); the
-    model's own one-forward prefill, another reduction order, does not."""
+    """A prompt prefilled in 256-row chunks and a last one at the narrowest prefill width that
+    holds it has the same KV bits as one prefilled in 64-row chunks (the rows a decode-width
+    forward writes, which a later call may reuse); the model's own one-forward prefill,
+    another reduction order, does not."""
     spec = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST)
     ids = spec.encode(PROMPTS[-1])
-    assert len(ids) > 256 + 128  # a 256 chunk, then the rest in a 128 or 256 one
+    assert len(ids) > 256 + 64  # a 256 chunk, then the rest in a prefill-width one
     wide = _fresh(dtype_name)
     narrow = _fresh(dtype_name, prefill_widths=())
-    assert wide.check_widths() and wide.prefill_widths == (128, 256)
+    assert wide.check_widths() and wide.prefill_widths == CPU_PREFILL_WIDTHS
     keys = _prefill_keys(wide, ids)
     assert 256 in wide._forwards and not any(w > 64 for w in narrow._forwards)
+    assert len(wide._forwards.keys() & set(CPU_PREFILL_WIDTHS)) >= 2  # 256 and the last chunk's
     ref = _prefill_keys(narrow, ids)
     assert all(torch.equal(a, b) for a, b in zip(keys, ref, strict=True))
     # The deliberately wrong prefill: transformers' own forward over the whole prompt.
