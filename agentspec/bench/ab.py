@@ -3,11 +3,13 @@
     python -m agentspec.bench.ab --workload bfcl --b write_behind=false
     python -m agentspec.bench.ab --workload bfcl-live --a prefetch_key=false --b prefetch_key=true
     python -m agentspec.bench.ab --workload bfcl-live --a-widths 2,4,8,16,32,64
+    python -m agentspec.bench.ab --workload bfcl --a-prefill-widths 128,256
 
 Two `agentspec` systems (memory, suffix and prompt-lookup drafters, as `agentspec bench` builds
 them), one `SpecConfig` each (``--a`` and ``--b``: ``field=value`` pairs over the bench's own
-config), each with a memory of its own, on one loaded target (``--a-widths``/``--b-widths``:
-that side's forward widths instead of the target's, its cost curve measured for them). Every
+config), each with a memory of its own, on one loaded target (``--a-widths``/``--b-widths``,
+``--a-prefill-widths``/``--b-prefill-widths``: that side's forward or prompt-chunk widths
+instead of the target's, its cost curve measured for them). Every
 warmup line runs through
 both, then every measured line, the order alternating from line to line, so a slow spell of a
 shared machine falls on both alike. Prints each setting's seconds and tokens/s, B over A in
@@ -88,9 +90,11 @@ def parse_widths(text: str | None) -> tuple[int, ...] | None:
 def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
             model: str = "smollm2-135m-instruct", measure: int | None = None,
             device: str | None = None,
-            widths: dict[str, tuple[int, ...] | None] | None = None) -> dict[str, Any]:
+            widths: dict[str, tuple[int, ...] | None] | None = None,
+            prefill_widths: dict[str, tuple[int, ...] | None] | None = None) -> dict[str, Any]:
     """Run both settings over ``workload`` (warmup through both, measured lines alternating);
-    ``widths``: a side's forward widths (``"a"``/``"b"``), where not the target's own."""
+    ``widths``, ``prefill_widths``: a side's (``"a"``/``"b"``) forward and prompt-chunk
+    widths, where not the target's own."""
     from agentspec import SpecConfig, load_target
     from agentspec.bench.cli import resolve_workload
     from agentspec.bench.harness import (
@@ -112,11 +116,12 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
     work = dataclasses.replace(work, items=tuple(
         i for i in work.items if i.phase == "warmup" or id(i) in kept))
     target = load_target(model, device=device)
-    widths = widths or {}
+    widths, prefill_widths = widths or {}, prefill_widths or {}
     # A side of other widths runs on a target of its own over the same weights (its cost curve
     # is measured for its widths: the cache keeps one curve, so it may be measured again).
-    targets = {k: target if widths.get(k) is None else HFTarget(
-        target.model, target.tokenizer, name=target.name, widths=widths[k]) for k in configs}
+    targets = {k: target if widths.get(k) is None and prefill_widths.get(k) is None else HFTarget(
+        target.model, target.tokenizer, name=target.name, widths=widths.get(k),
+        prefill_widths=prefill_widths.get(k)) for k in configs}
     with tempfile.TemporaryDirectory(prefix="agentspec-ab-") as tmp:
         systems = {k: SpecSystem(f"agentspec-{k}", _memory_speculator(
             targets[k], f"sqlite:///{Path(tmp) / f'{k}.db'}", config), temperature=0.0,
@@ -134,6 +139,7 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
         "workload": workload, "model": model, "device": str(target.device),
         "a": a, "b": b, "requests": len(results),
         "widths": {k: list(systems[k].spec.target.widths) for k in systems},
+        "prefill_widths": {k: list(systems[k].spec.target.prefill_widths) for k in systems},
         "tokens_per_step": {k: tokens[k] / max(1, sum(r.outcomes[k][0].steps or 0 for r in results))
                             for k in systems},
         "seconds": {k: sum(v) for k, v in seconds.items()},
@@ -151,11 +157,12 @@ def format_result(result: dict[str, Any]) -> str:
         return ", ".join(f"{k}={v}" for k, v in settings.items()) or "the bench's settings"
 
     lines = [f"{result['workload']}: {result['requests']} measured requests on {result['device']}"]
-    widths = result.get("widths", {})
     for k in ("a", "b"):
         shown = named(result[k])
-        if widths and widths["a"] != widths["b"]:
-            shown += f"; widths {','.join(map(str, widths[k]))}"
+        for field, label in (("widths", "widths"), ("prefill_widths", "prefill widths")):
+            sides = result.get(field, {})
+            if sides and sides["a"] != sides["b"]:
+                shown += f"; {label} {','.join(map(str, sides[k])) or 'none'}"
         lines.append(f"  {k.upper()} ({shown}): {result['seconds'][k]:.2f} s, "
                      f"{result['tokens_per_second'][k]:.2f} tok/s, "
                      f"{result['tokens_per_step'][k]:.2f} tok/step")
@@ -175,6 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="setting A's forward widths (default: the target's)")
     parser.add_argument("--b-widths", default=None, metavar="W,W,...",
                         help="setting B's forward widths (default: the target's)")
+    parser.add_argument("--a-prefill-widths", default=None, metavar="W,W,...",
+                        help="setting A's prompt-chunk widths (default: the target's)")
+    parser.add_argument("--b-prefill-widths", default=None, metavar="W,W,...",
+                        help="setting B's prompt-chunk widths (default: the target's)")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--measure", type=int, default=None,
                         help="only the first N measured lines")
@@ -184,8 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         a, b = parse_settings(args.a), parse_settings(args.b)
         widths = {"a": parse_widths(args.a_widths), "b": parse_widths(args.b_widths)}
+        prefill = {"a": parse_widths(args.a_prefill_widths),
+                   "b": parse_widths(args.b_prefill_widths)}
         result = compare(args.workload, a, b, model=args.model, measure=args.measure,
-                         device=args.device, widths=widths)
+                         device=args.device, widths=widths, prefill_widths=prefill)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     print(format_result(result), flush=True)

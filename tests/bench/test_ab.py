@@ -56,6 +56,8 @@ def test_the_report_names_each_sides_widths_where_they_differ():
     assert "B (the bench's settings; widths 2,4,6,8)" in text and "2.000x aggregate" in text
     result["widths"]["b"] = [2, 4, 8]
     assert "widths" not in format_result(result)
+    result["prefill_widths"] = {"a": [128, 256], "b": [96, 128, 256]}
+    assert "A (the bench's settings; prefill widths 128,256)" in format_result(result)
 
 
 @pytest.mark.slow
@@ -66,4 +68,5 @@ def test_two_settings_side_by_side_on_a_real_model(tmp_path: Path):
     text = format_result(result)
     assert "write_behind=False" in text and "same outputs: yes" in text and "tok/step" in text
     assert result["widths"]["a"] == result["widths"]["b"]
+    assert result["prefill_widths"]["a"] == result["prefill_widths"]["b"]
     json.dumps(result)
