@@ -112,7 +112,9 @@ def bench(
     workload: Annotated[str, typer.Option(
         "--workload", help="A .jsonl workload, or a shipped one by name: bfcl, bfcl-live, "
                                  "prompts.")] = "bfcl",
-    model: Annotated[str, typer.Option("--model", help="Target model.")] = "smollm2-135m-instruct",
+    model: Annotated[str, typer.Option(
+        "--model", help="Target model: a packaged name (smollm2-135m-instruct, gemma-3-270m), "
+                        "a model folder or a .gguf file.")] = "smollm2-135m-instruct",
     systems: Annotated[str | None, typer.Option(
         "--systems", help=f"Comma-separated, among {', '.join(SYSTEMS)} (and agentspec-head "
                           "once a head is trained: agentspec head train). Default "
