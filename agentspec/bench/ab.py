@@ -9,7 +9,7 @@ Two `agentspec` systems (memory, suffix and prompt-lookup drafters, as `agentspe
 them), one `SpecConfig` each (``--a`` and ``--b``: ``field=value`` pairs over the bench's own
 config), each with a memory of its own, on one loaded target (``--a-widths``/``--b-widths``,
 ``--a-prefill-widths``/``--b-prefill-widths``: that side's forward or prompt-chunk widths
-instead of the target's, its cost curve measured for them). Every
+instead of the target's, its cost curve measured for them and not cached). Every
 warmup line runs through
 both, then every measured line, the order alternating from line to line, so a slow spell of a
 shared machine falls on both alike. Prints each setting's seconds and tokens/s, B over A in
@@ -105,6 +105,7 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
         run_requests,
     )
     from agentspec.bench.workload import load_workload
+    from agentspec.drafters.policy import measure_cost
     from agentspec.target import HFTarget
 
     if measure is not None and measure < 1:
@@ -117,15 +118,17 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
         i for i in work.items if i.phase == "warmup" or id(i) in kept))
     target = load_target(model, device=device)
     widths, prefill_widths = widths or {}, prefill_widths or {}
-    # A side of other widths runs on a target of its own over the same weights (its cost curve
-    # is measured for its widths: the cache keeps one curve, so it may be measured again).
-    targets = {k: target if widths.get(k) is None and prefill_widths.get(k) is None else HFTarget(
-        target.model, target.tokenizer, name=target.name, widths=widths.get(k),
-        prefill_widths=prefill_widths.get(k)) for k in configs}
+    # A side of other widths runs on a target of its own over the same weights, its cost curve
+    # measured here for its widths and kept out of the cache (which holds the default's).
+    own = {k for k in configs if widths.get(k) is not None or prefill_widths.get(k) is not None}
+    targets = {k: HFTarget(target.model, target.tokenizer, name=target.name,
+                           widths=widths.get(k), prefill_widths=prefill_widths.get(k))
+               if k in own else target for k in configs}
+    costs = {k: measure_cost(targets[k]) if k in own else "measure" for k in configs}
     with tempfile.TemporaryDirectory(prefix="agentspec-ab-") as tmp:
         systems = {k: SpecSystem(f"agentspec-{k}", _memory_speculator(
-            targets[k], f"sqlite:///{Path(tmp) / f'{k}.db'}", config), temperature=0.0,
-            record=True) for k, config in configs.items()}
+            targets[k], f"sqlite:///{Path(tmp) / f'{k}.db'}", config, costs[k]),
+            temperature=0.0, record=True) for k, config in configs.items()}
         try:  # the bench's loop: warmup through both, measured lines in alternating order
             results = run_requests(work, dict(systems), BenchConfig(systems=("hf-greedy",)),
                                    encode=systems["a"].spec.encode, warmed=("a", "b"))

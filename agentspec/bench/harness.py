@@ -262,12 +262,13 @@ def build_systems(target: Any, config: BenchConfig, db_url: str,
     return built
 
 
-def _memory_speculator(target: Any, db_url: str, config: Any = None) -> Any:
+def _memory_speculator(target: Any, db_url: str, config: Any = None, cost: Any = "measure") -> Any:
     from agentspec import Speculator
     from agentspec.memory import CompletionMemory
     from agentspec.stores import SQLStore
 
-    spec = Speculator(target.fork(), memory=CompletionMemory(SQLStore(db_url)), config=config)
+    spec = Speculator(target.fork(), memory=CompletionMemory(SQLStore(db_url)), config=config,
+                      cost=cost)
     spec.warmup()
     return spec
 

@@ -62,11 +62,14 @@ def test_the_report_names_each_sides_widths_where_they_differ():
 
 @pytest.mark.slow
 def test_two_settings_side_by_side_on_a_real_model(tmp_path: Path):
-    result = compare("prompts", {}, {"write_behind": False}, measure=2, device="cpu")
+    # Side A also on other forward widths: another engine, the same outputs.
+    result = compare("prompts", {}, {"write_behind": False}, measure=2, device="cpu",
+                     widths={"a": (2, 4, 8, 16, 32, 64)})
     assert result["requests"] == 2 and result["same_outputs"] is True
     assert result["b_over_a"] > 0 and result["median_b_over_a"] > 0
     text = format_result(result)
     assert "write_behind=False" in text and "same outputs: yes" in text and "tok/step" in text
-    assert result["widths"]["a"] == result["widths"]["b"]
+    assert result["widths"]["a"] == [2, 4, 8, 16, 32, 64] != result["widths"]["b"]
+    assert "widths 2,4,8,16,32,64)" in text
     assert result["prefill_widths"]["a"] == result["prefill_widths"]["b"]
     json.dumps(result)
