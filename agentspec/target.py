@@ -14,6 +14,7 @@ import shutil
 import threading
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -88,6 +89,22 @@ CPU_WIDTHS = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 # 160 rows: 253 ms; a 70-token tail 214 -> 149 ms at 96 rows). Side by side: bfcl 1.029x,
 # bfcl-live 1.009x, prompts 1.007x tokens/s, same outputs (BENCHMARKS.md, 2026-11-26).
 CPU_PREFILL_WIDTHS = (96, 128, 160, 192, 256)
+
+
+def ordered_widths(widths: Sequence[int], name: str = "widths", shown: str | None = None) -> tuple[int, ...]:
+    """``widths`` as a tuple, checked: distinct positive integers, smallest first (or none).
+
+    Raises:
+        ValueError: they are not; the message names ``name`` and shows ``shown`` (default the
+            widths themselves).
+    """
+    out = tuple(widths)
+    if out and (out[0] < 1 or list(out) != sorted(set(out))):
+        raise ValueError(f"{name} must be distinct positive integers, smallest first, "
+                         f"got {out if shown is None else shown}")
+    return out
+
+
 # The target whose ``score`` forward is running in this thread (its hidden rows are kept).
 _CAPTURING = threading.local()
 
@@ -271,14 +288,11 @@ class HFTarget:
         cuda = self.device.type == "cuda"
         # the engine's large CPU temporaries: reused, not mapped anew (_malloc)
         self.malloc = "off (cuda)" if cuda else _malloc.tune()
-        self.widths = tuple(widths or ((64,) if cuda else CPU_WIDTHS))
-        if list(self.widths) != sorted(set(self.widths)) or self.widths[0] < 1:
-            raise ValueError(f"widths must be distinct positive ints, smallest first, got {widths}")
+        self.widths = ordered_widths(widths or ((64,) if cuda else CPU_WIDTHS))
         self.cuda_graphs = cuda_graphs and cuda
         wide = (() if cuda else CPU_PREFILL_WIDTHS) if prefill_widths is None else tuple(prefill_widths)
-        self.prefill_widths = tuple(w for w in wide if w > self.widths[-1])
-        if list(self.prefill_widths) != sorted(set(self.prefill_widths)):
-            raise ValueError(f"prefill_widths must be distinct ints, smallest first, got {prefill_widths}")
+        self.prefill_widths = ordered_widths([w for w in wide if w > self.widths[-1]],
+                                             "prefill_widths", str(prefill_widths))
         self._kv_ids: list[int] = []  # the token ids whose rows the KV holds, in order
         budget = _prefix.DEFAULT_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:

@@ -76,15 +76,15 @@ def parse_widths(text: str | None) -> tuple[int, ...] | None:
     Raises:
         ValueError: a width that is not a positive integer, or widths not strictly increasing.
     """
+    from agentspec.target import ordered_widths
+
     if not text:
         return None
     try:
-        widths = tuple(int(w) for w in text.split(","))
+        widths = [int(w) for w in text.split(",")]
     except ValueError:
         raise ValueError(f"widths must be comma-separated integers, got {text!r}") from None
-    if widths[0] < 1 or list(widths) != sorted(set(widths)):
-        raise ValueError(f"widths must be distinct positive integers, smallest first, got {text!r}")
-    return widths
+    return ordered_widths(widths, shown=repr(text))
 
 
 def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,

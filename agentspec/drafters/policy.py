@@ -300,10 +300,10 @@ def _cached_or_measured(target: Any, sizes: tuple[int, ...] | None, context: int
     settle = getattr(target, "check_widths", None)
     if callable(settle):
         settle()  # the widths a curve is cached for are those left after the probe
+    widths = [int(w) for w in getattr(target, "widths", ()) or ()]
     if cache_file is not None and cache_file.exists():
         try:
             data = json.loads(cache_file.read_text())
-            widths = [int(w) for w in getattr(target, "widths", ()) or ()]
             if data.get("version") == COST_CACHE_VERSION and data.get("widths", []) == widths:
                 cached = CostModel(float(data["base"]), float(data["per_token"]),
                                    tuple((int(t), float(sec)) for t, sec in data["points"]))
@@ -321,8 +321,7 @@ def _cached_or_measured(target: Any, sizes: tuple[int, ...] | None, context: int
         cache_file.write_text(json.dumps({"version": COST_CACHE_VERSION, "base": model.base,
                                           "per_token": model.per_token,
                                           "points": [list(p) for p in model.points],
-                                          "probe": probe,
-                                          "widths": [int(w) for w in getattr(target, "widths", ()) or ()]}))
+                                          "probe": probe, "widths": widths}))
     return model
 
 
