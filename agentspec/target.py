@@ -79,15 +79,16 @@ _MARKER = "agentspec-converted.json"
 # time grows with its rows (SmolLM2-135M at 1,024 tokens of context: 4 rows 31 ms, 8: 39,
 # 16: 49, 32: 73, 64: 129), and with powers of two only a draft of 17 tokens paid for 32
 # rows. The steps between (6, 12, 20, 24, 40, 48: 34, 44, 55, 61, 86, 99 ms) let the policy
-# draft as far as a copy is worth: side by side, bfcl-live 1.075x tokens/s, same outputs
+# draft as far as a copy is worth: side by side, bfcl-live 1.065x tokens/s, same outputs
 # (BENCHMARKS.md, 2026-11-26). Every width computes a row's bits alike (oneDNN's pointwise
 # products, from 2 rows), and check_widths drops any that does not.
 CPU_WIDTHS = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 # Prompt chunks: 256 rows, and the last chunk at the narrowest width that holds it. An agent's
 # call adds a tail (a user turn, a tool's result) to a prompt whose prefix is in the KV; with
 # 128 and 256 only, a 140-token tail paid for 256 rows (390 ms at 1,000 tokens of context;
-# 160 rows: 253 ms; a 70-token tail 214 -> 149 ms at 96 rows). Side by side: bfcl 1.029x,
-# bfcl-live 1.009x, prompts 1.007x tokens/s, same outputs (BENCHMARKS.md, 2026-11-26).
+# 160 rows: 253 ms; a 70-token tail 214 -> 149 ms at 96 rows). Side by side, both width sets
+# against the old ones: bfcl 1.030x, prompts 1.021x, ~4,000-token prompts 1.164x tokens/s,
+# same outputs (BENCHMARKS.md, 2026-11-26).
 CPU_PREFILL_WIDTHS = (96, 128, 160, 192, 256)
 
 
