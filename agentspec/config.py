@@ -87,8 +87,9 @@ class SpecConfig:
         prefetch_key: embed a call's memory key on a worker thread as the call starts, while
             the prompt is tokenised and prefilled, instead of in the lookup after them.
             ``None`` (the default): where the target runs on an accelerator, whose prefill
-            leaves the host waiting; on a CPU the embedding and the prefill would share the
-            same cores.
+            leaves the host waiting, and the embedder on the CPU; on a CPU target the
+            embedding and the prefill would share the same cores, and an embedder on the GPU
+            (MiniLM's default where there is one) embeds a key in one CUDA graph replay.
         write_behind: hand a call's memory writes (its completion's record, the credits of
             the remembered drafts it accepted) to the memory's worker thread and return
             without waiting for the database; the next read of the memory waits for them, so

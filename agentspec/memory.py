@@ -165,7 +165,11 @@ class CompletionMemory:
         """Do the memory's one-time work now rather than in the first lookup: load the embedder
         and the vector index library (importing faiss alone takes about 0.25 s on a 2-core
         CPU, which the first request of a fresh process would otherwise pay)."""
-        self.embedder.embed(["warm up"])
+        warm = getattr(self.embedder, "warmup", None)  # an embedder of the user's may have none
+        if callable(warm):
+            warm()
+        else:
+            self.embedder.embed(["warm up"])
         FaissIndex(int(self.embedder.dim))
 
     def close(self) -> None:

@@ -318,7 +318,7 @@ class Speculator:
         before (where a failure is met and reported)."""
         ahead = self.config.prefetch_key
         if ahead is None:
-            ahead = self.target.device.type != "cpu"
+            ahead = self.target.device.type != "cpu" and self._embeds_on_cpu()
         prefetch = getattr(self.memory, "prefetch", None)
         if not ahead or prefetch is None:
             return
@@ -326,6 +326,13 @@ class Speculator:
             prefetch(key_text)
         except Exception:  # the lookup embeds again and meets the error there
             return
+
+    def _embeds_on_cpu(self) -> bool:
+        """Whether the memory's embedder runs on the CPU (an embedder that names no device
+        is taken to)."""
+        embedder = getattr(self.memory, "embedder", None)
+        device = getattr(embedder, "resolved_device", None) or getattr(embedder, "device", None)
+        return not isinstance(device, str) or device.startswith("cpu")
 
     def _step(self, steps: Generator[Step, None, None], run: _Run) -> Step | None:
         """The next step of a generation, computed holding a turn (the first one prefills:
