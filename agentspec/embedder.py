@@ -114,9 +114,9 @@ class MiniLMEmbedder:
                                             local_files_only=True,
                                             model_kwargs={"dtype": torch.float32})
                 _pack_linears(model)
-                bert = model[0]
+                bert: Any = model[0]
                 self._one = OneTextForward(bert.auto_model, bert.tokenizer,
-                                           max_length=int(bert.max_seq_length),
+                                           max_length=bert.max_seq_length,
                                            cuda_graphs=self.cuda_graphs)
                 self._model = model
         return self._model
