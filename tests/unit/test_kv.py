@@ -142,3 +142,32 @@ def test_gqa_attention_head_by_head_gives_the_all_heads_bits(monkeypatch, dtype)
             with live_keys(live):
                 outs.append(_gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0])
         assert torch.equal(outs[0], outs[1]), (width, capacity)
+
+
+def _halves_fold(x: torch.Tensor) -> torch.Tensor:
+    """The deliberately wrong fold: a balanced tree split at the middle of the blocks there
+    are, whose shape (hence its rounding) changes with their number."""
+    n = x.shape[2]
+    if n == 1:
+        return x[:, :, 0]
+    return _halves_fold(x[:, :, : n // 2]) + _halves_fold(x[:, :, n // 2 :])
+
+
+def test_block_fold_gives_the_same_bits_whatever_zero_blocks_follow():
+    from agentspec._kv import _fold_blocks
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 3, 9, 5, 4, generator=gen) * 100
+    broken = 0
+    for n in range(1, 10):
+        for fold in (_fold_blocks, _halves_fold):
+            want = fold(x[:, :, :n])
+            for extra in (1, 2, 3, 7, 12):
+                padded = torch.cat([x[:, :, :n], torch.zeros(1, 3, extra, 5, 4)], dim=2)
+                same = torch.equal(fold(padded), want)
+                if fold is _fold_blocks:
+                    assert same, (n, extra)
+                else:
+                    broken += not same
+        torch.testing.assert_close(_fold_blocks(x[:, :, :n]), x[:, :, :n].sum(2), atol=1e-3, rtol=1e-5)
+    assert broken  # the wrong fold fails the same check
