@@ -86,9 +86,11 @@ KEY_BLOCK = 256
 size, so neither the KV capacity nor how much of it a forward reads can change its bits."""
 
 PER_HEAD_BLOCKS = 8
-"""From this many live key blocks on, attention multiplies key/value head by head (no copy of
-the live KV; on the 2-core CPU 1.3-1.7x faster attention at 3,000-7,000 keys, a little slower
-at 1,000)."""
+"""From this many live key blocks on, attention on the CPU multiplies key/value head by head
+(no copy of the live KV; on the 2-core CPU 1.3-1.7x faster attention at 3,000-7,000 keys, a
+little slower at 1,000). Not on other devices: there the copy is cheap and each product is a
+kernel of the step's graph (three products and a stack in place of one, twice a layer: 180
+more operations a SmolLM2-135M forward from 2,048 KV slots on)."""
 
 _LIVE_KEYS: ContextVar[int | None] = ContextVar("agentspec_live_keys", default=None)
 
@@ -155,7 +157,7 @@ def _gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     q = query.reshape(batch, kv_heads, 1, groups * width, dim).float()  # [b, kvh, 1, g * w, dim]
     k = key.float().reshape(batch, kv_heads, blocks, KEY_BLOCK, dim)
     v = value.float().reshape(batch, kv_heads, blocks, KEY_BLOCK, dim)
-    per_head = batch == 1 and blocks >= PER_HEAD_BLOCKS
+    per_head = batch == 1 and blocks >= PER_HEAD_BLOCKS and key.device.type == "cpu"
     if per_head:
         # One product per key/value head: its blocks are one evenly strided batch, so nothing
         # of the KV is copied (one product over all heads copies the live KV: heads lie a

@@ -171,3 +171,21 @@ def test_block_fold_gives_the_same_bits_whatever_zero_blocks_follow():
                     broken += not same
         torch.testing.assert_close(_fold_blocks(x[:, :, :n]), x[:, :, :n].sum(2), atol=1e-3, rtol=1e-5)
     assert broken  # the wrong fold fails the same check
+
+
+def test_only_the_cpu_multiplies_head_by_head(monkeypatch):
+    """Off the CPU (here the meta device, shapes only) a long context still takes one product
+    over all heads: no per-head products stacked."""
+    from agentspec import _kv
+
+    stacks = []
+    real_stack = torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: stacks.append(1) or real_stack(*a, **k))
+    module = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    for device, expected in (("cpu", 2), ("meta", 0)):
+        stacks.clear()
+        query = torch.zeros(1, 9, 4, 64, device=device)
+        key, value = (torch.zeros(1, 3, 256 * _kv.PER_HEAD_BLOCKS, 64, device=device) for _ in range(2))
+        mask = torch.ones(1, 1, 4, key.shape[2], dtype=torch.bool, device=device)
+        out = _gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0]
+        assert out.shape == (1, 4, 9, 64) and len(stacks) == expected, device
