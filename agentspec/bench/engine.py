@@ -4,6 +4,10 @@
    at ``--context`` tokens of KV: the median of ``--repeats`` timed forwards.
 2. Draft invariance: greedy outputs of plain decoding (no prefix reuse) against prompt-lookup
    speculation with prefix reuse, and eager against graphed forwards, on the core prompts.
+3. With ``--ops 1024,2048,4096``: the operations of one 64-row forward that reads the whole
+   KV of each capacity, as a CUDA graph holds it (each is a kernel there, and a graph's replay
+   costs about its kernel count), in all and inside attention; views and casts to the dtype a
+   tensor already has are not counted. Any device: on the CPU the count is the figure.
 
 Writes a JSON file with ``--json``. A figure, not a test: GPU tests live in ``tests/gpu``.
 """
@@ -47,6 +51,70 @@ def forward_ms(target: HFTarget, sizes: tuple[int, ...], context: int, repeats: 
     return out
 
 
+_VIEWS = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.expand.default", "aten.t.default",
+    "aten.transpose.int", "aten.unsqueeze.default", "aten.slice.Tensor", "aten.select.int",
+    "aten.reshape.default", "aten.permute.default", "aten.as_strided.default",
+    "aten.alias.default", "aten.detach.default", "aten.squeeze.dim", "aten._reshape_alias.default",
+    "aten.split.Tensor", "aten.unbind.int"})
+
+
+def forward_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) -> dict[str, dict[str, int]]:
+    """Operations of one ``width``-row forward over a KV of each capacity, read whole (the
+    graph's forward; an eager CPU forward reads only the blocks up to its last row)."""
+    import numpy as np
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AttentionInterface
+
+    from agentspec import _kv
+    from agentspec._fixed import FixedForward
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.total = self.attention = 0
+            self.inside = False
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            first = args[0] if args else None
+            noop = isinstance(first, torch.Tensor) and (
+                (str(func) == "aten.to.dtype" and first.dtype == args[1])
+                or (str(func) == "aten.contiguous.default" and first.is_contiguous()))
+            if str(func) not in _VIEWS and not noop:
+                self.total += 1
+                self.attention += self.inside
+            return func(*args, **(kwargs or {}))
+
+    count = Count()
+
+    def attention(*args: Any, **kwargs: Any) -> Any:
+        count.inside = True
+        try:
+            return _kv._gqa_sdpa(*args, **kwargs)
+        finally:
+            count.inside = False
+
+    out: dict[str, dict[str, int]] = {}
+    AttentionInterface.register(_kv._ATTENTION, attention)
+    try:
+        for capacity in capacities:
+            if capacity < 2 * width:
+                raise ValueError(f"capacity {capacity} is below two forwards of {width} rows")
+            forward = FixedForward(base.model, _kv.FixedKV(capacity), width,
+                                   sliding_window=base.sliding_window)
+            forward.load([7] * width, list(range(width)), np.tril(np.ones((width, width), bool)),
+                         capacity - 2 * width)
+            with torch.inference_mode():
+                forward._compute()  # the first forward allocates the KV
+                count.total = count.attention = 0
+                with count:
+                    forward._compute()
+            out[str(capacity)] = {"operations": count.total, "in attention": count.attention}
+    finally:
+        AttentionInterface.register(_kv._ATTENTION, _kv._gqa_sdpa)
+    return out
+
+
 def invariance(base: HFTarget, max_new: int) -> dict[str, Any]:
     """Identical outputs out of ``len(ALL_PROMPTS)``, against plain decoding without reuse."""
     def twin(**kw: Any) -> HFTarget:
@@ -78,9 +146,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--ops", default=None, metavar="CAPACITIES",
+                        help="comma-separated KV capacities: count one 64-row forward's "
+                             "operations at each, and do nothing else")
     args = parser.parse_args(argv)
+    capacities: tuple[int, ...] = ()
+    if args.ops is not None:
+        try:
+            capacities = tuple(int(c) for c in args.ops.split(",") if c.strip())
+        except ValueError:
+            parser.error(f"--ops takes comma-separated integers, got {args.ops!r}")
+        if not capacities or min(capacities) < 128:
+            parser.error(f"--ops takes KV capacities of at least 128 slots, got {args.ops!r}")
     dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
     base = load_target(args.model, device=args.device, dtype=DTYPES[dtype])
+    if capacities:
+        result_ops: dict[str, Any] = {"model": args.model, "device": args.device, "dtype": dtype,
+                                      "forward_rows": 64, "ops": forward_ops(base, capacities)}
+        _emit(result_ops, args.json)
+        return result_ops
     sizes = (0, 3, 7, 15, 31, 63)
     result: dict[str, Any] = {
         "model": args.model, "device": args.device, "dtype": dtype, "context": args.context,
@@ -92,11 +176,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["forward_ms_graph"] = forward_ms(HFTarget(base.model, base.tokenizer), sizes,
                                                 args.context, args.repeats)
     result["invariance"] = invariance(base, args.max_new_tokens)
-    print(json.dumps(result, indent=2))
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    _emit(result, args.json)
     return result
+
+
+def _emit(result: dict[str, Any], path: Path | None) -> None:
+    print(json.dumps(result, indent=2))
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":
