@@ -190,7 +190,9 @@ class FixedForward:
                 self._compute()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: CUDA work another thread does meanwhile (the memory's worker embedding
+        # a key on the GPU, a second Speculator's forwards) neither fails nor joins this capture
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._compute()
         self._graph = graph
 
