@@ -77,3 +77,46 @@ def test_prefix_cache_restores_the_rows_a_prefill_computes_on_cuda(gpu_spec):
             rows.append(target.score(ids[-1], Draft.chain(ids[3:6], "x")).clone())
         assert torch.equal(rows[0], rows[1]), f"call {n}"
     assert cached.prefix_cache.stats.hits == 2
+
+
+def test_a_worker_embedding_on_the_gpu_leaves_the_engines_captures_alone(gpu_spec):
+    # The memory's worker thread embeds keys on the GPU (records written behind a call) while
+    # the calls' thread may be capturing the engine's graphs: a prompt past 1,024 tokens grows
+    # the KV, which captures them again. No capture may fail (the target would fall back to
+    # eager forwards for good), and the output stays plain decoding's.
+    import threading
+
+    from agentspec.embedder import MiniLMEmbedder
+    from agentspec.target import HFTarget
+
+    embedder = MiniLMEmbedder(device="cuda")
+    embedder.warmup()
+    stop, errors = threading.Event(), []
+
+    def embed_keys() -> None:
+        i = 0
+        while not stop.is_set():
+            try:
+                embedder.embed([f"user: call {i} of the agent " * (1 + i % 24)])
+            except Exception as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+                return
+            i += 1
+
+    base = gpu_spec.target
+    text = "\n\n".join(m["content"] for chat in GROUNDED for m in chat)
+    prompt = [{"role": "user", "content": text * 2}]  # well past 1,024 tokens
+    plain = Speculator(HFTarget(base.model, base.tokenizer, reuse_prefix=False), speculate=False)
+    want = plain.generate(prompt, 32).token_ids
+    target = HFTarget(base.model, base.tokenizer)
+    spec = Speculator(target, memory=None)
+    spec.generate(GROUNDED[0], 8)  # graphs captured over a KV of 1,024 slots
+    worker = threading.Thread(target=embed_keys)
+    worker.start()
+    try:
+        got = spec.generate(prompt, 32).token_ids  # the KV grows: captured again
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors and target.cuda_graphs  # every capture held
+    assert got == want
