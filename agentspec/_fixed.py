@@ -122,6 +122,25 @@ def _swapped_kernels(model: Any) -> Iterator[None]:
             del module.forward
 
 
+def capture_graph(run: Callable[[], Any]) -> tuple[Any, Any]:
+    """``run`` recorded as a CUDA graph after two warm-up calls on a side stream; returns the
+    graph and what the recorded call returned (its outputs, rewritten by every replay).
+
+    ``thread_local`` mode: CUDA work another thread does meanwhile (the memory's worker
+    embedding a key on the GPU while the engine captures again after its KV grew, another
+    model's forwards) neither fails nor joins the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out
+
+
 class FixedForward:
     """Static inputs and outputs of one forward of ``width`` rows over ``kv``.
 
@@ -183,18 +202,7 @@ class FixedForward:
     def capture(self) -> None:
         """Record the forward as a CUDA graph (inputs must be staged: the warm-up forwards
         write only the slots from ``kv_len`` on, which hold nothing committed)."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._compute()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA work another thread does meanwhile (the memory's worker embedding
-        # a key on the GPU, a second Speculator's forwards) neither fails nor joins this capture
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._compute()
-        self._graph = graph
+        self._graph, _ = capture_graph(self._compute)
 
     def _compute(self, logits_to_keep: int | None = None) -> None:
         w = self.width

@@ -81,17 +81,9 @@ class OneTextForward:
         return out
 
     def _capture(self, staged: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._forward(staged[0], staged[1].bool())
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the target's kernels launched from another thread meanwhile are no
-        # fault of this capture
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = self._forward(staged[0], staged[1].bool())
+        from agentspec._fixed import capture_graph
+
+        graph, out = capture_graph(lambda: self._forward(staged[0], staged[1].bool()))
         return graph, staged, out
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

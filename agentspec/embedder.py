@@ -96,8 +96,10 @@ class MiniLMEmbedder:
     def warmup(self) -> None:
         """Load the model and, on CUDA, capture one text's forward for every length bucket
         now rather than in the first lookups of each length."""
+        from agentspec._minilm import BUCKETS
+
         self._load()
-        buckets = _minilm_buckets() if self._one.cuda_graphs else (16,)
+        buckets = BUCKETS if self._one.cuda_graphs else (16,)
         for n in buckets:
             self.embed(["x " * (n - 3)])  # n - 3 word pieces and the two markers
 
@@ -134,12 +136,6 @@ class MiniLMEmbedder:
         vecs = model.encode(cut, batch_size=self.batch_size, normalize_embeddings=True,
                             convert_to_numpy=True, show_progress_bar=False)
         return np.ascontiguousarray(vecs, np.float32)  # [n, dim]
-
-
-def _minilm_buckets() -> tuple[int, ...]:
-    from agentspec._minilm import BUCKETS
-
-    return BUCKETS
 
 
 def _pack_linears(model: Any) -> None:

@@ -76,11 +76,11 @@ def forward_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) ->
             self.inside = False
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            first = args[0] if args else None
+            name, first = str(func), (args[0] if args else None)
             noop = isinstance(first, torch.Tensor) and (
-                (str(func) == "aten.to.dtype" and first.dtype == args[1])
-                or (str(func) == "aten.contiguous.default" and first.is_contiguous()))
-            if str(func) not in _VIEWS and not noop:
+                (name == "aten.to.dtype" and first.dtype == args[1])
+                or (name == "aten.contiguous.default" and first.is_contiguous()))
+            if name not in _VIEWS and not noop:
                 self.total += 1
                 self.attention += self.inside
             return func(*args, **(kwargs or {}))
