@@ -8,7 +8,7 @@ and its own ancestors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -27,7 +27,8 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 def sub_draft(draft: Draft, keep: Sequence[int]) -> Draft:
     """The draft of the nodes ``keep``, in that order, each one's parent kept before it;
-    parents, per-node sources and ``draft_probs`` rows follow the nodes to their new indices."""
+    parents, per-node sources, ``draft_probs`` rows and support counts follow the nodes to
+    their new indices."""
     keep = list(keep)
     if keep == list(range(draft.num_nodes)):
         return draft
@@ -35,7 +36,8 @@ def sub_draft(draft: Draft, keep: Sequence[int]) -> Draft:
     parents = tuple(-1 if draft.parents[i] < 0 else remap[draft.parents[i]] for i in keep)
     source = draft.source if isinstance(draft.source, str) else tuple(draft.source[i] for i in keep)
     probs = None if draft.draft_probs is None else draft.draft_probs[keep]
-    return Draft(tuple(draft.token_ids[i] for i in keep), parents, source, probs)
+    support = None if draft.support is None else tuple(draft.support[i] for i in keep)
+    return Draft(tuple(draft.token_ids[i] for i in keep), parents, source, probs, support)
 
 
 def depths(parents: Sequence[int]) -> list[int]:
@@ -119,6 +121,23 @@ def tree_position_ids(parents: Sequence[int], root_position: int, device: torch.
     """``[1, num_nodes + 1]``: the root at ``root_position``, each node at root + depth."""
     pos = [root_position] + [root_position + d for d in depths(parents)]
     return torch.tensor(pos, dtype=torch.long, device=device)[None]
+
+
+def node_support(token_ids: Sequence[int], parents: Sequence[int],
+                 continuations: Iterable[Sequence[int]]) -> tuple[int, ...]:
+    """Per node of a tree, how many of ``continuations`` spell the path from the root to it
+    (at least 1 for every node: a node no continuation reaches, as after a budget cut,
+    counts as its own one)."""
+    index = child_index(token_ids, parents)
+    counts = [0] * len(token_ids)
+    for cont in continuations:
+        node = -1
+        for tok in cont:
+            node = index.get((node, tok), -1)
+            if node < 0:
+                break
+            counts[node] += 1
+    return tuple(max(c, 1) for c in counts)
 
 
 def merge_chains(chains: list[tuple[list[int], str]], max_nodes: int) -> tuple[list[int], list[int], list[str]]:

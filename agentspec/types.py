@@ -25,12 +25,19 @@ class Draft:
         source: name of the drafter ("prompt_lookup", "memory", "suffix", "model", ...), or a
             per-node tuple of names when candidates from several sources were merged.
         draft_probs: only for probabilistic (model) drafts: q, ``[num_nodes, vocab_size]``.
+        support: optionally, per node, how many of the drafter's own candidates (remembered
+            completions, past occurrences of the matched suffix) continue the way the path to
+            that node goes (each at least 1). The drafter chain learns an acceptance rate per
+            level of support (a token several past completions agree on is a safer bet than
+            one only a single completion holds); it never changes what a draft's tokens are
+            or whether they are accepted.
     """
 
     token_ids: tuple[int, ...] = ()
     parents: tuple[int, ...] = ()
     source: str | tuple[str, ...] = "none"
     draft_probs: torch.Tensor | None = field(default=None, compare=False)
+    support: tuple[int, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.parents):
@@ -42,6 +49,12 @@ class Draft:
                 raise ValueError(f"parents[{i}] must be in [-1, {i}), got {p}")
         if isinstance(self.source, tuple) and len(self.source) != len(self.token_ids):
             raise ValueError(f"per-node source has {len(self.source)} entries for {len(self.token_ids)} nodes")
+        if self.support is not None:
+            if len(self.support) != len(self.token_ids):
+                raise ValueError(f"support has {len(self.support)} entries for {len(self.token_ids)} nodes")
+            bad = next((s for s in self.support if type(s) is not int or s < 1), None)
+            if bad is not None:
+                raise ValueError(f"support counts must be ints >= 1, got {bad!r}")
 
     @staticmethod
     def chain(token_ids: list[int] | tuple[int, ...], source: str, draft_probs: Any = None) -> Draft:

@@ -43,8 +43,9 @@ def sanitize(draft: object, *, vocab_size: int | None, room: int, max_nodes: int
     in depth-first order (first children form the spine, :func:`~agentspec.tree.preorder`) and
     cut to ``max_nodes``. Fields that do not fit are dropped: token ids and parents of unequal
     lengths are cut to the shorter, a per-node ``source`` of the wrong length becomes one name,
-    and ``draft_probs`` is kept only as a float ``[num_nodes, vocab_size]`` tensor on a chain
-    (otherwise the draft is verified as point masses, which is exact whatever its tokens).
+    ``draft_probs`` is kept only as a float ``[num_nodes, vocab_size]`` tensor on a chain
+    (otherwise the draft is verified as point masses, which is exact whatever its tokens), and
+    ``support`` only as one int >= 1 per node.
     Anything that is not a :class:`Draft` is an empty draft.
     """
     if not isinstance(draft, Draft) or room <= 0 or max_nodes <= 0:
@@ -57,6 +58,7 @@ def sanitize(draft: object, *, vocab_size: int | None, room: int, max_nodes: int
     total = _length(draft.token_ids)
     sources = _sources(draft.source, total)
     probs = _probs(draft.draft_probs, total, _length(draft.parents), vocab_size)
+    support = _support(draft.support, total)
     rep: dict[int, int] = {-1: -1}  # node -> the kept node it is, or was merged into
     depth = {-1: 0}
     child: dict[tuple[int, int], int] = {}  # (kept parent, token) -> kept node
@@ -81,14 +83,15 @@ def sanitize(draft: object, *, vocab_size: int | None, room: int, max_nodes: int
                   tuple(-1 if rep[parents[i]] < 0 else position[rep[parents[i]]]  # type: ignore[index]
                         for i in kept),
                   sources if isinstance(sources, str) else tuple(sources[i] for i in kept),
-                  None if probs is None else probs if len(kept) == len(probs) else probs[kept])
+                  None if probs is None else probs if len(kept) == len(probs) else probs[kept],
+                  None if support is None else tuple(support[i] for i in kept))
     out = sub_draft(dense, preorder(dense.parents)[:max_nodes])
     return out if out.draft_probs is None or out.is_chain else replace(out, draft_probs=None)
 
 
 def _fits_as_is(draft: Draft, vocab_size: int | None, most: int) -> bool:
-    """A well-formed chain of at most ``most`` in-vocabulary int ids, with valid sources and
-    probabilities: what the full pass would rebuild unchanged."""
+    """A well-formed chain of at most ``most`` in-vocabulary int ids, with valid sources,
+    probabilities and support: what the full pass would rebuild unchanged."""
     ids = draft.token_ids
     if not (isinstance(ids, tuple) and 0 < len(ids) <= most and isinstance(draft.parents, tuple)
             and len(draft.parents) == len(ids)
@@ -97,6 +100,8 @@ def _fits_as_is(draft: Draft, vocab_size: int | None, most: int) -> bool:
     if not all(type(t) is int and 0 <= t and (vocab_size is None or t < vocab_size) for t in ids):
         return False
     if _sources(draft.source, len(ids)) == UNNAMED and draft.source != UNNAMED:
+        return False
+    if draft.support is not None and _support(draft.support, len(ids)) is None:
         return False
     return draft.draft_probs is None or _probs(draft.draft_probs, len(ids), len(ids),
                                                vocab_size) is not None
@@ -133,6 +138,12 @@ def _sources(source: object, nodes: int) -> str | list[str]:
     if isinstance(source, tuple) and len(source) == nodes and all(isinstance(s, str) for s in source):
         return list(source)
     return UNNAMED
+
+
+def _support(support: object, nodes: int) -> tuple[int, ...] | None:
+    ok = (isinstance(support, tuple) and len(support) == nodes
+          and all(type(c) is int and c >= 1 for c in support))
+    return support if ok else None  # type: ignore[return-value]
 
 
 def _probs(probs: object, nodes: int, parents: int, vocab_size: int | None) -> torch.Tensor | None:

@@ -102,3 +102,24 @@ def test_guard_skips_a_drafter_for_the_rest_of_the_call_and_logs_once(caplog):
         guard.end(ctx)
     assert flaky.calls == 2  # once per call
     assert len([r for r in caplog.records if "flaky" in r.getMessage()]) == 1
+
+
+def test_support_counts_follow_their_nodes_or_are_dropped():
+    # A tree: the duplicate sibling (node 1) merges into node 0 and the kept nodes keep their counts.
+    tree = _raw((5, 5, 6, 7), (-1, -1, 0, 1))
+    object.__setattr__(tree, "support", (3, 1, 2, 1))
+    assert clean(tree).token_ids == (5, 6, 7) and clean(tree).support == (3, 2, 1)
+    for bad in ((3, 0), (3,), (3, "2"), [3, 2], (3, 2.0)):
+        chain = _raw((1, 2), (-1, 0))
+        object.__setattr__(chain, "support", bad)
+        assert clean(chain) == Draft((1, 2), (-1, 0), "m") and clean(chain).support is None
+
+
+def test_a_draft_refuses_support_that_does_not_fit_its_nodes():
+    import pytest
+
+    assert Draft((1, 2), (-1, 0), "m", support=(2, 1)).support == (2, 1)
+    with pytest.raises(ValueError, match="support has 1 entries for 2 nodes"):
+        Draft((1, 2), (-1, 0), "m", support=(2,))
+    with pytest.raises(ValueError, match="support counts must be ints >= 1, got 0"):
+        Draft((1, 2), (-1, 0), "m", support=(2, 0))
