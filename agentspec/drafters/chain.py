@@ -46,6 +46,9 @@ PRIORS = {"memory": 0.85, "memory/follow": 0.97, "suffix": 0.6, "prompt_lookup":
 ALTERNATIVE_PRIOR = 0.3
 # A skipped drafter is asked again once the skipped steps took this many times its own cost.
 PROBE_RATIO = 30
+# A node's support class by how many of its drafter's candidates back it (index: the count,
+# the last entry for any count beyond): one, two or three, four or more.
+SUPPORT_CLASSES = ("s1", "s1", "s2", "s2", "s4")
 
 
 def alternatives_tried(parents: tuple[int, ...], path: tuple[int, ...]) -> tuple[int, int]:
@@ -85,7 +88,9 @@ def first_path(draft: Draft) -> Draft:
             node = i
     source = draft.source if isinstance(draft.source, str) else draft.source[path[0]]
     probs = None if draft.draft_probs is None else draft.draft_probs[path]
-    return Draft.chain([draft.token_ids[i] for i in path], source, probs)
+    support = None if draft.support is None else tuple(draft.support[i] for i in path)
+    return Draft(tuple(draft.token_ids[i] for i in path), tuple(range(-1, len(path) - 1)), source,
+                 probs, support)
 
 
 @dataclass
@@ -193,17 +198,27 @@ class DrafterChain:
                    draft: Draft) -> tuple[str, ...]:
         """Each node's acceptance class: the proposal's ``key`` refined by whether the
         request's context (its consecutive token ``pairs``) holds the node's token right after
-        its parent's (``key|seen``) or not (``key|new``).
+        its parent's (``key|seen``) or not (``key|new``), and, for a draft that carries its
+        nodes' support (:attr:`~agentspec.types.Draft.support`), refined again by how many of
+        the drafter's candidates back the node (``|s1``: one, ``|s2``: two or three,
+        ``|s4``: four or more).
 
         A copy goes wrong where its source differed from this request: a remembered call's
         argument value came from its own request, and is a pair of tokens this one does not
-        hold. Each refinement starts from the rate of the class it refines and learns its
+        hold. Where several remembered completions agree, the token is what this kind of
+        request produces, not one request's own; where they part, the draft is a guess between
+        them. Each refinement starts from the rate of the class it refines and learns its
         own (:meth:`rate`).
         """
         last = context.tokens[-1] if context.tokens else -1
         ids, seen, new = draft.token_ids, f"{key}|seen", f"{key}|new"
-        return tuple(seen if (ids[p] if p >= 0 else last, t) in pairs else new
+        keys = tuple(seen if (ids[p] if p >= 0 else last, t) in pairs else new
                      for t, p in zip(ids, draft.parents, strict=True))
+        support = draft.support
+        if support is None or len(support) != len(keys):
+            return keys
+        return tuple(f"{k}|{SUPPORT_CLASSES[min(c, len(SUPPORT_CLASSES) - 1)]}"
+                     for k, c in zip(keys, support, strict=True))
 
     def _acceptance(self, key: str) -> Acceptance:
         if key not in self.acceptance:

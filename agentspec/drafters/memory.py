@@ -5,7 +5,7 @@ and model fingerprint. Every step, each candidate proposes what follows the gene
 it: the candidate that has matched every generated token so far continues from that position;
 the others re-align on the longest suffix n-gram of the context (the same tool call with other
 arguments realigns after the argument). The candidates' continuations merge into one prefix
-tree, best first. Accepted tokens are credited to the records they came from at the end.
+tree, best first, each node marked with how many candidates back it (``Draft.support``). Accepted tokens are credited to the records they came from at the end.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from agentspec.drafters.ngram import NgramIndex
 from agentspec.protocols import DraftContext
-from agentspec.tree import child_index, merge_chains
+from agentspec.tree import child_index, merge_chains, node_support
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
 # Match strength of a candidate that has matched every generated token so far (n-gram
@@ -125,7 +125,10 @@ class MemoryDrafter:
                                                min(self.max_nodes, max(max_tokens, 1) * len(chains)))
         req.owners = [int(o) for o in owners]
         req.children = child_index(tokens, parents)
-        return Draft(tuple(tokens), tuple(parents), self.name)
+        # Per node, how many candidates continue this way: a token the neighbours agree on is
+        # what such requests produce; where they part, one of them is right at best.
+        support = node_support(tokens, parents, (c[1] for c in chains))
+        return Draft(tuple(tokens), tuple(parents), self.name, support=support)
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         req = self._request(context)

@@ -4,7 +4,8 @@ Where the semantic neighbours run out, any past completion of the scope may stil
 current tail: a JSON shape, a tool name, a closing phrase. The drafter keeps, per scope, the
 concatenated token ids of the scope's completions and an n-gram table of every occurrence; a
 proposal gathers the continuations of all occurrences of the longest matching suffix and
-orders them by how often they occur (frequency-weighted, as SuffixDecoding's tree does).
+orders them by how often they occur (frequency-weighted, as SuffixDecoding's tree does), each
+node marked with how many occurrences back it (``Draft.support``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentspec.protocols import DraftContext
-from agentspec.tree import merge_chains
+from agentspec.tree import merge_chains, node_support
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
 _SEP = -1  # separates completions in the flat token list
@@ -114,7 +115,9 @@ class SuffixDrafter:
             if len(chains) == self.max_branches:
                 break
         ids, parents, _ = merge_chains(chains, max_nodes=max_tokens * len(chains))
-        return Draft(tuple(ids), tuple(parents), self.name)
+        # Per node, how many of the occurrences continue this way (SuffixDecoding scores its
+        # tree's nodes by these frequencies; the drafter chain learns a rate per level).
+        return Draft(tuple(ids), tuple(parents), self.name, support=node_support(ids, parents, conts))
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         pass

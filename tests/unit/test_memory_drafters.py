@@ -118,3 +118,25 @@ def test_a_neighbour_is_a_follower_only_once_it_matched_a_token(memory):
     drafter.begin(same)
     assert drafter.propose(same, max_tokens=2).token_ids[:2] == (20, 21)  # its spine first
     assert drafter.acceptance_key == "memory/follow"
+
+
+def test_each_node_of_the_memory_tree_counts_the_neighbours_that_back_it(memory):
+    remember(memory, [10, 11, 12, 13], key=KEY)
+    remember(memory, [10, 11, 20, 21], key=KEY + " please")
+    remember(memory, [10, 11, 12, 30], key=KEY + " now")
+    drafter = MemoryDrafter(memory, "m")
+    c = ctx()
+    drafter.begin(c)
+    draft = drafter.propose(c, max_tokens=4)
+    support = dict(zip(draft.token_ids, draft.support, strict=True))
+    assert support == {10: 3, 11: 3, 12: 2, 13: 1, 30: 1, 20: 1, 21: 1}
+
+
+def test_suffix_nodes_count_the_occurrences_that_continue_that_way(memory):
+    for ids in ([1, 2, 3, 4, 7, 7], [5, 2, 3, 4, 8, 8], [6, 2, 3, 4, 8, 8]):
+        remember(memory, ids, key=f"k{ids[0]}")
+    drafter = SuffixDrafter(memory, "m", n_min=2)
+    c = ctx(generated=[9, 2, 3, 4])
+    drafter.begin(c)
+    draft = drafter.propose(c, max_tokens=2)
+    assert draft.token_ids == (8, 8, 7, 7) and draft.support == (2, 2, 1, 1)

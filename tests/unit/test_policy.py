@@ -582,3 +582,39 @@ def test_each_step_books_its_nodes_on_their_classes_and_the_classes_they_refine(
     assert (chain.acceptance["memory|new"].hits, chain.acceptance["memory|new"].misses) == (0, 1)
     assert chain.acceptance["memory"].hits == pytest.approx(0.9 * coarse[0] + 2)
     assert chain.acceptance["memory"].misses == pytest.approx(0.9 * coarse[1] + 1)
+
+
+class BackedDrafter(FixedDrafter):
+    """Copies the truth for ``right`` tokens that four of its candidates back; the next token,
+    which one candidate alone holds, is never right. Every pair it drafts is one the context
+    shows, so only the support tells the wrong token apart. ``support=False``: the same draft
+    without its counts (a chain that cannot see them)."""
+
+    def __init__(self, truth, right, support=True):
+        super().__init__("memory", [])
+        self.truth, self.right, self.support = truth, right, support
+
+    def propose(self, context, *, max_tokens):
+        done = len(context.tokens) - context.prompt_len
+        tokens = [*self.truth[done : done + self.right], 5, *self.truth[done + self.right + 1 :]]
+        tokens = tokens[:max_tokens]
+        support = tuple(4 if i < self.right else 1 for i in range(len(tokens)))
+        return Draft(tuple(tokens), tuple(range(-1, len(tokens) - 1)), self.name,
+                     support=support if self.support else None)
+
+
+@pytest.mark.parametrize("support", [True, False])
+def test_the_chain_learns_that_a_token_one_candidate_alone_holds_is_a_weaker_bet(support):
+    truth = [10 + i % 40 for i in range(400)]
+    # The prompt shows every pair: the truth's, and 5 after and before each of its tokens.
+    prompt = [1, *truth[:80], *[x for t in range(10, 50) for x in (t, 5)]]
+    chain = DrafterChain([BackedDrafter(truth, 3, support)], cost=CPU)
+    ctx = DraftContext(tokens=prompt, prompt_len=len(prompt))
+    _run(chain, truth, 25, ctx)
+    size = chain.propose(ctx, max_tokens=30).num_nodes
+    if support:
+        assert chain.rate("memory|seen|s4") > 0.9 > 0.25 > chain.rate("memory|seen|s1")
+        assert size <= 4  # stops at (or just past) the token one candidate holds
+    else:  # the deliberately blind chain: one rate for every seen node drafts on past it
+        assert "memory|seen|s1" not in chain.acceptance
+        assert size > 4
