@@ -153,7 +153,8 @@ class Speculator:
         drafters: list[Drafter] = []
         if self.memory is not None:
             fp = self.target.fingerprint
-            drafters += [MemoryDrafter(self.memory, fp, max_nodes=self.config.max_tree_nodes,
+            drafters += [MemoryDrafter(self.memory, fp, k=self.config.memory_neighbours,
+                                       max_nodes=self.config.max_tree_nodes,
                                        write_behind=self.config.write_behind),
                          SuffixDrafter(self.memory, fp)]
         drafters.append(PromptLookupDrafter(self.config))

@@ -279,7 +279,8 @@ def policies(memory: Any, cost: CostModel) -> dict[str, Callable[[], Drafter]]:
     from agentspec.drafters.suffix import SuffixDrafter
 
     def all_drafters() -> list[Drafter]:
-        return [MemoryDrafter(memory, MODEL), SuffixDrafter(memory, MODEL),
+        return [MemoryDrafter(memory, MODEL, k=SpecConfig().memory_neighbours),
+                SuffixDrafter(memory, MODEL),
                 PromptLookupDrafter(SpecConfig())]
 
     return {

@@ -30,6 +30,8 @@ def test_bad_sampling_params(kwargs, match):
         ({"ngram_min": 3, "ngram_max": 2}, "ngram_min"),
         ({"max_tree_nodes": 0}, "max_tree_nodes"),
         ({"prefetch_key": "yes"}, "prefetch_key"),
+        ({"memory_neighbours": 0}, "memory_neighbours must be an int >= 1, got 0"),
+        ({"memory_neighbours": 2.5}, "memory_neighbours must be an int >= 1, got 2.5"),
     ],
 )
 def test_bad_spec_config(kwargs, match):

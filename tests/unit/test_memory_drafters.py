@@ -140,3 +140,18 @@ def test_suffix_nodes_count_the_occurrences_that_continue_that_way(memory):
     drafter.begin(c)
     draft = drafter.propose(c, max_tokens=2)
     assert draft.token_ids == (8, 8, 7, 7) and draft.support == (2, 2, 1, 1)
+
+
+def test_the_speculator_drafts_from_as_many_neighbours_as_its_config_names(memory):
+    from agentspec import SpecConfig
+    from agentspec.speculator import Speculator
+
+    class Target:  # only what building the drafters reads
+        fingerprint = "m"
+
+    spec = object.__new__(Speculator)
+    spec.memory, spec.target, spec.draft_model = memory, Target(), None
+    spec.config = SpecConfig(memory_neighbours=3, draft_head=False)
+    drafters = Speculator._default_drafters(spec)
+    assert [d.k for d in drafters if isinstance(d, MemoryDrafter)] == [3]
+    assert SpecConfig().memory_neighbours == 8
