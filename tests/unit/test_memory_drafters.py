@@ -82,14 +82,15 @@ def test_accepted_tokens_are_credited_to_their_record(memory):
     assert memory.store.get(rid).accepted_tokens == 2
 
 
-def test_suffix_drafter_prefers_the_frequent_continuation(memory):
+def test_suffix_drafter_prefers_the_frequent_continuation_and_counts_its_occurrences(memory):
     for ids in ([1, 2, 3, 4, 7, 7], [5, 2, 3, 4, 8, 8], [6, 2, 3, 4, 8, 8]):
         remember(memory, ids, key=f"k{ids[0]}")
     drafter = SuffixDrafter(memory, "m", n_min=2)
     c = ctx(generated=[9, 2, 3, 4])
     drafter.begin(c)
     draft = drafter.propose(c, max_tokens=2)
-    assert draft.token_ids[:2] == (8, 8) and 7 in draft.token_ids  # both, the frequent first
+    assert draft.token_ids == (8, 8, 7, 7)  # both, the frequent first
+    assert draft.support == (2, 2, 1, 1)  # how many past occurrences continue each way
 
 
 def test_suffix_drafter_is_scope_isolated(memory):
@@ -131,15 +132,6 @@ def test_each_node_of_the_memory_tree_counts_the_neighbours_that_back_it(memory)
     support = dict(zip(draft.token_ids, draft.support, strict=True))
     assert support == {10: 3, 11: 3, 12: 2, 13: 1, 30: 1, 20: 1, 21: 1}
 
-
-def test_suffix_nodes_count_the_occurrences_that_continue_that_way(memory):
-    for ids in ([1, 2, 3, 4, 7, 7], [5, 2, 3, 4, 8, 8], [6, 2, 3, 4, 8, 8]):
-        remember(memory, ids, key=f"k{ids[0]}")
-    drafter = SuffixDrafter(memory, "m", n_min=2)
-    c = ctx(generated=[9, 2, 3, 4])
-    drafter.begin(c)
-    draft = drafter.propose(c, max_tokens=2)
-    assert draft.token_ids == (8, 8, 7, 7) and draft.support == (2, 2, 1, 1)
 
 
 def test_the_speculator_drafts_from_as_many_neighbours_as_its_config_names(memory):
