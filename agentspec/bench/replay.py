@@ -32,11 +32,15 @@ ceiling counts the grammar's free tokens that ``agentspec`` gets.
 on (``flat``: every forward costs the same, as CUDA graphs make a GPU's): what reaching the
 ceiling's tokens per step would cost on this device.
 
+``--cost`` defaults to this machine's cached curve of the model (:func:`cached_cost_file`),
+the one its bench runs sized their drafts by; replayed on it, tokens per step match theirs.
+
 ``host ms/step`` is the drafter's own time per step (propose and observe; for the ceiling it
 includes asking every drafter), measured in the replay on this machine. ``modeled speedup`` is
 plain decoding's cost (one forward per output token) over the policy's
-summed step costs, both from the cost model (default: the measured CPU curve of
-``agentspec.drafters.policy``); prefill, prefix reuse and Python overheads are left out.
+summed step costs, both from the cost model (``--cost``; without a cached curve, the built-in
+CPU curve of ``agentspec.drafters.policy``); prefill, prefix reuse and Python overheads are
+left out.
 """
 
 from __future__ import annotations
@@ -403,6 +407,17 @@ def read_cost(path: Path) -> CostModel:
     return CostModel.fit([(int(t), float(sec)) for t, sec in points])
 
 
+def cached_cost_file(model: str) -> Path | None:
+    """This machine's cached CPU float32 cost curve of ``model`` (a packaged model's name), when
+    ``$AGENTSPEC_HOME/costs`` holds exactly one: the curve the bench's systems sized their
+    drafts by here. Replayed on it, tokens per step match the bench's runs (BENCHMARKS.md,
+    twentieth session); on another curve the replay answers for that curve's machine."""
+    from agentspec.home import agentspec_home
+
+    found = sorted((agentspec_home() / "costs").glob(f"{model}-*-cpu-float32.json"))
+    return found[0] if len(found) == 1 else None
+
+
 def table(results: dict[str, Totals]) -> str:
     head = ("| policy | tok/step | modeled speedup | host ms/step | accepted by source |\n"
             "|---|---:|---:|---:|---|\n")
@@ -427,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--cost", type=Path, default=None, metavar="JSON",
                         help="a measured cost curve (a file of $AGENTSPEC_HOME/costs); default "
-                             "the built-in CPU curve")
+                             "this machine's cached CPU float32 curve of --model where there is "
+                             "exactly one, else the built-in CPU curve")
     parser.add_argument("--sizing-cost", default=None, metavar="JSON|flat",
                         help="size drafts by this curve instead of --cost (steps are still "
                              "modeled with --cost); 'flat': every forward costs the same, as "
@@ -446,7 +462,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     measured = sum(1 for line in lines if line.phase == "measure")
     print(f"{args.workload}: {measured} measured lines (+{len(lines) - measured} warmup), "
           f"{sum(len(line.output_ids) for line in lines if line.phase == 'measure')} tokens")
-    cost = DEFAULT_COST if args.cost is None else read_cost(args.cost)
+    cost_file = args.cost if args.cost is not None else cached_cost_file(args.model)
+    cost = DEFAULT_COST if cost_file is None else read_cost(cost_file)
+    print(f"cost curve: {cost_file or 'built-in (no single cached CPU float32 curve of the model)'}")
     sizing = None
     if args.sizing_cost == "flat":
         sizing = CostModel(cost.seconds(0), 0.0)  # no points: base + 0 per token

@@ -211,3 +211,21 @@ def test_sizing_by_another_curve_sizes_as_that_curve_and_is_modeled_with_this_on
     cost.write_text('{"points": [[1, 0.02], [64, 0.65]]}')
     assert rp.main(["--outputs", str(out), "--policies", "prompt-lookup", "--cost", str(cost),
                     "--sizing-cost", "flat"]) == 0
+
+
+def test_the_cli_prices_on_the_machines_own_cached_curve_of_the_model(tmp_path: Path, capsys,
+                                                                       monkeypatch):
+    monkeypatch.setenv("AGENTSPEC_HOME", str(tmp_path / "home"))
+    out = tmp_path / "o.json"
+    rp.save_lines([_line([1, 2, 3], [1, 2, 3, 1, 2, 3])], out)
+    costs = tmp_path / "home" / "costs"
+    costs.mkdir(parents=True)
+    (costs / "tiny-0123-cuda-bfloat16.json").write_text('{"points": [[1, 0.01], [64, 0.02]]}')
+    assert rp.cached_cost_file("tiny") is None  # no CPU float32 curve: the built-in one
+    mine = costs / "tiny-0123-cpu-float32.json"
+    mine.write_text('{"points": [[1, 0.02], [64, 0.65]]}')
+    assert rp.cached_cost_file("tiny") == mine
+    assert rp.main(["--outputs", str(out), "--model", "tiny", "--policies", "prompt-lookup"]) == 0
+    assert f"cost curve: {mine}" in capsys.readouterr().out
+    (costs / "tiny-4567-cpu-float32.json").write_text(mine.read_text())  # two fingerprints
+    assert rp.cached_cost_file("tiny") is None
