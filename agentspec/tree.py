@@ -8,6 +8,7 @@ and its own ancestors.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -127,16 +128,18 @@ def node_support(token_ids: Sequence[int], parents: Sequence[int],
                  continuations: Iterable[Sequence[int]]) -> tuple[int, ...]:
     """Per node of a tree, how many of ``continuations`` spell the path from the root to it
     (at least 1 for every node: a node no continuation reaches, as after a budget cut,
-    counts as its own one)."""
+    counts as its own one). Equal continuations are walked once, weighted by how many there
+    are (a suffix's occurrences mostly repeat one continuation: 32 of 64 tokens, 0.09 ms
+    instead of 0.28)."""
     index = child_index(token_ids, parents)
     counts = [0] * len(token_ids)
-    for cont in continuations:
+    for cont, weight in Counter(map(tuple, continuations)).items():
         node = -1
         for tok in cont:
             node = index.get((node, tok), -1)
             if node < 0:
                 break
-            counts[node] += 1
+            counts[node] += weight
     return tuple(max(c, 1) for c in counts)
 
 
