@@ -3,13 +3,14 @@
 A hostile drafter returns random drafts: random ids (out of range, negative, not ints), random
 parents (forward, self, below -1), duplicate siblings, huge trees, token ids and parents of
 unequal lengths, per-node sources of the wrong length, ``draft_probs`` of the wrong shape,
-things that are not drafts at all, and sometimes raises from ``begin``/``propose``/``observe``/
-``end``. Hypothesis picks the seeds, prompts, sampling and how hostile; each example is one
-generation, through the decode loop alone (the drafter at the top) or through a Speculator's
-drafter chain (a dozen hostile sources at once). Over at least ``MIN_DRAFTS`` random drafts the
-outputs equal plain decoding (``Speculator(target, speculate=False)``), greedy and
-seeded-sampled. The same file shows the check failing for a deliberately wrong loop: a verify
-that accepts a draft's first token without checking it.
+``support`` counts that do not fit, things that are not drafts at all, and sometimes raises
+from ``begin``/``propose``/``observe``/``end``. Hypothesis picks the seeds, prompts, sampling
+and how hostile; each example is one generation, through the decode loop alone (the drafter
+at the top) or through a Speculator's drafter chain (a dozen hostile sources at once). Over
+at least ``MIN_DRAFTS`` random drafts the outputs equal plain decoding
+(``Speculator(target, speculate=False)``), greedy and seeded-sampled. The same file shows
+the check failing for a deliberately wrong loop: a verify that accepts a draft's first token
+without checking it.
 """
 
 from __future__ import annotations
@@ -71,11 +72,12 @@ def _reference(prompt: int, seed: int | None) -> tuple[int, ...]:
     return _plain().generate(PROMPTS[prompt], MAX_NEW, sampling=_sampling(seed)).token_ids
 
 
-def _raw(token_ids: Any, parents: Any, source: Any = "hostile", probs: Any = None) -> Draft:
+def _raw(token_ids: Any, parents: Any, source: Any = "hostile", probs: Any = None,
+         support: Any = None) -> Draft:
     """A Draft built without its checks, as a hostile drafter can."""
     draft = object.__new__(Draft)
     for name, value in (("token_ids", token_ids), ("parents", parents), ("source", source),
-                        ("draft_probs", probs)):
+                        ("draft_probs", probs), ("support", support)):
         object.__setattr__(draft, name, value)
     return draft
 
@@ -134,8 +136,15 @@ class HostileDrafter:
         if kind == "junk":
             ids = [r.choice([1.5, None, "7", -1, 2**40, True, torch.tensor(3), ids[0]]) for _ in ids]
         source = r.choice(["hostile", self.name, ("a",) * r.randint(0, len(ids) + 2), 7, None])
+        # Support counts: none, right, of the wrong length, or not counts at all (drawn from a
+        # stream of their own, so the drafts above are the ones the examples always had).
+        c = random.Random(f"{self.name}:{self.counts['drafts']}")
+        support = c.choice([None, tuple(c.randint(1, 9) for _ in ids),
+                            tuple(c.randint(1, 9) for _ in range(c.randint(0, len(ids) + 2))),
+                            tuple(c.choice([0, -2, 3, "4", 2.0, None]) for _ in ids),
+                            [2] * len(ids), "many"])
         return _raw(tuple(ids) if r.random() < 0.8 else ids, tuple(parents), source,
-                    self._probs(r, len(ids)))
+                    self._probs(r, len(ids)), support)
 
     def _token(self, r: random.Random) -> int:
         return r.choice([r.randrange(self.vocab), r.randrange(self.vocab), r.randint(-5, -1),
