@@ -5,7 +5,8 @@ and model fingerprint. Every step, each candidate proposes what follows the gene
 it: the candidate that has matched every generated token so far continues from that position;
 the others re-align on the longest suffix n-gram of the context (the same tool call with other
 arguments realigns after the argument). The candidates' continuations merge into one prefix
-tree, best first, each node marked with how many candidates back it (``Draft.support``). Accepted tokens are credited to the records they came from at the end.
+tree, best first, each node marked with how many candidates back it (``Draft.support``).
+Accepted tokens are credited to the records they came from at the end.
 """
 
 from __future__ import annotations
