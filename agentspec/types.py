@@ -49,18 +49,18 @@ class Draft:
                 raise ValueError(f"parents[{i}] must be in [-1, {i}), got {p}")
         if isinstance(self.source, tuple) and len(self.source) != len(self.token_ids):
             raise ValueError(f"per-node source has {len(self.source)} entries for {len(self.token_ids)} nodes")
-        if self.support is not None:
+        if self.support is not None and not support_fits(self.support, len(self.token_ids)):
             if len(self.support) != len(self.token_ids):
                 raise ValueError(f"support has {len(self.support)} entries for {len(self.token_ids)} nodes")
-            bad = next((s for s in self.support if type(s) is not int or s < 1), None)
-            if bad is not None:
-                raise ValueError(f"support counts must be ints >= 1, got {bad!r}")
+            bad = next(s for s in self.support if type(s) is not int or s < 1)
+            raise ValueError(f"support counts must be ints >= 1, got {bad!r}")
 
     @staticmethod
-    def chain(token_ids: list[int] | tuple[int, ...], source: str, draft_probs: Any = None) -> Draft:
+    def chain(token_ids: list[int] | tuple[int, ...], source: str, draft_probs: Any = None,
+              support: tuple[int, ...] | None = None) -> Draft:
         """A linear draft: each token's parent is the one before it."""
         ids = tuple(int(t) for t in token_ids)
-        return Draft(ids, tuple(range(-1, len(ids) - 1)), source, draft_probs)
+        return Draft(ids, tuple(range(-1, len(ids) - 1)), source, draft_probs, support)
 
     @property
     def num_nodes(self) -> int:
@@ -76,6 +76,13 @@ class Draft:
 
 
 EMPTY_DRAFT = Draft()
+
+
+def support_fits(support: object, nodes: int) -> bool:
+    """Whether ``support`` is what :attr:`Draft.support` may hold for ``nodes`` nodes: a tuple
+    of one int >= 1 per node."""
+    return (isinstance(support, tuple) and len(support) == nodes
+            and all(type(c) is int and c >= 1 for c in support))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import torch
 
 from agentspec.protocols import DraftContext, Drafter
 from agentspec.tree import preorder, sub_draft
-from agentspec.types import EMPTY_DRAFT, Draft, Verdict
+from agentspec.types import EMPTY_DRAFT, Draft, Verdict, support_fits
 
 logger = logging.getLogger("agentspec")
 
@@ -101,7 +101,7 @@ def _fits_as_is(draft: Draft, vocab_size: int | None, most: int) -> bool:
         return False
     if _sources(draft.source, len(ids)) == UNNAMED and draft.source != UNNAMED:
         return False
-    if draft.support is not None and _support(draft.support, len(ids)) is None:
+    if draft.support is not None and not support_fits(draft.support, len(ids)):
         return False
     return draft.draft_probs is None or _probs(draft.draft_probs, len(ids), len(ids),
                                                vocab_size) is not None
@@ -141,9 +141,7 @@ def _sources(source: object, nodes: int) -> str | list[str]:
 
 
 def _support(support: object, nodes: int) -> tuple[int, ...] | None:
-    ok = (isinstance(support, tuple) and len(support) == nodes
-          and all(type(c) is int and c >= 1 for c in support))
-    return support if ok else None  # type: ignore[return-value]
+    return support if support_fits(support, nodes) else None  # type: ignore[return-value]
 
 
 def _probs(probs: object, nodes: int, parents: int, vocab_size: int | None) -> torch.Tensor | None:

@@ -282,10 +282,11 @@ def policies(memory: Any, cost: CostModel) -> dict[str, Callable[[], Drafter]]:
     from agentspec.drafters.prompt_lookup import PromptLookupDrafter
     from agentspec.drafters.suffix import SuffixDrafter
 
+    config = SpecConfig()  # the product's defaults
+
     def all_drafters() -> list[Drafter]:
-        return [MemoryDrafter(memory, MODEL, k=SpecConfig().memory_neighbours),
-                SuffixDrafter(memory, MODEL),
-                PromptLookupDrafter(SpecConfig())]
+        return [MemoryDrafter(memory, MODEL, k=config.memory_neighbours),
+                SuffixDrafter(memory, MODEL), PromptLookupDrafter(config)]
 
     return {
         "prompt-lookup": lambda: DrafterChain([PromptLookupDrafter(SpecConfig())], cost=cost),

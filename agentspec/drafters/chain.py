@@ -89,8 +89,7 @@ def first_path(draft: Draft) -> Draft:
     source = draft.source if isinstance(draft.source, str) else draft.source[path[0]]
     probs = None if draft.draft_probs is None else draft.draft_probs[path]
     support = None if draft.support is None else tuple(draft.support[i] for i in path)
-    return Draft(tuple(draft.token_ids[i] for i in path), tuple(range(-1, len(path) - 1)), source,
-                 probs, support)
+    return Draft.chain([draft.token_ids[i] for i in path], source, probs, support)
 
 
 @dataclass
@@ -212,13 +211,13 @@ class DrafterChain:
         """
         last = context.tokens[-1] if context.tokens else -1
         ids, seen, new = draft.token_ids, f"{key}|seen", f"{key}|new"
-        keys = tuple(seen if (ids[p] if p >= 0 else last, t) in pairs else new
-                     for t, p in zip(ids, draft.parents, strict=True))
-        support = draft.support
-        if support is None or len(support) != len(keys):
-            return keys
-        return tuple(f"{k}|{SUPPORT_CLASSES[min(c, len(SUPPORT_CLASSES) - 1)]}"
-                     for k, c in zip(keys, support, strict=True))
+        keys = (seen if (ids[p] if p >= 0 else last, t) in pairs else new
+                for t, p in zip(ids, draft.parents, strict=True))
+        if draft.support is None:  # a sanitized draft's support fits its nodes
+            return tuple(keys)
+        top = len(SUPPORT_CLASSES) - 1
+        return tuple(f"{k}|{SUPPORT_CLASSES[min(c, top)]}"
+                     for k, c in zip(keys, draft.support, strict=True))
 
     def _acceptance(self, key: str) -> Acceptance:
         if key not in self.acceptance:
