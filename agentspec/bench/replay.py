@@ -35,6 +35,14 @@ ceiling's tokens per step would cost on this device.
 ``--cost`` defaults to this machine's cached curve of the model (:func:`cached_cost_file`),
 the one its bench runs sized their drafts by; replayed on it, tokens per step match theirs.
 
+``held past the draft`` says where a chain's tokens per step fall short of the ceiling's. Each
+step, every proposal the chain asked for is scored against the output as if verified whole
+(its spine): ``cut`` sums how far the verified draft's source's own proposal would have held
+past the nodes the step accepted, or, in a step that verified no draft, the best proposal (the
+sizing left out what would have held); ``other`` how far the best other proposal would have
+held past both (the choice of source). What is left of the gap is steps where no proposal held
+at all, and where the ceiling's steps begin.
+
 ``host ms/step`` is the drafter's own time per step (propose and observe; for the ceiling it
 includes asking every drafter), measured in the replay on this machine. ``modeled speedup`` is
 plain decoding's cost (one forward per output token) over the policy's
@@ -59,7 +67,7 @@ from agentspec.config import SamplingParams, SpecConfig
 from agentspec.drafters.chain import DrafterChain
 from agentspec.drafters.policy import DEFAULT_COST, CostModel
 from agentspec.protocols import DraftContext, Drafter
-from agentspec.tree import spine_prefix, sub_draft
+from agentspec.tree import common_prefix_len, spine_length, spine_prefix, sub_draft
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
 _STOP = -1  # stands for the stop token that ended an output (no draft proposes it)
@@ -123,6 +131,10 @@ class Totals:
     plain_seconds: float = 0.0
     host_seconds: float = 0.0  # wall-clock time in the drafter's propose and observe
     accepted: Counter[str] = field(default_factory=Counter)
+    # Tokens the proposals would have held past what the steps accepted (module docstring);
+    # None for a policy that is not a chain of recorded drafters (the ceilings, plain).
+    held_cut: int | None = None
+    held_other: int | None = None
 
     @property
     def tokens_per_step(self) -> float:
@@ -203,6 +215,55 @@ class Hindsight:
             d.end(context)
 
 
+class _Recorder:
+    """A drafter that keeps its proposal of the current step, for the replay's account of
+    what the proposals would have held (:attr:`Totals.held_cut`). Everything else, the
+    acceptance class a chain reads after ``propose`` included, is the drafter's own."""
+
+    def __init__(self, drafter: Drafter) -> None:
+        self.drafter = drafter
+        self.name = drafter.name
+        self.last: Draft | None = None
+
+    def __getattr__(self, attr: str) -> Any:  # only for what this class does not define
+        return getattr(self.drafter, attr)
+
+    def begin(self, context: DraftContext) -> None:
+        self.drafter.begin(context)
+
+    def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
+        self.last = self.drafter.propose(context, max_tokens=max_tokens)
+        return self.last
+
+    def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
+        self.drafter.observe(context, draft, verdict)
+
+    def end(self, context: DraftContext) -> None:
+        self.drafter.end(context)
+
+
+def held_past(recorders: Sequence[_Recorder], draft: Draft, accepted: int,
+              todo: Sequence[int]) -> tuple[int, int]:
+    """``(cut, other)`` for one step: how far the proposal of the verified draft's source would
+    have held, verified whole, past the ``accepted`` nodes (with no draft verified: the best
+    proposal), and how far the best other proposal would have held past both. ``todo``: the
+    output from the step on, the stop last; a proposal is scored by its spine, leaving the step
+    its next token."""
+    source = draft.source_of(0) if draft.num_nodes else None
+    chosen = best = 0
+    for rec in recorders:
+        if rec.last is None or rec.last.num_nodes == 0:
+            continue
+        spine = rec.last.token_ids[: spine_length(rec.last.parents)]
+        held = min(common_prefix_len(spine, todo), len(todo) - 1)
+        best = max(best, held)
+        if rec.name == source:
+            chosen = held
+    if source is None:  # no draft: the sizing (or plain decoding's rate) left every one out
+        return best, 0
+    return max(0, chosen - accepted), max(0, best - max(chosen, accepted))
+
+
 def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
            cost: CostModel = DEFAULT_COST, constraint: Constraint | None = None) -> Totals:
     """Run ``drafter`` over every line's known greedy output; totals over measured lines.
@@ -212,6 +273,9 @@ def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
     grammar are decoded under it (see the module docstring).
     """
     totals = Totals()
+    recorders = [d for d in getattr(drafter, "drafters", ()) if isinstance(d, _Recorder)]
+    if recorders:
+        totals.held_cut = totals.held_other = 0
     for line in lines:
         context = DraftContext(tokens=list(line.prompt_ids), prompt_len=len(line.prompt_ids),
                                scope=line.scope, key_text=line.key_text if memory else "",
@@ -224,8 +288,8 @@ def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
             drafter.output, drafter.prompt_len = line.output_ids, len(line.prompt_ids)
             drafter.constrain = constrain
         try:
-            steps, seconds, accepted, host = _replay_line(line, drafter, context, cost, grammar,
-                                                          constrain)
+            steps, seconds, accepted, host, held = _replay_line(
+                line, drafter, context, cost, grammar, constrain, recorders)
         finally:
             if grammar is not None:
                 grammar.close()
@@ -240,25 +304,35 @@ def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
             totals.host_seconds += host
             totals.plain_seconds += (len(line.output_ids) + line.stopped) * cost.seconds(0)
             totals.accepted.update(accepted)
+            if totals.held_cut is not None and totals.held_other is not None:
+                totals.held_cut += held[0]
+                totals.held_other += held[1]
     return totals
 
 
 def _replay_line(line: Line, drafter: Drafter, context: DraftContext, cost: CostModel,
                  grammar: Any = None, constrain: Callable[[Draft, int], Draft] | None = None,
-                 ) -> tuple[int, float, Counter[str], float]:
+                 recorders: Sequence[_Recorder] = (),
+                 ) -> tuple[int, float, Counter[str], float, tuple[int, int]]:
     # What the steps commit: the output, then the stop token where one ended it.
     todo = [*line.output_ids, _STOP] if line.stopped else list(line.output_ids)
     drafter.begin(context)
     steps, seconds, done, accepted, host = 0, 0.0, 0, Counter[str](), 0.0
+    held_cut = held_other = 0
     try:
         while done < len(todo):
             room = line.max_new_tokens - done - 1
+            for rec in recorders:  # a source the chain skips this step proposed nothing
+                rec.last = None
             started = time.perf_counter()
             draft = drafter.propose(context, max_tokens=room) if room > 0 else EMPTY_DRAFT
             host += time.perf_counter() - started
             if constrain is not None:  # as the decode loop: prune what it forbids, add what it forces
                 draft = constrain(draft, room)
             path = spine_cut(draft, accepted_path(draft, [*todo[done:], _STOP]))
+            if recorders:
+                cut, other = held_past(recorders, draft, len(path), [*todo[done:], _STOP])
+                held_cut, held_other = held_cut + cut, held_other + other
             new = todo[done : done + len(path) + 1]
             if grammar is not None:
                 grammar.advance([t for t in new if t != _STOP])
@@ -273,7 +347,7 @@ def _replay_line(line: Line, drafter: Drafter, context: DraftContext, cost: Cost
             host += time.perf_counter() - started
     finally:
         drafter.end(context)
-    return steps, seconds, accepted, host
+    return steps, seconds, accepted, host, (held_cut, held_other)
 
 
 def policies(memory: Any, cost: CostModel) -> dict[str, Callable[[], Drafter]]:
@@ -288,13 +362,15 @@ def policies(memory: Any, cost: CostModel) -> dict[str, Callable[[], Drafter]]:
         return [MemoryDrafter(memory, MODEL, k=config.memory_neighbours),
                 SuffixDrafter(memory, MODEL), PromptLookupDrafter(config)]
 
+    def chain(drafters: list[Drafter], trees: bool = True) -> DrafterChain:
+        return DrafterChain([_Recorder(d) for d in drafters], cost=cost, trees=trees)
+
     return {
-        "prompt-lookup": lambda: DrafterChain([PromptLookupDrafter(SpecConfig())], cost=cost),
-        "suffix": lambda: DrafterChain([SuffixDrafter(memory, MODEL),
-                                        PromptLookupDrafter(SpecConfig())], cost=cost),
-        "agentspec": lambda: DrafterChain(all_drafters(), cost=cost, trees=True),
-        "agentspec-chain": lambda: DrafterChain(all_drafters(), cost=cost, trees=False),
-        "ceiling-pld": lambda: Hindsight([PromptLookupDrafter(SpecConfig())]),
+        "prompt-lookup": lambda: chain([PromptLookupDrafter(config)]),
+        "suffix": lambda: chain([SuffixDrafter(memory, MODEL), PromptLookupDrafter(config)]),
+        "agentspec": lambda: chain(all_drafters()),
+        "agentspec-chain": lambda: chain(all_drafters(), trees=False),
+        "ceiling-pld": lambda: Hindsight([PromptLookupDrafter(config)]),
         "ceiling": lambda: Hindsight(all_drafters()),
     }
 
@@ -420,11 +496,12 @@ def cached_cost_file(model: str) -> Path | None:
 
 
 def table(results: dict[str, Totals]) -> str:
-    head = ("| policy | tok/step | modeled speedup | host ms/step | accepted by source |\n"
-            "|---|---:|---:|---:|---|\n")
+    head = ("| policy | tok/step | modeled speedup | host ms/step | accepted by source | "
+            "held past the draft (cut / other) |\n|---|---:|---:|---:|---|---:|\n")
     rows = [f"| {name} | {t.tokens_per_step:.2f} | {t.modeled_speedup:.2f}x | "
             f"{t.host_ms_per_step:.3f} | "
-            f"{', '.join(f'{k} {v}' for k, v in sorted(t.accepted.items())) or '-'} |"
+            f"{', '.join(f'{k} {v}' for k, v in sorted(t.accepted.items())) or '-'} | "
+            f"{'-' if t.held_cut is None else f'{t.held_cut} / {t.held_other}'} |"
             for name, t in results.items()]
     return head + "\n".join(rows)
 

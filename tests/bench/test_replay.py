@@ -229,3 +229,57 @@ def test_the_cli_prices_on_the_machines_own_cached_curve_of_the_model(tmp_path: 
     assert f"cost curve: {mine}" in capsys.readouterr().out
     (costs / "tiny-4567-cpu-float32.json").write_text(mine.read_text())  # two fingerprints
     assert rp.cached_cost_file("tiny") is None
+
+
+class _Fixed:
+    """Proposes the same chain every step."""
+
+    def __init__(self, name, tokens):
+        self.name, self.tokens = name, tokens
+
+    def begin(self, context):
+        pass
+
+    def propose(self, context, *, max_tokens):
+        return Draft.chain(self.tokens[:max_tokens], self.name)
+
+    def observe(self, context, draft, verdict):
+        pass
+
+    def end(self, context):
+        pass
+
+
+def test_held_past_splits_what_the_sizing_cut_from_what_another_source_had():
+    todo = [5, 6, 7, 8, 9, rp._STOP]
+    mine, theirs = rp._Recorder(_Fixed("a", [])), rp._Recorder(_Fixed("b", []))
+    mine.last = Draft.chain([5, 6, 7, 0], "a")     # would have held 3
+    theirs.last = Draft.chain([5, 6, 7, 8, 9, 4], "b")  # would have held 5: all but the stop
+    verified = Draft.chain([5], "a")               # the sizing kept one node: 1 accepted
+    assert rp.held_past([mine, theirs], verified, 1, todo) == (2, 2)
+    # Had the chain verified b's whole proposal, nothing was left anywhere.
+    assert rp.held_past([mine, theirs], theirs.last, 5, todo) == (0, 0)
+    # A source that proposed nothing this step (skipped) counts for nothing; with no draft
+    # verified, the sizing left out the best proposal's held tokens.
+    theirs.last = None
+    assert rp.held_past([mine, theirs], Draft(), 0, todo) == (3, 0)
+    # A tree is scored by its spine, as the decode loop verifies it.
+    mine.last = Draft((5, 6, 9, 7), (-1, 0, -1, 2), "a")  # spine 5 6; 9 7 off it
+    assert rp.held_past([mine], Draft.chain([5], "a"), 1, todo) == (1, 0)
+
+
+def test_the_replay_counts_the_tokens_a_dear_forward_left_unverified():
+    span = list(range(10, 40))
+    line = _line([1, 2, *span, 3], [1, 2, *span], budget=40)
+    dear = CostModel(base=1.0, per_token=1.0)  # every drafted node costs a forward: draft little
+    runs = {}
+    for name, cost in (("free", FREE), ("dear", dear)):
+        chain = DrafterChain([rp._Recorder(PromptLookupDrafter(SpecConfig()))], cost=cost)
+        runs[name] = rp.replay([line], chain, cost=cost)
+        assert runs[name].held_other == 0  # one source: nothing elsewhere
+    # Drafting little, the steps accept less of what prompt lookup proposed, and the count
+    # says how much: every step leaves the rest of the span unverified.
+    assert runs["dear"].steps > runs["free"].steps
+    assert runs["dear"].held_cut > 2 * runs["free"].held_cut + 100
+    assert rp.replay([line], NoDrafter()).held_cut is None  # not a chain of recorders
+    assert " | - |" in rp.table({"plain": rp.replay([line], NoDrafter())})
