@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -231,28 +232,10 @@ def test_the_cli_prices_on_the_machines_own_cached_curve_of_the_model(tmp_path: 
     assert rp.cached_cost_file("tiny") is None
 
 
-class _Fixed:
-    """Proposes the same chain every step."""
-
-    def __init__(self, name, tokens):
-        self.name, self.tokens = name, tokens
-
-    def begin(self, context):
-        pass
-
-    def propose(self, context, *, max_tokens):
-        return Draft.chain(self.tokens[:max_tokens], self.name)
-
-    def observe(self, context, draft, verdict):
-        pass
-
-    def end(self, context):
-        pass
-
-
 def test_held_past_splits_what_the_sizing_cut_from_what_another_source_had():
     todo = [5, 6, 7, 8, 9, rp._STOP]
-    mine, theirs = rp._Recorder(_Fixed("a", [])), rp._Recorder(_Fixed("b", []))
+    # held_past reads only each recorder's name and its last proposal
+    mine, theirs = rp._Recorder(SimpleNamespace(name="a")), rp._Recorder(SimpleNamespace(name="b"))
     mine.last = Draft.chain([5, 6, 7, 0], "a")     # would have held 3
     theirs.last = Draft.chain([5, 6, 7, 8, 9, 4], "b")  # would have held 5: all but the stop
     verified = Draft.chain([5], "a")               # the sizing kept one node: 1 accepted
