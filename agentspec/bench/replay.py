@@ -274,8 +274,7 @@ def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
     """
     totals = Totals()
     recorders = [d for d in getattr(drafter, "drafters", ()) if isinstance(d, _Recorder)]
-    if recorders:
-        totals.held_cut = totals.held_other = 0
+    held_cut = held_other = 0
     for line in lines:
         context = DraftContext(tokens=list(line.prompt_ids), prompt_len=len(line.prompt_ids),
                                scope=line.scope, key_text=line.key_text if memory else "",
@@ -304,9 +303,9 @@ def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
             totals.host_seconds += host
             totals.plain_seconds += (len(line.output_ids) + line.stopped) * cost.seconds(0)
             totals.accepted.update(accepted)
-            if totals.held_cut is not None and totals.held_other is not None:
-                totals.held_cut += held[0]
-                totals.held_other += held[1]
+            held_cut, held_other = held_cut + held[0], held_other + held[1]
+    if recorders:
+        totals.held_cut, totals.held_other = held_cut, held_other
     return totals
 
 
@@ -329,9 +328,10 @@ def _replay_line(line: Line, drafter: Drafter, context: DraftContext, cost: Cost
             host += time.perf_counter() - started
             if constrain is not None:  # as the decode loop: prune what it forbids, add what it forces
                 draft = constrain(draft, room)
-            path = spine_cut(draft, accepted_path(draft, [*todo[done:], _STOP]))
+            rest = [*todo[done:], _STOP]
+            path = spine_cut(draft, accepted_path(draft, rest))
             if recorders:
-                cut, other = held_past(recorders, draft, len(path), [*todo[done:], _STOP])
+                cut, other = held_past(recorders, draft, len(path), rest)
                 held_cut, held_other = held_cut + cut, held_other + other
             new = todo[done : done + len(path) + 1]
             if grammar is not None:
