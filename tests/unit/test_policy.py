@@ -599,8 +599,7 @@ class BackedDrafter(FixedDrafter):
         tokens = [*self.truth[done : done + self.right], 5, *self.truth[done + self.right + 1 :]]
         tokens = tokens[:max_tokens]
         support = tuple(4 if i < self.right else 1 for i in range(len(tokens)))
-        return Draft(tuple(tokens), tuple(range(-1, len(tokens) - 1)), self.name,
-                     support=support if self.support else None)
+        return Draft.chain(tokens, self.name, support=support if self.support else None)
 
 
 @pytest.mark.parametrize("support", [True, False])
