@@ -20,18 +20,19 @@ from agentspec.errors import (
 from agentspec.types import Draft, Generation, GenerationStats, Record, Verdict
 
 if TYPE_CHECKING:
-    from agentspec.memory import CompletionMemory
+    from agentspec.engine.load import load_target
+    from agentspec.engine.target import HFTarget
+    from agentspec.memory.completion import CompletionMemory
     from agentspec.session import record
     from agentspec.speculator import Speculator
     from agentspec.stream import Stream
-    from agentspec.target import HFTarget, load_target
 
 _LAZY = {
     "Speculator": "agentspec.speculator",
     "Stream": "agentspec.stream",
-    "load_target": "agentspec.target",
-    "HFTarget": "agentspec.target",
-    "CompletionMemory": "agentspec.memory",
+    "load_target": "agentspec.engine.target",
+    "HFTarget": "agentspec.engine.target",
+    "CompletionMemory": "agentspec.memory.completion",
     "record": "agentspec.session",
 }
 

@@ -98,7 +98,7 @@ class SpecConfig:
             the remembered drafts it accepted) to the memory's worker thread and return
             without waiting for the database; the next read of the memory waits for them, so
             every call still drafts from every completion recorded before it
-            (:meth:`~agentspec.memory.CompletionMemory.record_behind`). False writes them
+            (:meth:`~agentspec.memory.completion.CompletionMemory.record_behind`). False writes them
             before the call returns.
     """
 

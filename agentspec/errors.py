@@ -1,4 +1,7 @@
-"""The few exception types agentspec raises besides ValueError/TypeError for bad arguments."""
+"""The few exception types agentspec raises besides ValueError/TypeError for bad arguments,
+and the one way it warns about a lasting condition (once per message)."""
+
+import warnings
 
 
 class AgentSpecError(Exception):
@@ -19,3 +22,10 @@ class StoreError(AgentSpecError):
 
 class MemoryFaultWarning(RuntimeWarning):
     """The completion memory's database failed; generation goes on without it (said once)."""
+
+
+def warn_once(message: str, _seen: set[str] = set()) -> None:  # noqa: B006 - a deliberate memo
+    """Warn with ``message`` the first time it is given in this process only."""
+    if message not in _seen:
+        _seen.add(message)
+        warnings.warn(message, stacklevel=3)

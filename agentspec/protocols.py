@@ -70,7 +70,7 @@ class Drafter(Protocol):
     per step, ``end`` once after the last step (to flush statistics, credit sources). One
     step (``propose`` to ``observe``) runs without interruption, but the steps of several
     requests may interleave: keep per-request state in :meth:`DraftContext.state`. Drafts
-    are untrusted (:mod:`agentspec.untrusted`): a malformed one is cleaned, and a drafter that
+    are untrusted (:mod:`agentspec.decoding.untrusted`): a malformed one is cleaned, and a drafter that
     raises is skipped for the rest of the request.
     """
 

@@ -4,7 +4,7 @@ Calls from several threads (or asyncio tasks in worker threads) share the one ta
 :class:`~agentspec.turns.Turns`: ``generate`` takes one turn for the whole call, a
 :class:`Stream` one turn per step, given back before its text reaches the caller. A stream
 that is abandoned, closed early or raised into therefore holds nothing; a step that follows
-another call's restores its own KV first (:func:`~agentspec.decode.decode`), so outputs do not
+another call's restores its own KV first (:func:`~agentspec.decoding.loop.decode`), so outputs do not
 depend on how calls interleave.
 """
 
@@ -19,15 +19,17 @@ from typing import Any
 import torch
 
 from agentspec.config import SamplingParams, SpecConfig
-from agentspec.decode import NoDrafter, Step, decode
+from agentspec.decoding.loop import NoDrafter, Step, decode
+from agentspec.decoding.sampling import make_generator
 from agentspec.drafters.chain import DrafterChain
 from agentspec.drafters.policy import CostModel, measure_cost
+from agentspec.engine.load import load_target
+from agentspec.engine.target import HFTarget
+from agentspec.errors import warn_once
 from agentspec.home import agentspec_home
 from agentspec.protocols import DraftContext, Drafter
-from agentspec.sampling import make_generator
 from agentspec.session import Session, current_session
 from agentspec.stream import Stream
-from agentspec.target import HFTarget, load_target, warn_once
 from agentspec.text import (
     Prompt,
     StopStrings,
@@ -81,7 +83,7 @@ class Speculator:
 
     Args:
         target: the loaded model (see :func:`agentspec.load_target`).
-        memory: a :class:`agentspec.memory.CompletionMemory` to draft from and record into;
+        memory: a :class:`agentspec.memory.completion.CompletionMemory` to draft from and record into;
             a string opens one (``"default"``: the SQLite file under ``$AGENTSPEC_HOME``, or a
             SQLAlchemy URL, as :func:`open_memory`); None drafts from the prompt only.
         drafters: draft sources, overriding the default (memory, suffix, prompt lookup).
@@ -125,7 +127,7 @@ class Speculator:
 
         Args:
             memory: ``"default"`` (the SQLite file under ``$AGENTSPEC_HOME``), a SQLAlchemy URL,
-                a :class:`~agentspec.memory.CompletionMemory`, or None for no memory.
+                a :class:`~agentspec.memory.completion.CompletionMemory`, or None for no memory.
             draft_model: a small model drafting when nothing better does (see ``__init__``).
         """
         target = load_target(name, device=device)
@@ -389,7 +391,7 @@ def open_memory(memory: Any) -> Any:
         return memory
     if not memory:
         raise ValueError("memory must be 'default', a SQLAlchemy URL, a CompletionMemory or None, got ''")
-    from agentspec.memory import CompletionMemory
+    from agentspec.memory.completion import CompletionMemory
 
     url = None if memory == "default" else memory
     return CompletionMemory.open(url, index_dir=agentspec_home() / "index")

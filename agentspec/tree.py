@@ -63,7 +63,7 @@ def child_index(token_ids: Sequence[int], parents: Sequence[int]) -> dict[tuple[
 def spine_length(parents: Sequence[int]) -> int:
     """Length of the draft's spine: the longest prefix of nodes that forms a chain
     (``parents[i] == i - 1``). A spine node's row sits at its own position in the KV; the
-    target computes its logits bitwise as plain decoding would (see :mod:`agentspec._fixed`)."""
+    target computes its logits bitwise as plain decoding would (see :mod:`agentspec.engine.forward`)."""
     for i, p in enumerate(parents):
         if p != i - 1:
             return i

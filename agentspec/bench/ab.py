@@ -76,7 +76,7 @@ def parse_widths(text: str | None) -> tuple[int, ...] | None:
     Raises:
         ValueError: a width that is not a positive integer, or widths not strictly increasing.
     """
-    from agentspec.target import ordered_widths
+    from agentspec.engine.target import ordered_widths
 
     if not text:
         return None
@@ -106,7 +106,7 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
     )
     from agentspec.bench.workload import load_workload
     from agentspec.drafters.policy import measure_cost
-    from agentspec.target import HFTarget
+    from agentspec.engine.target import HFTarget
 
     if measure is not None and measure < 1:
         raise ValueError(f"measure must be >= 1, got {measure}")

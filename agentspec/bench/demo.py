@@ -236,7 +236,7 @@ class Reporter:
 def _load(config: DemoConfig, db_url: str, console: Console) -> tuple[Any, Any]:
     """The plain and the memory speculator on one loaded target, warmed up."""
     from agentspec import Speculator, load_target
-    from agentspec.memory import CompletionMemory
+    from agentspec.memory.completion import CompletionMemory
 
     started = time.perf_counter()
     with console.status(f"loading {config.model} (the first run converts its GGUF, ~20 s)"):
@@ -244,7 +244,7 @@ def _load(config: DemoConfig, db_url: str, console: Console) -> tuple[Any, Any]:
     memory = CompletionMemory.open(db_url)
     # Plain decoding as without agentspec: no prompt-prefix KV reuse across calls. agentspec
     # keeps its own KV on the same weights, so neither run inherits the other's prefill.
-    from agentspec.target import HFTarget
+    from agentspec.engine.target import HFTarget
 
     baseline = HFTarget(target.model, target.tokenizer, name=target.name, reuse_prefix=False)
     plain, spec = Speculator(baseline, speculate=False), Speculator(target, memory=memory)

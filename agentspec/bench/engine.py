@@ -25,8 +25,9 @@ import torch
 
 from agentspec.bench.prompts import ALL_PROMPTS
 from agentspec.drafters.policy import DEFAULT_COST
+from agentspec.engine.load import load_target
+from agentspec.engine.target import HFTarget
 from agentspec.speculator import Speculator
-from agentspec.target import HFTarget, load_target
 from agentspec.types import Draft, Verdict
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -66,8 +67,8 @@ def forward_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) ->
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import AttentionInterface
 
-    from agentspec import _kv
-    from agentspec._fixed import FixedForward
+    from agentspec.engine import kv as _kv
+    from agentspec.engine.forward import FixedForward
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:

@@ -1,6 +1,6 @@
 """``python -m agentspec.bench.grammar_cost``: what a grammar costs per draft node on this CPU.
 
-Walks real tool calls through :meth:`agentspec.grammar.GrammarState.constrain` as one draft
+Walks real tool calls through :meth:`agentspec.grammar.state.GrammarState.constrain` as one draft
 chain each, the way the decode loop does, and reports per draft node:
 
 - ``mask``: llguidance computing one row's token mask (or the copy of a cached one);
@@ -38,7 +38,8 @@ import numpy as np
 
 from agentspec.bench.cli import data_dir
 from agentspec.bench.workload import load_workload
-from agentspec.grammar import GrammarState, compiled
+from agentspec.grammar import compiled
+from agentspec.grammar.state import GrammarState
 from agentspec.types import Draft
 
 
@@ -308,7 +309,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     from transformers import AutoTokenizer
 
-    from agentspec.target import load_target
+    from agentspec.engine.load import load_target
 
     target = load_target(args.model)
     tokenizer = AutoTokenizer.from_pretrained(target.tokenizer.name_or_path) \

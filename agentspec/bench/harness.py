@@ -73,7 +73,7 @@ class BenchConfig:
         lines_out: a greedy run also writes its outputs (warmup and measured) here, in the
             offline replay's ``--outputs`` format (:mod:`agentspec.bench.replay`).
         prefix_cache_bytes: each agentspec system's prefix cache budget (``None``: the
-            default, 0: off; :class:`~agentspec.target.HFTarget`).
+            default, 0: off; :class:`~agentspec.engine.target.HFTarget`).
     """
 
     systems: tuple[str, ...]
@@ -213,7 +213,7 @@ def build_systems(target: Any, config: BenchConfig, db_url: str,
     """
     from agentspec import SpecConfig, Speculator
     from agentspec.bench.hf import HFStaticSystem, HFSystem
-    from agentspec.target import HFTarget
+    from agentspec.engine.target import HFTarget
 
     t = config.temperature
     if "agentspec-chain" in config.systems and chain_db_url is None:
@@ -264,7 +264,7 @@ def build_systems(target: Any, config: BenchConfig, db_url: str,
 
 def _memory_speculator(target: Any, db_url: str, config: Any = None, cost: Any = "measure") -> Any:
     from agentspec import Speculator
-    from agentspec.memory import CompletionMemory
+    from agentspec.memory.completion import CompletionMemory
     from agentspec.stores import SQLStore
 
     spec = Speculator(target.fork(), memory=CompletionMemory(SQLStore(db_url)), config=config,
@@ -280,8 +280,8 @@ def _suffix_speculator(target: Any, db_url: str) -> Any:
     from agentspec import SpecConfig, Speculator
     from agentspec.drafters.prompt_lookup import PromptLookupDrafter
     from agentspec.drafters.suffix import SuffixDrafter
-    from agentspec.embedder import HashEmbedder
-    from agentspec.memory import CompletionMemory
+    from agentspec.memory.completion import CompletionMemory
+    from agentspec.memory.embedder import HashEmbedder
     from agentspec.stores import SQLStore
 
     fork = target.fork()

@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from agentspec import SamplingParams, SpecConfig, Speculator, load_target
     from agentspec.grammar import compiled
-    from agentspec.memory import CompletionMemory
+    from agentspec.memory.completion import CompletionMemory
 
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]
     unknown = [s for s in suites if s not in bfcl.SUITES]

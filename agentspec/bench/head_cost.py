@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--scope is required without --lines")
 
     from agentspec.drafters.head import beam_search, head_path, load_head
-    from agentspec.target import load_target
+    from agentspec.engine.load import load_target
     from agentspec.types import Draft
 
     target = load_target(args.model, device="cpu")

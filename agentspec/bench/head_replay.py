@@ -57,8 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
 
     from agentspec.drafters.head_train import vocabulary
+    from agentspec.engine.load import load_target
     from agentspec.stores import SQLStore
-    from agentspec.target import load_target
 
     target = load_target(args.model, device="cpu")
     store = SQLStore(args.db)

@@ -43,7 +43,7 @@ class HFSystem:
         ids = self.spec.encode(prompt_of(item))
         grammar = grammar_of(item)
         if grammar is not None:  # the same constraint, as transformers users apply one
-            from agentspec.grammar import GrammarLogitsProcessor
+            from agentspec.grammar.hf import GrammarLogitsProcessor
 
             kwargs["logits_processor"] = [GrammarLogitsProcessor(
                 grammar, self.spec.tokenizer, vocab_size=self.spec.target.vocab_size,

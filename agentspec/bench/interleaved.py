@@ -41,7 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from agentspec.bench.cli import resolve_workload
     from agentspec.bench.harness import grammar_of, prompt_of
     from agentspec.bench.workload import in_turn, load_workload
-    from agentspec.target import HFTarget, load_target
+    from agentspec.engine.load import load_target
+    from agentspec.engine.target import HFTarget
 
     parser = argparse.ArgumentParser(prog="python -m agentspec.bench.interleaved",
                                      description=__doc__.splitlines()[0])

@@ -1,4 +1,4 @@
-"""glibc malloc settings (:mod:`agentspec._malloc`) against glibc's defaults, on a workload.
+"""glibc malloc settings (:mod:`agentspec.engine.malloc`) against glibc's defaults, on a workload.
 
     python -m agentspec.bench.malloc --workload bfcl-live --rounds 2
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agentspec.memory import CompletionMemory
+from agentspec.memory.completion import CompletionMemory
 from agentspec.stores import SQLStore
 from agentspec.types import Record
 

@@ -30,8 +30,9 @@ from agentspec.bench.prompts import ALL_PROMPTS
 from agentspec.config import SamplingParams
 from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
+from agentspec.engine.load import load_target, resolve_model_dir
+from agentspec.engine.target import HFTarget
 from agentspec.speculator import Speculator
-from agentspec.target import HFTarget, load_target, resolve_model_dir
 
 GREEDY = SamplingParams(temperature=0.0)
 # Prompts sized for the 2-core CPU: grounded and open-ended ones.

@@ -82,10 +82,10 @@ def _patched(owner: Any, name: str, clock: PhaseClock, label: str) -> Iterator[N
 @contextmanager
 def timing(clock: PhaseClock, targets: Sequence[Any] = ()) -> Iterator[PhaseClock]:
     """Every phase of the decode loop, and each of ``targets``' forwards, timed on ``clock``."""
-    import agentspec.decode as decode
+    import agentspec.decoding.loop as decode
     from agentspec.drafters.chain import DrafterChain
-    from agentspec.grammar import GrammarState
-    from agentspec.memory import CompletionMemory
+    from agentspec.grammar.state import GrammarState
+    from agentspec.memory.completion import CompletionMemory
 
     spots: list[tuple[Any, str, str]] = [
         (decode, "sanitize", "sanitize"), (decode, "verify", "verify"),

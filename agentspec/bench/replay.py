@@ -24,7 +24,7 @@ records the warmup lines and every earlier measured line, as in ``agentspec benc
 
 A line with a grammar (the workload's ``grammar`` field) is replayed under it when the replay
 is given the target's vocabulary (:class:`Constraint`; the bench does this): every draft is
-cut and extended as the decode loop does (:meth:`agentspec.grammar.GrammarState.constrain`:
+cut and extended as the decode loop does (:meth:`agentspec.grammar.state.GrammarState.constrain`:
 forbidden tokens pruned, forced tokens appended), the ceiling's candidates too, so the
 ceiling counts the grammar's free tokens that ``agentspec`` gets.
 
@@ -106,7 +106,7 @@ class Constraint:
 
     @classmethod
     def of(cls, target: Any) -> Constraint:
-        """The constraint of a loaded :class:`~agentspec.target.HFTarget`."""
+        """The constraint of a loaded :class:`~agentspec.engine.target.HFTarget`."""
         from agentspec.speculator import _stop_ids
 
         return cls(target.tokenizer, target.vocab_size, _stop_ids(target), target.max_draft_nodes)
@@ -115,7 +115,8 @@ class Constraint:
         """A fresh grammar state for ``line``, or None when it has no grammar."""
         if line.grammar is None:
             return None
-        from agentspec.grammar import GrammarState, compiled
+        from agentspec.grammar import compiled
+        from agentspec.grammar.state import GrammarState
 
         return GrammarState(compiled(line.grammar), self.tokenizer, vocab_size=self.vocab_size,
                             eos_ids=sorted(self.stop_ids))
@@ -168,7 +169,7 @@ def accepted_path(draft: Draft, output: Sequence[int]) -> list[int]:
 
 def spine_cut(draft: Draft, path: list[int]) -> list[int]:
     """``path`` ended at its first node off the draft's spine, as the decode loop ends a
-    verdict (:func:`agentspec.verify.cut_at_spine`: only spine rows decide more than one
+    verdict (:func:`agentspec.decoding.verify.cut_at_spine`: only spine rows decide more than one
     token; the node's token, the target's own at its parent, is the step's next token)."""
     return path[: spine_prefix(draft.parents, path)]
 
@@ -383,7 +384,7 @@ def run_policies(lines: Sequence[Line], names: Sequence[str] = POLICIES,
     ``constraint``: lines with a grammar decoded under it). ``sizing``: the cost curve the
     policies size drafts by, when not the ``cost`` their steps are modeled with (what a
     policy sized for another device would do on this one)."""
-    from agentspec.memory import CompletionMemory
+    from agentspec.memory.completion import CompletionMemory
     from agentspec.stores import SQLStore
 
     sizing = cost if sizing is None else sizing
@@ -418,7 +419,7 @@ def bench_ceiling(workload: Any, warmup_outputs: dict[str, tuple[int, ...]],
     """
     from agentspec.bench.harness import prompt_of
     from agentspec.bench.report import REFERENCE
-    from agentspec.memory import conversation_key
+    from agentspec.memory.completion import conversation_key
     from agentspec.text import encode_prompt
 
     outputs = dict(warmup_outputs)
@@ -449,7 +450,7 @@ def generate_lines(workload_path: Path, model: str, default_max_new_tokens: int)
     from agentspec.bench.harness import prompt_of
     from agentspec.bench.workload import load_workload
     from agentspec.grammar import compiled
-    from agentspec.memory import conversation_key
+    from agentspec.memory.completion import conversation_key
 
     workload = load_workload(workload_path, default_max_new_tokens=default_max_new_tokens)
     spec = Speculator.from_pretrained(model, memory=None)

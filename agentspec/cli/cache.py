@@ -198,7 +198,7 @@ def search(ctx: typer.Context, text: str,
 
     Example: agentspec cache search "weather in Paris" -k 3 --scope support
     """
-    from agentspec.memory import CompletionMemory
+    from agentspec.memory.completion import CompletionMemory
 
     with open_store(ctx) as store:
         emb, skipped = _pick_embedder(store, scope, embedder)

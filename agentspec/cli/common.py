@@ -295,7 +295,7 @@ def index_files(store_url: str, folder: Path | None = None) -> list[IndexFile]:
 
 def embedder_by_name(name: str) -> Any:
     """The embedder that wrote rows named ``name`` (``hash`` means ``hash-trigram-64``)."""
-    from agentspec.embedder import HashEmbedder, MiniLMEmbedder
+    from agentspec.memory.embedder import HashEmbedder, MiniLMEmbedder
 
     if name == MiniLMEmbedder.name:
         return MiniLMEmbedder()

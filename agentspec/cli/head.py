@@ -70,7 +70,7 @@ def train(ctx: typer.Context,
     from agentspec.drafters.head import head_path, load_head, save_head
     from agentspec.drafters.head_rows import load_rows
     from agentspec.drafters.head_train import TrainConfig, train_head
-    from agentspec.target import load_target
+    from agentspec.engine.load import load_target
 
     target = load_target(model, device="cpu")
     fingerprint = target.fingerprint

@@ -73,7 +73,7 @@ def reindex(ctx: typer.Context,
 
     Example: agentspec cache reindex --yes
     """
-    from agentspec.memory import CompletionMemory
+    from agentspec.memory.completion import CompletionMemory
 
     with open_store(ctx) as store:
         embedded = _embed_missing(store, embedder, yes)
@@ -112,7 +112,7 @@ def _model_vocab(model: str, fallback: int | None) -> int:
 
 
 def _expected_dim(name: str, seen: dict[str, int], dim: int) -> int:
-    from agentspec.embedder import MiniLMEmbedder
+    from agentspec.memory.embedder import MiniLMEmbedder
 
     if name == MiniLMEmbedder.name:
         return MiniLMEmbedder.dim

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from agentspec.decoding.untrusted import MAX_SCAN, Guarded, sanitize
 from agentspec.drafters.policy import (
     DEFAULT_COST,
     Acceptance,
@@ -36,7 +37,6 @@ from agentspec.drafters.policy import (
 from agentspec.protocols import DraftContext, Drafter
 from agentspec.tree import common_prefix_len, depths, spine_length, sub_draft
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
-from agentspec.untrusted import MAX_SCAN, Guarded, sanitize
 
 # Per-token acceptance before any evidence: remembered completions are usually right, and one
 # that has matched every generated token so far ("memory/follow") almost always.

@@ -43,9 +43,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from agentspec.decoding.sampling import logits_to_probs
 from agentspec.home import agentspec_home
 from agentspec.protocols import DraftContext
-from agentspec.sampling import logits_to_probs
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
 FORMAT_VERSION = 1
@@ -227,7 +227,7 @@ class HeadDrafter:
     """Drafts with a trained :class:`RecurrentHead` per scope; absent where none is trained.
 
     Args:
-        target: the :class:`~agentspec.target.HFTarget` (its last hidden rows are read after
+        target: the :class:`~agentspec.engine.target.HFTarget` (its last hidden rows are read after
             each step; they are used for drafting only, never to decide a token).
         heads: a head per scope; scopes not in it are looked up under ``home``
             (:func:`head_path`) on first use, and again when the file changes (retraining

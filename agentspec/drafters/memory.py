@@ -53,7 +53,7 @@ class MemoryDrafter:
     """Top-k semantic neighbours' completions, aligned to the generated tail, as a draft tree.
 
     Args:
-        memory: a :class:`agentspec.memory.CompletionMemory`.
+        memory: a :class:`agentspec.memory.completion.CompletionMemory`.
         model: the target's fingerprint; entries of another model are never used.
         k: neighbours fetched per request.
         min_similarity: neighbours below this cosine similarity are ignored.

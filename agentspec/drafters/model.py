@@ -4,14 +4,14 @@ Two modes, chosen by comparing vocabularies:
 
 * Same tokenizer: the draft model drafts a chain of target token ids autoregressively. Under
   sampling it draws each token from q, its own distribution processed with the request's
-  :class:`~agentspec.config.SamplingParams` (:func:`agentspec.sampling.logits_to_probs`), and
+  :class:`~agentspec.config.SamplingParams` (:func:`agentspec.decoding.sampling.logits_to_probs`), and
   attaches q as ``draft_probs``: the verifier runs the ratio test. Greedy drafts are argmaxes
   without probabilities: the point-mass walk.
 * Different tokenizer: the draft model continues the text greedily from its own encoding of
   the target's context; the drafted text is re-tokenized with the target's tokenizer and
   verified as a point-mass draft, which is exact whatever the draft is.
 
-The draft model's KV is a second :class:`~agentspec.target.HFTarget`, kept in step with the
+The draft model's KV is a second :class:`~agentspec.engine.target.HFTarget`, kept in step with the
 target lazily: each proposal crops it to the longest prefix it shares with the committed
 context, then feeds the missing tokens in one forward.
 """
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from agentspec.decoding.sampling import logits_to_probs
+from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
-from agentspec.sampling import logits_to_probs
-from agentspec.target import HFTarget
 from agentspec.tree import common_prefix_len
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 

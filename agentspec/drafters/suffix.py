@@ -32,7 +32,7 @@ class SuffixDrafter:
     """Frequency-ordered continuations of the longest suffix match over a scope's completions.
 
     Args:
-        memory: a :class:`agentspec.memory.CompletionMemory` (read by id watermark through
+        memory: a :class:`agentspec.memory.completion.CompletionMemory` (read by id watermark through
             its ``completions``).
         model: the target's fingerprint.
         n_min / n_max: suffix match lengths.

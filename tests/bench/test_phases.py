@@ -20,9 +20,9 @@ class Target:
 
 
 def test_timing_counts_only_while_on_and_restores_what_it_patched():
-    import agentspec.decode as decode
+    import agentspec.decoding.loop as decode
     from agentspec.drafters.chain import DrafterChain
-    from agentspec.memory import CompletionMemory
+    from agentspec.memory.completion import CompletionMemory
 
     before = (decode.sanitize, decode.verify, DrafterChain.propose, CompletionMemory.lookup)
     target = Target()

@@ -9,7 +9,7 @@ import pytest
 
 from agentspec.bench import replay as rp
 from agentspec.config import SpecConfig
-from agentspec.decode import NoDrafter
+from agentspec.decoding.loop import NoDrafter
 from agentspec.drafters.chain import DrafterChain
 from agentspec.drafters.policy import CostModel
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
@@ -175,7 +175,7 @@ def test_versus_names_the_best_single_source_and_the_share_of_the_ceiling():
 def test_lines_with_a_grammar_are_replayed_under_it_forced_tokens_included():
     from transformers import AutoTokenizer
 
-    from agentspec.target import resolve_model_dir
+    from agentspec.engine.load import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m-instruct")[1]))
     grammar = {"type": "tool_calls", "as_list": True, "choice": "required", "tools": [

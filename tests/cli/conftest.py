@@ -11,7 +11,7 @@ from click.testing import Result
 from typer.testing import CliRunner
 
 from agentspec.cli import app
-from agentspec.embedder import HashEmbedder
+from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import SQLStore
 from agentspec.types import Record
 

@@ -45,7 +45,7 @@ def _fill(url: str, fingerprint: str) -> None:
 
 def test_train_then_stats(model_dir: Path, tmp_path: Path, home: Path):
     from agentspec.drafters.head import heads_exist
-    from agentspec.target import load_target
+    from agentspec.engine.load import load_target
 
     fingerprint = load_target(str(model_dir), device="cpu").fingerprint
     url = f"sqlite:///{tmp_path / 'memory.db'}"

@@ -34,7 +34,7 @@ def test_greedy_speculation_matches_plain_decoding_on_cuda(gpu_spec):
 
 
 def test_cuda_graph_replays_bitwise_as_the_eager_forward(gpu_spec):
-    from agentspec.target import HFTarget
+    from agentspec.engine.target import HFTarget
     from agentspec.types import Draft
 
     base = gpu_spec.target
@@ -49,7 +49,7 @@ def test_cuda_graph_replays_bitwise_as_the_eager_forward(gpu_spec):
 
 def test_drafts_and_prefix_reuse_leave_bf16_outputs_unchanged_on_cuda(gpu_spec):
     from agentspec.bench.prompts import ALL_PROMPTS
-    from agentspec.target import HFTarget
+    from agentspec.engine.target import HFTarget
 
     base = gpu_spec.target
     plain = Speculator(HFTarget(base.model, base.tokenizer, reuse_prefix=False), speculate=False)
@@ -63,7 +63,7 @@ def test_prefix_cache_restores_the_rows_a_prefill_computes_on_cuda(gpu_spec):
     # back from the prefix cache (copied into the captured graphs' KV buffers) and must score
     # the rows a fresh prefill does, bitwise.
     from agentspec.bench.prompts import ALL_PROMPTS
-    from agentspec.target import HFTarget
+    from agentspec.engine.target import HFTarget
     from agentspec.types import Draft
 
     base = gpu_spec.target
@@ -86,8 +86,8 @@ def test_a_worker_embedding_on_the_gpu_leaves_the_engines_captures_alone(gpu_spe
     # eager forwards for good), and the output stays plain decoding's.
     import threading
 
-    from agentspec.embedder import MiniLMEmbedder
-    from agentspec.target import HFTarget
+    from agentspec.engine.target import HFTarget
+    from agentspec.memory.embedder import MiniLMEmbedder
 
     embedder = MiniLMEmbedder(device="cuda")
     embedder.warmup()

@@ -6,8 +6,9 @@ import functools
 
 import torch
 
+from agentspec.engine.load import load_target
+from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
-from agentspec.target import HFTarget, load_target
 from agentspec.types import Draft, Verdict
 
 

@@ -25,8 +25,8 @@ import pytest
 
 from agentspec import SamplingParams, Speculator
 from agentspec.drafters.policy import DEFAULT_COST
-from agentspec.embedder import HashEmbedder
-from agentspec.memory import CompletionMemory
+from agentspec.memory.completion import CompletionMemory
+from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import InMemoryStore
 from agentspec.stream import Stream
 from agentspec.types import Generation

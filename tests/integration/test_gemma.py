@@ -22,7 +22,8 @@ from agentspec import Speculator
 from agentspec.bench.prompts import _CODE, _RECORD
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
-from agentspec.target import GEMMA_TURNS, PACKAGED_MODELS, HFTarget, _give_turn_format
+from agentspec.engine.load import GEMMA_TURNS, PACKAGED_MODELS, give_turn_format
+from agentspec.engine.target import HFTarget
 from agentspec.text import encode_prompt, render_chat
 from agentspec.types import Draft
 
@@ -74,10 +75,10 @@ def test_a_template_of_the_model_is_kept():
     tokenizer = SimpleNamespace(chat_template="{{ messages }}", unk_token_id=3,
                                 convert_tokens_to_ids=lambda token: 106)
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=1))
-    _give_turn_format(entry, model, tokenizer)
+    give_turn_format(entry, model, tokenizer)
     assert tokenizer.chat_template == "{{ messages }}" and model.generation_config.eos_token_id == 1
     tokenizer.chat_template = None
-    _give_turn_format(entry, model, tokenizer)
+    give_turn_format(entry, model, tokenizer)
     assert tokenizer.chat_template == GEMMA_TURNS and model.generation_config.eos_token_id == [1, 106]
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from agentspec import SamplingParams, SpecConfig, Speculator
-from agentspec.grammar import Grammar, GrammarLogitsProcessor
+from agentspec.grammar import Grammar
+from agentspec.grammar.hf import GrammarLogitsProcessor
 from agentspec.protocols import DraftContext
 from agentspec.types import Draft, Verdict
 
@@ -143,7 +144,7 @@ def test_seeded_sample_does_not_depend_on_drafts(spec: Speculator, poisoned: Spe
 
 
 def _mask(matcher: Any, vocab_size: int) -> torch.Tensor:
-    from agentspec.grammar import unpack_bits
+    from agentspec.grammar.tokenizer import unpack_bits
 
     bits = torch.zeros((1, (vocab_size + 31) // 32), dtype=torch.int32)
     matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.shape[1] * 4)
@@ -156,7 +157,8 @@ def test_auto_is_the_union_of_a_call_and_free_text(spec: Speculator) -> None:
     is masked, after a call start the call's mask applies."""
     import llguidance
 
-    from agentspec.grammar import TEXT_START, GrammarState, ll_tokenizer
+    from agentspec.grammar.state import GrammarState
+    from agentspec.grammar.tokenizer import TEXT_START, ll_tokenizer
 
     vocab, eos = spec.target.vocab_size, sorted(spec.stop_token_ids)
     auto, required = Grammar.tool_calls(TOOLS, choice="auto"), Grammar.tool_calls(TOOLS)
@@ -189,7 +191,8 @@ def test_json_slices_and_an_earlier_request_do_not_change_a_mask(spec: Speculato
     tests/unit/test_grammar_reuse.py)."""
     import llguidance
 
-    from agentspec.grammar import GrammarState, ll_tokenizer
+    from agentspec.grammar.state import GrammarState
+    from agentspec.grammar.tokenizer import ll_tokenizer
 
     vocab, eos = spec.target.vocab_size, sorted(spec.stop_token_ids)
     grammar = Grammar.tool_calls(TOOLS, as_list=True)

@@ -7,7 +7,7 @@ import torch
 
 from agentspec import SamplingParams, Speculator
 from agentspec.bench.prompts import ALL_PROMPTS
-from agentspec.decode import decode
+from agentspec.decoding.loop import decode
 from agentspec.protocols import DraftContext
 
 from .helpers import OracleTreeDrafter

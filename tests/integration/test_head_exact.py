@@ -2,7 +2,7 @@
 
 A tiny random target (LlamaConfig from a config, no hub) over a 4-token vocabulary and a
 random :class:`~agentspec.drafters.head.RecurrentHead` on its embeddings. We decode 4 tokens
-many times through :func:`agentspec.decode.decode` with the head drafting from the target's
+many times through :func:`agentspec.decoding.loop.decode` with the head drafting from the target's
 hidden rows (the first step has none: plain), and compare the joint distribution of the 4
 tokens with the exact one (a product of the target's processed conditionals, from plain
 forwards) by a chi-square test. Threshold: p > 0.001 for the real drafts:
@@ -24,11 +24,11 @@ import pytest
 import torch
 
 from agentspec import SamplingParams
-from agentspec.decode import NoDrafter, decode
+from agentspec.decoding.loop import NoDrafter, decode
+from agentspec.decoding.sampling import logits_to_probs
 from agentspec.drafters.head import HeadDrafter, RecurrentHead, beam_search
+from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
-from agentspec.sampling import logits_to_probs
-from agentspec.target import HFTarget
 from agentspec.types import Draft
 from tests.unit.test_verify_stats import p_value
 

@@ -21,17 +21,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import agentspec._fixed
+import agentspec.engine.forward
 from agentspec import SamplingParams, Speculator
 from agentspec.bench.prompts import ALL_PROMPTS
 from agentspec.bench.workload import load_workload
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
-from agentspec.embedder import HashEmbedder
-from agentspec.memory import CompletionMemory, conversation_key
+from agentspec.engine.load import load_target
+from agentspec.engine.target import CPU_PREFILL_WIDTHS, HFTarget
+from agentspec.memory.completion import CompletionMemory, conversation_key
+from agentspec.memory.embedder import HashEmbedder
 from agentspec.protocols import DraftContext
 from agentspec.stores import SQLStore
-from agentspec.target import CPU_PREFILL_WIDTHS, HFTarget, load_target
 from agentspec.tree import merge_chains
 from agentspec.types import Draft, Verdict
 
@@ -185,7 +186,7 @@ def test_every_verified_row_equals_the_row_scored_alone(dtype_name):
 def bf16_kernels(monkeypatch):
     """Part of the deliberately wrong engine: the model's own CPU bf16 products, which choose
     their kernels by row count (the engine runs them as float32 oneDNN products)."""
-    monkeypatch.setattr(agentspec._fixed.torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setattr(agentspec.engine.forward.torch.backends.mkldnn, "is_available", lambda: False)
 
 
 def test_dynamic_widths_fail_the_row_check_in_bf16(bf16_kernels):

@@ -9,8 +9,8 @@ import pytest
 from agentspec import Speculator
 from agentspec.bench.prompts import ALL_PROMPTS
 from agentspec.drafters.policy import DEFAULT_COST
-from agentspec.embedder import HashEmbedder
-from agentspec.memory import CompletionMemory, conversation_key
+from agentspec.memory.completion import CompletionMemory, conversation_key
+from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import SQLStore
 
 MAX_NEW = 32

@@ -25,12 +25,12 @@ import torch
 from agentspec import SamplingParams, Speculator
 from agentspec.bench.model_fallback import layer_skip_draft
 from agentspec.bench.prompts import ALL_PROMPTS
-from agentspec.decode import decode
+from agentspec.decoding.loop import decode
+from agentspec.decoding.sampling import logits_to_probs
 from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.policy import CostModel
+from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
-from agentspec.sampling import logits_to_probs
-from agentspec.target import HFTarget
 from agentspec.types import Draft
 from tests.unit.test_verify_stats import p_value
 

@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from agentspec import Speculator
-from agentspec._prefix import BLOCK, PrefixCache
 from agentspec.bench.cli import resolve_workload
 from agentspec.bench.harness import prompt_of
 from agentspec.bench.workload import load_workload
-from agentspec.target import HFTarget, load_target
+from agentspec.engine.load import load_target
+from agentspec.engine.prefix import BLOCK, PrefixCache
+from agentspec.engine.target import HFTarget
 from agentspec.tree import common_prefix_len
 from agentspec.types import Draft
 

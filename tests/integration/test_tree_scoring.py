@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from agentspec.bench.prompts import GROUNDED
-from agentspec.target import HFTarget
+from agentspec.engine.target import HFTarget
 from agentspec.types import Draft
 
 # Three levels, four leaves; siblings distinct; node order is not a path order.

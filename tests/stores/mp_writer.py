@@ -10,8 +10,8 @@ from __future__ import annotations
 import sys
 import time
 
-from agentspec.embedder import HashEmbedder
-from agentspec.memory import CompletionMemory
+from agentspec.memory.completion import CompletionMemory
+from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import SQLStore
 from agentspec.types import Record
 

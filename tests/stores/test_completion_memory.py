@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from agentspec.embedder import HashEmbedder, MiniLMEmbedder
-from agentspec.memory import CompletionMemory
+from agentspec.memory.completion import CompletionMemory
+from agentspec.memory.embedder import HashEmbedder, MiniLMEmbedder
 from agentspec.stores import InMemoryStore, SQLStore
 
 
@@ -276,7 +276,7 @@ def test_hash_embedder_is_deterministic_and_normalised():
     assert v.shape == (3, 32) and v.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, rtol=1e-6)
     np.testing.assert_array_equal(v[0], v[2])
-    out = subprocess.run([sys.executable, "-c", "from agentspec.embedder import HashEmbedder;"
+    out = subprocess.run([sys.executable, "-c", "from agentspec.memory.embedder import HashEmbedder;"
                           "print(HashEmbedder(32).embed(['hello world'])[0].tolist())"],
                          capture_output=True, text=True, check=True).stdout
     np.testing.assert_allclose(eval(out), v[0], rtol=1e-6)
@@ -285,15 +285,15 @@ def test_hash_embedder_is_deterministic_and_normalised():
 
 
 def test_stores_and_memory_do_not_import_torch():
-    code = ("import sys, agentspec.stores, agentspec.memory, agentspec.embedder;"
+    code = ("import sys, agentspec.stores, agentspec.memory.completion, agentspec.memory.embedder;"
             "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_warmup_loads_the_index_library_before_the_first_lookup():
     # Importing faiss is the first lookup's largest one-time cost; warmup pays it instead.
-    code = ("import sys; from agentspec.memory import CompletionMemory;"
-            "from agentspec.embedder import HashEmbedder;"
+    code = ("import sys; from agentspec.memory.completion import CompletionMemory;"
+            "from agentspec.memory.embedder import HashEmbedder;"
             "from agentspec.stores import InMemoryStore;"
             "m = CompletionMemory(InMemoryStore(), embedder=HashEmbedder());"
             "assert 'faiss' not in sys.modules, 'imported early';"
@@ -331,7 +331,7 @@ def test_minilm_runs_in_float32_on_the_cpu_whatever_its_files_hold(tmp_path, mon
     import torch
     from safetensors.torch import load_file, save_file
 
-    import agentspec.embedder as embedder_module
+    import agentspec.memory.embedder as embedder_module
 
     src = embedder_module.minilm_model_dir()
     half = tmp_path / "model"

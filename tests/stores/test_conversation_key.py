@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentspec.memory import conversation_key
+from agentspec.memory.completion import conversation_key
 from agentspec.text import truncate_middle
 
 SYSTEM = {"role": "system", "content": "You are an assistant. Tools: search(q), calc(expr)."}

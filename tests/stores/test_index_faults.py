@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agentspec.embedder import HashEmbedder
-from agentspec.memory import CompletionMemory
+from agentspec.memory.completion import CompletionMemory
+from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import FaissIndex
 from tests.stores.test_memory_faults import catching, fault_warnings, rec
 

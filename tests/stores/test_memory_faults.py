@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 from sqlalchemy import event
 
-from agentspec.embedder import HashEmbedder
 from agentspec.errors import MemoryFaultWarning, StoreError
-from agentspec.memory import CompletionMemory
+from agentspec.memory.completion import CompletionMemory
+from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import SQLStore
 
 BOUND = 5  # max_pending in these tests

@@ -1,4 +1,4 @@
-"""MiniLM's one-text forward (agentspec._minilm): the vector sentence-transformers' encode gives,
+"""MiniLM's one-text forward (agentspec.memory.minilm): the vector sentence-transformers' encode gives,
 unpadded on the CPU and padded to a CUDA bucket, and on a GPU as a CUDA graph replay."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from agentspec._minilm import BUCKETS, OneTextForward
-from agentspec.embedder import MiniLMEmbedder
+from agentspec.memory.embedder import MiniLMEmbedder
+from agentspec.memory.minilm import BUCKETS, OneTextForward
 
 TEXTS = [
     "hi",

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from sqlalchemy import create_engine, select, text
 
-from agentspec.embedder import HashEmbedder
 from agentspec.errors import StoreError
-from agentspec.memory import CompletionMemory
+from agentspec.memory.completion import CompletionMemory
+from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import SCHEMA_VERSION, SQLStore, mask_url
 from agentspec.stores.sql_schema import records
 from tests.stores.conftest import make_record

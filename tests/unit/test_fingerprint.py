@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from agentspec.target import fingerprint
+from agentspec.engine.target import fingerprint
 
 
 class _Vocab:

@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("llguidance")
 
-from agentspec.grammar import compiled, unpack_bits  # noqa: E402
+from agentspec.grammar import compiled  # noqa: E402
+from agentspec.grammar.tokenizer import unpack_bits
 
 
 def _reference(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -59,7 +60,8 @@ def test_compiled_keeps_the_schemas_property_order() -> None:
 
 
 def test_example_values_follow_the_schema() -> None:
-    from agentspec.grammar import Grammar, example_value
+    from agentspec.grammar import Grammar
+    from agentspec.grammar.spec import example_value
 
     schema = {"type": "object", "properties": {
         "city": {"type": "string"}, "unit": {"enum": ["c", "f"]}, "days": {"type": "integer"},
@@ -78,8 +80,8 @@ def test_warmed_masks_equal_the_masks_a_cold_matcher_computes() -> None:
     grammar gets, row for row, the masks of a grammar that was never warmed."""
     from transformers import AutoTokenizer
 
-    from agentspec import grammar as g
-    from agentspec.target import resolve_model_dir
+    from agentspec.engine.load import resolve_model_dir
+    from agentspec.grammar import state as g
     from agentspec.types import Draft
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m-instruct")[1]))
@@ -114,8 +116,9 @@ def test_a_spent_mask_budget_drops_the_least_recently_used_grammars_masks(monkey
     (never the ones it needs first); a dropped grammar warms again on its next use."""
     from transformers import AutoTokenizer
 
-    from agentspec import grammar as g
-    from agentspec.target import resolve_model_dir
+    from agentspec.engine.load import resolve_model_dir
+    from agentspec.grammar import state as g
+    from agentspec.grammar import tokenizer as gt
 
     tok = AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m-instruct")[1]))
     words = (len(tok) + 31) // 32
@@ -128,18 +131,18 @@ def test_a_spent_mask_budget_drops_the_least_recently_used_grammars_masks(monkey
         state.close()
         return shared
 
-    monkeypatch.setattr(g, "_SHARED", type(g._SHARED)())
-    monkeypatch.setattr(g, "_cached_bytes", 0)
+    monkeypatch.setattr(gt, "_SHARED", type(gt._SHARED)())
+    monkeypatch.setattr(gt, "_cached_bytes", 0)
     first = use(grammars[0])
     per_grammar = first.cached_bytes
     assert per_grammar >= 10 * words * 4  # the warm-up cached the skeleton's masks
     # Room for two grammars' masks under 3/4 of the budget, not three.
-    monkeypatch.setattr(g, "MASK_CACHE_BYTES", (per_grammar * 5 // 2) * 4 // 3)
+    monkeypatch.setattr(gt, "MASK_CACHE_BYTES", (per_grammar * 5 // 2) * 4 // 3)
     second = use(grammars[1])
     assert first.warmed and second.warmed
     third = use(grammars[2])
     assert not first.warmed and first.cached_bytes == 0 and first.root == [None, {}]
     assert second.warmed and third.warmed
-    assert g._cached_bytes == second.cached_bytes + third.cached_bytes
+    assert gt._cached_bytes == second.cached_bytes + third.cached_bytes
     assert use(grammars[0]) is first and first.warmed  # warmed again; now second is the oldest
     assert not second.warmed and third.warmed

@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("llguidance")
 
-from agentspec import grammar as g  # noqa: E402
+from agentspec.grammar import tokenizer as g  # noqa: E402
 
 DATA = json.loads((Path(__file__).parent / "data" / "llguidance_reset.json").read_text())
 
@@ -34,7 +34,7 @@ DATA = json.loads((Path(__file__).parent / "data" / "llguidance_reset.json").rea
 def tok():
     from transformers import AutoTokenizer
 
-    from agentspec.target import resolve_model_dir
+    from agentspec.engine.load import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m-instruct")[1]))
 
@@ -42,7 +42,7 @@ def tok():
 @pytest.fixture(scope="module")
 def shared(tok) -> Any:
     ll_tok = g.ll_tokenizer(tok, len(tok), [tok.eos_token_id], json_slices=True)
-    return g._Compiled(ll_tok, DATA["spec"])
+    return g.SharedGrammar(ll_tok, DATA["spec"])
 
 
 def _mask(matcher: Any, words: int) -> torch.Tensor:
@@ -71,7 +71,7 @@ def _after_history(shared: Any, words: int, next_request: Callable[[Any], Any]) 
 
 
 def _fresh(shared: Any, words: int) -> torch.Tensor:
-    matcher = g._llguidance().LLMatcher(shared.ll_tok, shared.spec, log_level=0)
+    matcher = g.import_llguidance().LLMatcher(shared.ll_tok, shared.spec, log_level=0)
     for token in DATA["path"]:
         assert matcher.consume_token(token)
     return _mask(matcher, words)

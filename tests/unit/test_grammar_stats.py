@@ -20,12 +20,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from agentspec import verify as verify_module
+from agentspec.decoding import verify as verify_module
 from agentspec.config import SamplingParams
-from agentspec.decode import decode
-from agentspec.grammar import Grammar, GrammarState
+from agentspec.decoding.loop import decode
+from agentspec.decoding.sampling import logits_to_probs
+from agentspec.grammar import Grammar
+from agentspec.grammar.state import GrammarState
 from agentspec.protocols import DraftContext
-from agentspec.sampling import logits_to_probs
 from agentspec.tree import depths
 from agentspec.types import Draft
 
@@ -45,7 +46,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def tokenizer() -> Any:
     from transformers import AutoTokenizer
 
-    from agentspec.target import resolve_model_dir
+    from agentspec.engine.load import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m-instruct")[1]))
 
@@ -153,7 +154,7 @@ def exact_distribution(target: TableTarget) -> dict[tuple[int, ...], float]:
 def sample_outputs(verifier: Any, draws: int, monkeypatch: pytest.MonkeyPatch) -> dict[tuple[int, ...], int]:
     """Outputs of ``draws`` seeded generations through ``decode`` with ``verifier`` in place
     of the real one; an output the grammar forbids counts under the key ``("invalid",)``."""
-    monkeypatch.setattr("agentspec.decode.verify", verifier)
+    monkeypatch.setattr("agentspec.decoding.loop.verify", verifier)
     target = TableTarget(tokenizer().vocab_size)
     drafter = MixedTreeDrafter(letter_tokens())
     sampling = SamplingParams(temperature=SAMPLING.temperature, grammar=grammar())

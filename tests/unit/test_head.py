@@ -28,8 +28,8 @@ from agentspec.drafters.head_train import (
     train_head,
     vocabulary,
 )
+from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
-from agentspec.target import HFTarget
 from agentspec.types import Draft, Record
 
 V = 12

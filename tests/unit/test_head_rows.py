@@ -10,10 +10,10 @@ from agentspec import SpecConfig, Speculator
 from agentspec.drafters.head_rows import load_rows, rows_dir, rows_key, save_rows
 from agentspec.drafters.head_train import from_rows, replay, vocabulary
 from agentspec.drafters.policy import CostModel
-from agentspec.embedder import HashEmbedder
-from agentspec.memory import CompletionMemory
+from agentspec.engine.target import HFTarget
+from agentspec.memory.completion import CompletionMemory
+from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import InMemoryStore
-from agentspec.target import HFTarget
 from tests.unit.test_head import TinyTokenizer, tiny_target
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from agentspec._kv import FixedKV, _gqa_sdpa, live_keys, verifying_attention
+from agentspec.engine.kv import FixedKV, _gqa_sdpa, live_keys, verifying_attention
 
 
 def _rows(n: int, start: int = 0) -> torch.Tensor:
@@ -127,7 +127,7 @@ def test_gqa_attention_rows_do_not_depend_on_the_kv_capacity_or_the_keys_read():
 def test_gqa_attention_head_by_head_gives_the_all_heads_bits(monkeypatch, dtype) -> None:
     """Long contexts multiply key/value head by head (``PER_HEAD_BLOCKS``): the same bits as
     one product over all heads, at every width, for every mask (a tree's, a causal chunk's)."""
-    from agentspec import _kv
+    from agentspec.engine import kv as _kv
 
     module = types.SimpleNamespace(num_key_value_groups=3, is_causal=True)
     gen = torch.Generator().manual_seed(0)
@@ -154,7 +154,7 @@ def _halves_fold(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_block_fold_gives_the_same_bits_whatever_zero_blocks_follow():
-    from agentspec._kv import _fold_blocks
+    from agentspec.engine.kv import _fold_blocks
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(1, 3, 9, 5, 4, generator=gen) * 100
@@ -176,7 +176,7 @@ def test_block_fold_gives_the_same_bits_whatever_zero_blocks_follow():
 def test_only_the_cpu_multiplies_head_by_head(monkeypatch):
     """Off the CPU (here the meta device, shapes only) a long context still takes one product
     over all heads: no per-head products stacked."""
-    from agentspec import _kv
+    from agentspec.engine import kv as _kv
 
     stacks = []
     real_stack = torch.stack

@@ -12,8 +12,8 @@ import torch
 
 pytest.importorskip("llguidance")
 
-from agentspec import grammar as g  # noqa: E402
-from agentspec.sampling import greedy_tokens  # noqa: E402
+from agentspec.decoding.sampling import greedy_tokens  # noqa: E402
+from agentspec.grammar import state as g  # noqa: E402
 from agentspec.types import Draft  # noqa: E402
 
 TOOLS = [{"name": "get_weather", "parameters": {"type": "object", "required": ["city"], "properties": {
@@ -28,7 +28,7 @@ CALLS = ['[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsi
 def tok():
     from transformers import AutoTokenizer
 
-    from agentspec.target import resolve_model_dir
+    from agentspec.engine.load import resolve_model_dir
 
     return AutoTokenizer.from_pretrained(str(resolve_model_dir("smollm2-135m-instruct")[1]))
 

@@ -1,4 +1,4 @@
-"""The glibc malloc settings a CPU target applies (agentspec._malloc), on a fake libc."""
+"""The glibc malloc settings a CPU target applies (agentspec.engine.malloc), on a fake libc."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from agentspec import _malloc
+from agentspec.engine import malloc as _malloc
 
 
 class FakeMallopt:

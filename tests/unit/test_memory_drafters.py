@@ -6,8 +6,8 @@ import pytest
 
 from agentspec.drafters.memory import MemoryDrafter
 from agentspec.drafters.suffix import SuffixDrafter
-from agentspec.embedder import HashEmbedder
-from agentspec.memory import CompletionMemory
+from agentspec.memory.completion import CompletionMemory
+from agentspec.memory.embedder import HashEmbedder
 from agentspec.protocols import DraftContext
 from agentspec.stores import InMemoryStore
 from agentspec.types import Verdict

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentspec._prefix import BLOCK, PrefixCache
+from agentspec.engine.prefix import BLOCK, PrefixCache
 
 LAYERS, HEADS, DIM, CAPACITY = 3, 2, 4, 4 * BLOCK
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from agentspec.config import SamplingParams
-from agentspec.sampling import logits_to_probs, make_generator
+from agentspec.decoding.sampling import logits_to_probs, make_generator
 
 LOGITS = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.10]]))
 

@@ -95,8 +95,8 @@ def test_record_refuses_bad_configuration_and_results() -> None:
 
 
 def test_record_into_a_real_completion_memory() -> None:
-    from agentspec.embedder import HashEmbedder
-    from agentspec.memory import CompletionMemory
+    from agentspec.memory.completion import CompletionMemory
+    from agentspec.memory.embedder import HashEmbedder
     from agentspec.stores import InMemoryStore
 
     memory = CompletionMemory(InMemoryStore(), embedder=HashEmbedder())

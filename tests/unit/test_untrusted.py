@@ -7,9 +7,9 @@ import logging
 import numpy as np
 import torch
 
+from agentspec.decoding.untrusted import MAX_SCAN, Guarded, sanitize
 from agentspec.protocols import DraftContext
 from agentspec.types import EMPTY_DRAFT, Draft
-from agentspec.untrusted import MAX_SCAN, Guarded, sanitize
 
 
 def _raw(token_ids, parents, source="m", probs=None) -> Draft:
@@ -35,7 +35,7 @@ def test_duplicate_siblings_merge_into_the_first_with_their_subtrees():
 
 
 def test_duplicates_no_longer_stop_the_walk():
-    from agentspec.verify import walk
+    from agentspec.decoding.verify import walk
 
     draft = clean(_raw((1, 1, 2), (-1, -1, 1)))
     assert walk(draft, [1, 2, 0, 0]).accepted == (1, 2)

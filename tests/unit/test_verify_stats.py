@@ -18,9 +18,9 @@ import torch
 from scipy.stats import chisquare
 
 from agentspec.config import SamplingParams
-from agentspec.sampling import logits_to_probs
+from agentspec.decoding.sampling import logits_to_probs
+from agentspec.decoding.verify import verify, walk
 from agentspec.types import Draft, Verdict
-from agentspec.verify import verify, walk
 
 V, LENGTH, DRAWS, ALPHA = 4, 3, 50_000, 1e-3
 WRONG_DRAWS = 20_000  # enough power to reject each wrong verifier by a wide margin

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from agentspec.config import SamplingParams
+from agentspec.decoding.verify import cut_at_spine, verify, walk
 from agentspec.tree import spine_length
 from agentspec.types import Draft, Verdict
-from agentspec.verify import cut_at_spine, verify, walk
 
 TREE = Draft((5, 6, 7, 8, 9), (-1, -1, 0, 0, 1), "t")  # 5->{7,8}, 6->{9}
 
@@ -57,7 +57,7 @@ def test_draft_rejects_malformed_trees():
 
 
 def test_untrusted_drafts_are_pruned_not_trusted():
-    from agentspec.untrusted import sanitize
+    from agentspec.decoding.untrusted import sanitize
 
     def _sanitize(draft, vocab, room, nodes):
         return sanitize(draft, vocab_size=vocab, room=room, max_nodes=nodes)
@@ -70,7 +70,7 @@ def test_untrusted_drafts_are_pruned_not_trusted():
 
 
 def test_sanitize_orders_nodes_depth_first_so_first_children_form_the_spine():
-    from agentspec.untrusted import sanitize
+    from agentspec.decoding.untrusted import sanitize
 
     def _sanitize(draft, vocab, room, nodes):
         return sanitize(draft, vocab_size=vocab, room=room, max_nodes=nodes)

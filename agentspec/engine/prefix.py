@@ -1,6 +1,6 @@
 """The prefix cache: KV rows of earlier calls, kept by their token ids, restored instead of prefilled.
 
-An :class:`~agentspec.target.HFTarget` holds one KV, and a call reuses the rows of the prefix
+An :class:`~agentspec.engine.target.HFTarget` holds one KV, and a call reuses the rows of the prefix
 it shares with the call just before it. Agent traffic interleaves: several agents, tool sets
 or conversations go through one model, and each switch overwrote the rows of a system prompt
 (a thousand tokens of tool docs) that the next call of that agent prefilled again. Before a

@@ -1,4 +1,4 @@
-"""One fixed-width forward of the target over a :class:`~agentspec._kv.FixedKV`.
+"""One fixed-width forward of the target over a :class:`~agentspec.engine.kv.FixedKV`.
 
 Every forward that produces a committed token (prefill chunks, plain steps, verifications)
 goes through :class:`FixedForward`: a width from one measured reduction class, rows written
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentspec._kv import FixedKV, live_keys, verifying_attention
+from agentspec.engine.kv import FixedKV, live_keys, verifying_attention
 
 _PACKED: weakref.WeakKeyDictionary[Any, list[tuple[torch.nn.Module, Callable[..., Any]]]] = (
     weakref.WeakKeyDictionary())
@@ -85,7 +85,7 @@ def _packed_forward(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Te
 def engine_kernels(model: Any) -> Iterator[None]:
     """The engine's kernels for the forwards inside, the model's own outside them.
 
-    Attention always (see :mod:`agentspec._kv`). On the CPU (float32 and bfloat16), also every
+    Attention always (see :mod:`agentspec.engine.kv`). On the CPU (float32 and bfloat16), also every
     linear layer on oneDNN in float32 with packed weights (:func:`_packed_forward`): MKL's
     small-row products re-pack the weights on each call (a 4-row step cost 1.7x a 1-row one)
     and use other kernels for 1, 2-3 and 4+ rows; packed oneDNN products are 2x faster at 4

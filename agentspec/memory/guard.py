@@ -3,7 +3,7 @@
 The memory is an accelerator: drafts are verified exactly, so a generation that cannot read
 the memory is only slower (it drafts from the prompt), never wrong. When the SQL store fails
 (server stopped, file or folder removed, a lock held too long, a read-only database, a full
-disk) :class:`~agentspec.memory.CompletionMemory` asks a ``StoreGuard`` what to do:
+disk) :class:`~agentspec.memory.completion.CompletionMemory` asks a ``StoreGuard`` what to do:
 
 - **a breaker per direction** (read, write): after a failure the store is left alone for
   ``retry_interval_s``, since a server that is down may take a connect timeout to say so;
@@ -27,7 +27,7 @@ from agentspec.errors import MemoryFaultWarning, StoreError
 from agentspec.types import Record
 
 Direction = Literal["read", "write"]
-log = logging.getLogger("agentspec.memory")
+log = logging.getLogger("agentspec.memory.completion")
 
 # (substrings of the driver's message, lower case) -> what fixes it; first match wins.
 _FIXES = (

@@ -17,7 +17,7 @@ that lingers in an index until then is skipped at lookup (it is no longer in the
 The memory is an accelerator, so its database failing must not fail a generation: ``lookup``,
 ``completions``, ``record`` and ``credit`` never raise StoreError. A failure is warned about
 once, lookups answer nothing while it lasts, and recorded completions wait in a bounded queue
-until writes succeed again (see :mod:`agentspec.memory_guard`). A corrupt index file is
+until writes succeed again (see :mod:`agentspec.memory.guard`). A corrupt index file is
 rebuilt from the store. ``search``, ``rebuild`` and ``records`` raise: they serve the CLI.
 
 Importing this module does not import torch; the default embedder loads it on first use.
@@ -36,10 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from agentspec.embedder import MiniLMEmbedder
 from agentspec.errors import MemoryFaultWarning, StoreError
-from agentspec.memory_guard import StoreGuard
-from agentspec.memory_index import ScopeIndex, load_index, save_index
+from agentspec.memory.embedder import MiniLMEmbedder
+from agentspec.memory.guard import StoreGuard
+from agentspec.memory.index import ScopeIndex, load_index, save_index
 from agentspec.protocols import Embedder, MemoryStore
 from agentspec.stores.faiss_index import FaissIndex
 from agentspec.stores.sql import SQLStore

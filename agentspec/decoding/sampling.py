@@ -16,7 +16,7 @@ from agentspec.config import SamplingParams
 
 class RowMasks(Protocol):
     """A grammar's masks of a step's rows, computed on demand
-    (:class:`agentspec.grammar.LazyMasks`)."""
+    (:class:`agentspec.grammar.state.LazyMasks`)."""
 
     def forbidding(self, tokens: Sequence[int]) -> dict[int, torch.Tensor]:
         """``{row: bool [vocab_size] mask}`` for each row whose token the grammar forbids."""

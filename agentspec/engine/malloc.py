@@ -1,7 +1,7 @@
 """glibc malloc settings for a CPU target: large temporaries reused, not mapped anew.
 
 A prefill chunk's attention allocates score tensors of ~19 MB per layer (256 rows against 2,048
-keys; see :mod:`agentspec._kv`), freed a moment later. glibc serves such sizes with fresh
+keys; see :mod:`agentspec.engine.kv`), freed a moment later. glibc serves such sizes with fresh
 ``mmap`` regions (its threshold adapts, but only upwards from 128 KiB and as sizes are freed)
 and gives freed heap tops back to the system, so the next forward may fault every page in
 again, zeroed by the kernel. On the 2-core CPU, prefilling a 1,306-token prompt (alternately

@@ -54,7 +54,7 @@ class MiniLMEmbedder:
     as long per text); the same key's vectors on an H100 and on its CPU differed by at most
     6e-8 in cosine, so machines sharing one memory agree whichever device each embeds on.
 
-    One text (a lookup's key) runs through :class:`agentspec._minilm.OneTextForward`: the same
+    One text (a lookup's key) runs through :class:`agentspec.memory.minilm.OneTextForward`: the same
     weights in a few plain tensor operations, without sentence-transformers' per-call host
     work (4.1 ms against 5.4 for a 44-word-piece key on a 2-core CPU), and on CUDA as one CUDA
     graph replay per call (1.2-1.6 ms a key on an H200, where ``encode`` took 5-8 ms). Several
@@ -96,7 +96,7 @@ class MiniLMEmbedder:
     def warmup(self) -> None:
         """Load the model and, on CUDA, capture one text's forward for every length bucket
         now rather than in the first lookups of each length."""
-        from agentspec._minilm import BUCKETS
+        from agentspec.memory.minilm import BUCKETS
 
         self._load()
         buckets = BUCKETS if self._one.cuda_graphs else (16,)
@@ -110,7 +110,7 @@ class MiniLMEmbedder:
                 import torch
                 from sentence_transformers import SentenceTransformer
 
-                from agentspec._minilm import OneTextForward
+                from agentspec.memory.minilm import OneTextForward
 
                 model = SentenceTransformer(str(model_dir), device=self.resolved_device,
                                             local_files_only=True,
@@ -140,7 +140,7 @@ class MiniLMEmbedder:
 
 def _pack_linears(model: Any) -> None:
     """On the CPU, run the model's linear layers as oneDNN products on weights packed once
-    (the engine's, :func:`agentspec._fixed._packed_forward`): PyTorch's default CPU product
+    (the engine's, :func:`agentspec.engine.forward._packed_forward`): PyTorch's default CPU product
     re-packs a weight on every call, which dominates a one-text embedding (a 10-token key
     took 9 ms, 5 ms packed; 200 tokens 35 ms, 30 ms). The vectors agree with the default
     products to ~2e-7; a vector only chooses which remembered completions are drafted."""
@@ -150,7 +150,7 @@ def _pack_linears(model: Any) -> None:
     if not params or params[0].device.type != "cpu" or params[0].dtype != torch.float32 \
             or not torch.backends.mkldnn.is_available():
         return
-    from agentspec._fixed import _packed_forward
+    from agentspec.engine.forward import _packed_forward
 
     with torch.inference_mode():
         for module in model.modules():

@@ -16,15 +16,15 @@ from dataclasses import dataclass
 import torch
 
 from agentspec.config import SamplingParams
-from agentspec.grammar import GrammarState
+from agentspec.decoding.sampling import Mask
+from agentspec.decoding.untrusted import Guarded, sanitize
+from agentspec.decoding.verify import cut_at_spine, verify
+from agentspec.engine.target import HFTarget
+from agentspec.grammar.state import GrammarState
 from agentspec.protocols import DraftContext, Drafter
-from agentspec.sampling import Mask
-from agentspec.target import HFTarget
 from agentspec.text import cut_at_stop
 from agentspec.tree import depths
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
-from agentspec.untrusted import Guarded, sanitize
-from agentspec.verify import cut_at_spine, verify
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
         grammar_drafts: with ``sampling.grammar``, append the tokens the grammar forces to
             every draft (free drafts; plain decoding turns them off).
         lazy_masks: with ``sampling.grammar`` and greedy decoding, masks on demand
-            (:class:`~agentspec.grammar.LazyMasks`): a row is masked only where its argmax is
+            (:class:`~agentspec.grammar.state.LazyMasks`): a row is masked only where its argmax is
             a token the grammar forbids. Same outputs.
         keep_rows: give each step's hidden rows (:attr:`Step.rows`); turns the target's
             ``keep_hidden`` on. Read only: no token depends on them.
