@@ -109,7 +109,7 @@ class Speculator:
         self.memory = open_memory(memory)
         self.config = config or SpecConfig()
         self.speculate = speculate
-        self.stop_token_ids = _stop_ids(target)
+        self.stop_token_ids = target.stop_token_ids
         self.draft_model = draft_model
         self.drafters = list(drafters) if drafters is not None else self._default_drafters()
         self._cost = cost
@@ -395,16 +395,6 @@ def open_memory(memory: Any) -> Any:
 
     url = None if memory == "default" else memory
     return CompletionMemory.open(url, index_dir=agentspec_home() / "index")
-
-
-def _stop_ids(target: HFTarget) -> frozenset[int]:
-    ids: set[int] = set()
-    for source in (target.model.generation_config.eos_token_id, target.tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(i) for i in source)
-    return frozenset(ids)
 
 
 _MEMORY_METHODS = ("lookup", "record", "credit")

@@ -107,9 +107,8 @@ class Constraint:
     @classmethod
     def of(cls, target: Any) -> Constraint:
         """The constraint of a loaded :class:`~agentspec.engine.target.HFTarget`."""
-        from agentspec.speculator import _stop_ids
 
-        return cls(target.tokenizer, target.vocab_size, _stop_ids(target), target.max_draft_nodes)
+        return cls(target.tokenizer, target.vocab_size, target.stop_token_ids, target.max_draft_nodes)
 
     def state(self, line: Line) -> Any:
         """A fresh grammar state for ``line``, or None when it has no grammar."""

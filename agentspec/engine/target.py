@@ -170,6 +170,18 @@ class HFTarget:
         return self._fingerprint
 
     @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The tokens that end a generation: the model's generation config's and the
+        tokenizer's end-of-sequence ids."""
+        ids: set[int] = set()
+        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+    @property
     def max_draft_nodes(self) -> int:
         """The most draft nodes one forward scores (the root takes a row)."""
         return self.widths[-1] - 1
