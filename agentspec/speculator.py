@@ -28,7 +28,7 @@ from agentspec.engine.target import HFTarget
 from agentspec.errors import warn_once
 from agentspec.home import agentspec_home
 from agentspec.protocols import DraftContext, Drafter
-from agentspec.session import Session, current_session
+from agentspec.session import Session, current_session, tool_loop
 from agentspec.stream import Stream
 from agentspec.text import (
     Prompt,
@@ -351,9 +351,8 @@ class Speculator:
         return Session(self, name, scope=scope)
 
     def tool_loop(self, *, scope: str = "default", name: str | None = None) -> Any:
-        """Decorator: run each call of an agent-loop function in one session; see :mod:`agentspec.adapters.decorators`."""
-        from agentspec.adapters.decorators import tool_loop
-
+        """Decorator: run each call of an agent-loop function in one session; see
+        :func:`agentspec.session.tool_loop`."""
         return tool_loop(self, scope=scope, name=name)
 
     def _drafter(self) -> Drafter:
