@@ -44,7 +44,7 @@ def model_lock(model: Any) -> threading.RLock:
         return lock
 
 
-def _packed_forward(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
+def packed_linear(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
     """``layer``'s product on oneDNN in float32 with its weight packed once (CPU).
 
     A bfloat16 layer's weight is widened to float32 (exactly) and its output rounded back to
@@ -54,9 +54,8 @@ def _packed_forward(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Te
 
     The product is oneDNN's pointwise linear on a weight reordered once into its blocked
     layout (the op PyTorch's own CPU compiler emits), on dense rows: no conversion of the rows
-    to and from oneDNN's tensor type. Measured here against ``mkldnn_linear`` on converted rows:
-    1.3-2.5x faster at every shape of SmolLM2-135M from 2 to 256 rows (a 2-row 576x576
-    product 45 us instead of 116 us), with the same property: a row's bits do not depend on
+    to and from oneDNN's tensor type: faster than ``mkldnn_linear`` on converted rows at every
+    shape measured (BENCHMARKS.md), with the same property: a row's bits do not depend on
     how many rows (from 2) its product has, or where it sits among them.
     """
     bias = layer.bias.detach().float() if layer.bias is not None else None
@@ -86,7 +85,7 @@ def engine_kernels(model: Any) -> Iterator[None]:
     """The engine's kernels for the forwards inside, the model's own outside them.
 
     Attention always (see :mod:`agentspec.engine.kv`). On the CPU (float32 and bfloat16), also every
-    linear layer on oneDNN in float32 with packed weights (:func:`_packed_forward`): MKL's
+    linear layer on oneDNN in float32 with packed weights (:func:`packed_linear`): MKL's
     small-row products re-pack the weights on each call (a 4-row step cost 1.7x a 1-row one)
     and use other kernels for 1, 2-3 and 4+ rows; packed oneDNN products are 2x faster at 4
     rows and share one order from 2 rows on. CPU bfloat16 products gave a row other bits at
@@ -109,7 +108,7 @@ def _swapped_kernels(model: Any) -> Iterator[None]:
         swaps = _PACKED.get(model) or []
         if not swaps:
             with torch.inference_mode():
-                swaps = [(m, _packed_forward(m)) for m in model.modules()
+                swaps = [(m, packed_linear(m)) for m in model.modules()
                          if isinstance(m, torch.nn.Linear)]
             _PACKED[model] = swaps
     for module, forward in swaps:

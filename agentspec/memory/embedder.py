@@ -140,7 +140,7 @@ class MiniLMEmbedder:
 
 def _pack_linears(model: Any) -> None:
     """On the CPU, run the model's linear layers as oneDNN products on weights packed once
-    (the engine's, :func:`agentspec.engine.forward._packed_forward`): PyTorch's default CPU product
+    (the engine's, :func:`agentspec.engine.forward.packed_linear`): PyTorch's default CPU product
     re-packs a weight on every call, which dominates a one-text embedding (a 10-token key
     took 9 ms, 5 ms packed; 200 tokens 35 ms, 30 ms). The vectors agree with the default
     products to ~2e-7; a vector only chooses which remembered completions are drafted."""
@@ -150,12 +150,12 @@ def _pack_linears(model: Any) -> None:
     if not params or params[0].device.type != "cpu" or params[0].dtype != torch.float32 \
             or not torch.backends.mkldnn.is_available():
         return
-    from agentspec.engine.forward import _packed_forward
+    from agentspec.engine.forward import packed_linear
 
     with torch.inference_mode():
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
-                module.forward = _packed_forward(module)  # type: ignore[method-assign,assignment]
+                module.forward = packed_linear(module)  # type: ignore[method-assign,assignment]
 
 
 @lru_cache(maxsize=65536)
