@@ -29,7 +29,7 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 def sub_draft(draft: Draft, keep: Sequence[int]) -> Draft:
     """The draft of the nodes ``keep``, in that order, each one's parent kept before it;
     parents, per-node sources, ``draft_probs`` rows and support counts follow the nodes to
-    their new indices."""
+    their new indices; the acceptance class stays."""
     keep = list(keep)
     if keep == list(range(draft.num_nodes)):
         return draft
@@ -38,7 +38,8 @@ def sub_draft(draft: Draft, keep: Sequence[int]) -> Draft:
     source = draft.source if isinstance(draft.source, str) else tuple(draft.source[i] for i in keep)
     probs = None if draft.draft_probs is None else draft.draft_probs[keep]
     support = None if draft.support is None else tuple(draft.support[i] for i in keep)
-    return Draft(tuple(draft.token_ids[i] for i in keep), parents, source, probs, support)
+    return Draft(tuple(draft.token_ids[i] for i in keep), parents, source, probs, support,
+                 draft.acceptance)
 
 
 def depths(parents: Sequence[int]) -> list[int]:

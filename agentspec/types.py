@@ -31,6 +31,10 @@ class Draft:
             level of support (a token several past completions agree on is a safer bet than
             one only a single completion holds); it never changes what a draft's tokens are
             or whether they are accepted.
+        acceptance: optionally, the acceptance class the drafter declares for this proposal,
+            finer than its source (the memory's ``"memory/follow"``: its best candidate has
+            matched every generated token so far; prompt lookup's match length); None: the
+            source's own class. Like ``support`` it only sizes drafts.
     """
 
     token_ids: tuple[int, ...] = ()
@@ -38,6 +42,7 @@ class Draft:
     source: str | tuple[str, ...] = "none"
     draft_probs: torch.Tensor | None = field(default=None, compare=False)
     support: tuple[int, ...] | None = field(default=None, compare=False)
+    acceptance: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.parents):
@@ -54,13 +59,15 @@ class Draft:
                 raise ValueError(f"support has {len(self.support)} entries for {len(self.token_ids)} nodes")
             bad = next(s for s in self.support if type(s) is not int or s < 1)
             raise ValueError(f"support counts must be ints >= 1, got {bad!r}")
+        if self.acceptance is not None and not (isinstance(self.acceptance, str) and self.acceptance):
+            raise ValueError(f"acceptance must be a non-empty str or None, got {self.acceptance!r}")
 
     @staticmethod
     def chain(token_ids: list[int] | tuple[int, ...], source: str, draft_probs: Any = None,
-              support: tuple[int, ...] | None = None) -> Draft:
+              support: tuple[int, ...] | None = None, acceptance: str | None = None) -> Draft:
         """A linear draft: each token's parent is the one before it."""
         ids = tuple(int(t) for t in token_ids)
-        return Draft(ids, tuple(range(-1, len(ids) - 1)), source, draft_probs, support)
+        return Draft(ids, tuple(range(-1, len(ids) - 1)), source, draft_probs, support, acceptance)
 
     @property
     def num_nodes(self) -> int:

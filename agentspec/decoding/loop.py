@@ -17,7 +17,7 @@ import torch
 
 from agentspec.config import SamplingParams
 from agentspec.decoding.sampling import Mask
-from agentspec.decoding.untrusted import Guarded, sanitize
+from agentspec.decoding.untrusted import Guarded
 from agentspec.decoding.verify import cut_at_spine, verify
 from agentspec.engine.target import HFTarget
 from agentspec.grammar.state import GrammarState
@@ -93,7 +93,7 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
         target.keep_hidden = True
     # 1. Prefill: the KV takes every prompt token but the last.
     target.start(context.tokens)
-    guarded = Guarded(drafter)
+    guarded = Guarded(drafter, vocab_size=target.vocab_size, max_nodes=target.max_draft_nodes)
     guarded.begin(context)
     try:
         yield from _steps(target, guarded, context, sampling, max_new_tokens, stop_token_ids,
@@ -114,11 +114,10 @@ def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: 
     uniforms = None if sampling.greedy else torch.rand(
         max_new_tokens, generator=generator, device=target.device)  # [max_new_tokens]
     while produced < max_new_tokens:
-        # 2. Propose, leaving room for the recovered/bonus token; drafts are untrusted.
+        # 2. Propose, leaving room for the recovered/bonus token; drafts are untrusted (the
+        # guard sanitises them).
         room = max_new_tokens - produced - 1
-        proposal = drafter.propose(context, max_tokens=room) if room > 0 else EMPTY_DRAFT
-        draft = sanitize(proposal, vocab_size=target.vocab_size, room=room,
-                         max_nodes=target.max_draft_nodes)
+        draft = drafter.propose(context, max_tokens=room)
         # 2b. A grammar prunes what it forbids, adds what it forces, and masks every row.
         allowed: Mask = None
         if grammar is not None:

@@ -45,7 +45,7 @@ def sanitize(draft: object, *, vocab_size: int | None, room: int, max_nodes: int
     lengths are cut to the shorter, a per-node ``source`` of the wrong length becomes one name,
     ``draft_probs`` is kept only as a float ``[num_nodes, vocab_size]`` tensor on a chain
     (otherwise the draft is verified as point masses, which is exact whatever its tokens), and
-    ``support`` only as one int >= 1 per node.
+    ``support`` only as one int >= 1 per node, ``acceptance`` only as a non-empty str.
     Anything that is not a :class:`Draft` is an empty draft.
     """
     if not isinstance(draft, Draft) or room <= 0 or max_nodes <= 0:
@@ -84,9 +84,14 @@ def sanitize(draft: object, *, vocab_size: int | None, room: int, max_nodes: int
                         for i in kept),
                   sources if isinstance(sources, str) else tuple(sources[i] for i in kept),
                   None if probs is None else probs if len(kept) == len(probs) else probs[kept],
-                  None if support is None else tuple(support[i] for i in kept))
+                  None if support is None else tuple(support[i] for i in kept),
+                  _acceptance(draft.acceptance))
     out = sub_draft(dense, preorder(dense.parents)[:max_nodes])
     return out if out.draft_probs is None or out.is_chain else replace(out, draft_probs=None)
+
+
+def _acceptance(value: object) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 def _fits_as_is(draft: Draft, vocab_size: int | None, most: int) -> bool:
@@ -102,6 +107,8 @@ def _fits_as_is(draft: Draft, vocab_size: int | None, most: int) -> bool:
     if _sources(draft.source, len(ids)) == UNNAMED and draft.source != UNNAMED:
         return False
     if draft.support is not None and not support_fits(draft.support, len(ids)):
+        return False
+    if draft.acceptance != _acceptance(draft.acceptance):
         return False
     return draft.draft_probs is None or _probs(draft.draft_probs, len(ids), len(ids),
                                                vocab_size) is not None
@@ -182,16 +189,21 @@ def _name(drafter: object) -> str:
 
 
 class Guarded:
-    """One drafter for one call: after it raises once, the call goes on without it.
+    """One drafter for one call, behind the one trust boundary: after it raises once, the call
+    goes on without it, and every proposal is sanitised here (:func:`sanitize`).
 
-    ``propose`` returns the drafter's proposal unchecked (see :func:`sanitize`), or an empty
-    draft once the drafter has failed. Only ``Exception`` is caught: an interrupt still stops.
+    ``propose`` returns the drafter's proposal made valid for ``vocab_size`` (None: any
+    non-negative id, for a drafter chain that only sizes its sources' trees), ``max_tokens``
+    deep and ``max_nodes`` wide, or an empty draft once the drafter has failed. Only
+    ``Exception`` is caught: an interrupt still stops.
     """
 
-    def __init__(self, drafter: Drafter) -> None:
+    def __init__(self, drafter: Drafter, *, vocab_size: int | None = None,
+                 max_nodes: int = MAX_SCAN) -> None:
         self.drafter = drafter
         self.failed = False
         self.name = _name(drafter)
+        self.vocab_size, self.max_nodes = vocab_size, max_nodes
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if self.failed:
@@ -206,9 +218,11 @@ class Guarded:
     def begin(self, context: DraftContext) -> None:
         self._call("begin", context)
 
-    def propose(self, context: DraftContext, *, max_tokens: int) -> object:
+    def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
+        if max_tokens <= 0:
+            return EMPTY_DRAFT
         out = self._call("propose", context, max_tokens=max_tokens)
-        return EMPTY_DRAFT if out is None else out
+        return sanitize(out, vocab_size=self.vocab_size, room=max_tokens, max_nodes=self.max_nodes)
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         self._call("observe", context, draft, verdict)

@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from agentspec.decoding.untrusted import MAX_SCAN, Guarded, sanitize
+from agentspec.decoding.untrusted import Guarded
 from agentspec.drafters.policy import (
     DEFAULT_COST,
     Acceptance,
@@ -89,7 +89,8 @@ def first_path(draft: Draft) -> Draft:
     source = draft.source if isinstance(draft.source, str) else draft.source[path[0]]
     probs = None if draft.draft_probs is None else draft.draft_probs[path]
     support = None if draft.support is None else tuple(draft.support[i] for i in path)
-    return Draft.chain([draft.token_ids[i] for i in path], source, probs, support)
+    return Draft.chain([draft.token_ids[i] for i in path], source, probs, support,
+                       draft.acceptance)
 
 
 @dataclass
@@ -171,15 +172,13 @@ class DrafterChain:
             started = time.perf_counter()
             proposal = drafter.propose(context, max_tokens=max_tokens)
             spent = self._timed(req, drafter.name, time.perf_counter() - started)
-            # Untrusted: the policy below needs a well-formed tree (ids are checked at decode).
-            draft = sanitize(proposal, vocab_size=None, room=max_tokens, max_nodes=MAX_SCAN)
-            if draft.num_nodes == 0:
+            if proposal.num_nodes == 0:  # sanitized by the guard: a well-formed tree
                 continue
+            draft = proposal
             # A drafter may name a finer acceptance class for this proposal (the memory: a
             # candidate that has matched every generated token so far); the chain refines it
             # per node (:meth:`_node_keys`).
-            key = getattr(drafter.drafter, "acceptance_key", None)
-            key = key if isinstance(key, str) and key else drafter.name
+            key = draft.acceptance or drafter.name
             if not self.trees and not draft.is_chain:
                 draft = first_path(draft)
             keys = self._node_keys(req.pairs, context, key, draft)

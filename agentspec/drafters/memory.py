@@ -80,10 +80,6 @@ class MemoryDrafter:
             params = []
         self._filters = any(p.name == "min_similarity" or p.kind is inspect.Parameter.VAR_KEYWORD
                             for p in params)
-        # The acceptance class of the last proposal, for the drafter chain: "memory/follow"
-        # when its best candidate has matched every generated token so far. Read right after
-        # ``propose``, within the same step.
-        self.acceptance_key = self.name
 
     def _request(self, context: DraftContext) -> _Request:
         return context.state(self, _Request)
@@ -121,7 +117,6 @@ class MemoryDrafter:
         (strength, similarity), _, _ = chains[0]
         following = strength == _FOLLOWING and (
             len(context.tokens) > context.prompt_len or similarity >= _SAME_REQUEST)
-        self.acceptance_key = "memory/follow" if following else self.name
         tokens, parents, owners = merge_chains([(c[1], str(c[2])) for c in chains],
                                                min(self.max_nodes, max(max_tokens, 1) * len(chains)))
         req.owners = [int(o) for o in owners]
@@ -129,7 +124,8 @@ class MemoryDrafter:
         # Per node, how many candidates continue this way: a token the neighbours agree on is
         # what such requests produce; where they part, one of them is right at best.
         support = node_support(tokens, parents, (c[1] for c in chains))
-        return Draft(tuple(tokens), tuple(parents), self.name, support=support)
+        return Draft(tuple(tokens), tuple(parents), self.name, support=support,
+                     acceptance="memory/follow" if following else None)
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         req = self._request(context)

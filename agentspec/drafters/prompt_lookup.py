@@ -8,11 +8,10 @@ Where no longer n-gram matches, a single token does (``ngram_min`` 1, the defaul
 guess, but where a forward's cost is flat over its first few rows (the CPU's narrowest forward
 widths, a GPU's one width) a wrong guess costs nothing and a right one a step.
 
-Each proposal carries the acceptance class of its match length (:attr:`acceptance_key`
+Each proposal carries the acceptance class of its match length (:attr:`Draft.acceptance`
 ``"prompt_lookup/<n>"``): a longer match is stronger evidence that the text repeats, so the
-drafter chain learns each length's acceptance apart and sizes a draft by its own (replayed
-over bench runs' outputs, ``agentspec.bench.replay``: tokens per step 2.29 -> 2.32 on bfcl,
-6.05 -> 6.20 on bfcl-live, 1.64 on prompts; one class for every length of 2 or more before).
+drafter chain learns each length's acceptance apart and sizes a draft by its own (the replay's
+figures are in BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ class PromptLookupDrafter:
         self.config = config or SpecConfig()
         # The acceptance class of the last proposal, read by the drafter chain right after
         # ``propose`` within the same step: "prompt_lookup/<match length>".
-        self.acceptance_key = self.name
 
     def _indexes(self, context: DraftContext) -> _Indexes:
         def make() -> _Indexes:
@@ -73,9 +71,9 @@ class PromptLookupDrafter:
         n, seq, start = self.best_match(context)
         if n == 0:
             return EMPTY_DRAFT
-        self.acceptance_key = f"{self.name}/{n}"
         # The whole continuation: the drafter chain sizes it from measured costs and acceptance.
-        return Draft.chain(seq[start : start + max_tokens], self.name)
+        return Draft.chain(seq[start : start + max_tokens], self.name,
+                           acceptance=f"{self.name}/{n}")
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         pass

@@ -109,16 +109,16 @@ def test_a_neighbour_is_a_follower_only_once_it_matched_a_token(memory):
     c = ctx()
     drafter.begin(c)
     draft = drafter.propose(c, max_tokens=4)
-    assert draft.token_ids == (10, 11, 12, 13) and drafter.acceptance_key == "memory"
+    assert draft.token_ids == (10, 11, 12, 13) and draft.acceptance is None  # the source's class
     c.tokens += [10]
     drafter.observe(c, draft, Verdict((), (), 10))
-    assert drafter.propose(c, max_tokens=4).token_ids == (11, 12, 13)
-    assert drafter.acceptance_key == "memory/follow"
+    following = drafter.propose(c, max_tokens=4)
+    assert following.token_ids == (11, 12, 13) and following.acceptance == "memory/follow"
     remember(memory, [20, 21], key=KEY)  # the very same request
     same = ctx()
     drafter.begin(same)
-    assert drafter.propose(same, max_tokens=2).token_ids[:2] == (20, 21)  # its spine first
-    assert drafter.acceptance_key == "memory/follow"
+    repeat = drafter.propose(same, max_tokens=2)
+    assert repeat.token_ids[:2] == (20, 21) and repeat.acceptance == "memory/follow"  # spine first
 
 
 def test_each_node_of_the_memory_tree_counts_the_neighbours_that_back_it(memory):

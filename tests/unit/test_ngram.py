@@ -94,16 +94,16 @@ def test_one_token_matches_only_where_nothing_longer_does_and_each_length_in_its
     drafter = PromptLookupDrafter()
     longer = DraftContext(tokens=[1, 2, 3, 9, 2, 4, 1, 2], prompt_len=8)
     drafter.begin(longer)
-    assert drafter.propose(longer, max_tokens=3).token_ids == (3, 9, 2)  # "1 2", not "2"
-    assert drafter.acceptance_key == "prompt_lookup/2"
+    draft = drafter.propose(longer, max_tokens=3)
+    assert draft.token_ids == (3, 9, 2) and draft.acceptance == "prompt_lookup/2"  # "1 2", not "2"
     four = DraftContext(tokens=[1, 2, 3, 4, 5, 6, 1, 2, 3, 4], prompt_len=10)
     drafter.begin(four)
-    assert drafter.propose(four, max_tokens=2).token_ids == (5, 6)
-    assert drafter.acceptance_key == "prompt_lookup/4"  # each match length is its own class
+    draft = drafter.propose(four, max_tokens=2)
+    assert draft.token_ids == (5, 6) and draft.acceptance == "prompt_lookup/4"  # its own class
     single = DraftContext(tokens=[5, 6, 7, 8, 6], prompt_len=5)
     drafter.begin(single)
-    assert drafter.propose(single, max_tokens=2).token_ids == (7, 8)
-    assert drafter.acceptance_key == "prompt_lookup/1"
+    draft = drafter.propose(single, max_tokens=2)
+    assert draft.token_ids == (7, 8) and draft.acceptance == "prompt_lookup/1"
     strict = PromptLookupDrafter(SpecConfig(ngram_min=2))
     strict.begin(single)
     assert strict.propose(single, max_tokens=2).num_nodes == 0

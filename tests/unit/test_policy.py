@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -359,7 +360,8 @@ def test_first_proposal_of_a_request_is_not_timed_and_skipped_drafters_are_probe
 
 def test_a_drafter_can_name_a_finer_acceptance_class():
     class Keyed(FixedDrafter):
-        acceptance_key = "memory/follow"
+        def propose(self, context, *, max_tokens):
+            return replace(super().propose(context, max_tokens=max_tokens), acceptance="memory/follow")
 
     chain = DrafterChain([Keyed("memory", list(range(10, 60)))], cost=CPU)
     ctx = DraftContext(tokens=[1, 2], prompt_len=2)

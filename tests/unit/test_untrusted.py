@@ -123,3 +123,38 @@ def test_a_draft_refuses_support_that_does_not_fit_its_nodes():
         Draft((1, 2), (-1, 0), "m", support=(2,))
     with pytest.raises(ValueError, match="support counts must be ints >= 1, got 0"):
         Draft((1, 2), (-1, 0), "m", support=(2, 0))
+
+
+def test_the_guard_sanitises_every_proposal_and_keeps_a_declared_acceptance_class():
+    class Raw:
+        name = "raw"
+
+        def begin(self, context):
+            pass
+
+        def propose(self, context, *, max_tokens):
+            # a tree with a duplicate sibling, an id past the vocabulary and a hostile class
+            bad = object.__new__(Draft)
+            for field, value in (("token_ids", (5, 5, 7, 99)), ("parents", (-1, -1, 0, 0)),
+                                 ("source", "raw"), ("draft_probs", None), ("support", None),
+                                 ("acceptance", "raw/long")):
+                object.__setattr__(bad, field, value)
+            return bad
+
+        def observe(self, context, draft, verdict):
+            pass
+
+        def end(self, context):
+            pass
+
+    ctx = DraftContext(tokens=[1, 2], prompt_len=2)
+    guard = Guarded(Raw(), vocab_size=50, max_nodes=8)
+    draft = guard.propose(ctx, max_tokens=4)
+    assert draft.token_ids == (5, 7) and draft.parents == (-1, 0)
+    assert draft.acceptance == "raw/long"
+    assert guard.propose(ctx, max_tokens=0) == EMPTY_DRAFT
+    hostile = object.__new__(Draft)
+    for field, value in (("token_ids", (5,)), ("parents", (-1,)), ("source", "raw"),
+                         ("draft_probs", None), ("support", None), ("acceptance", 3)):
+        object.__setattr__(hostile, field, value)
+    assert sanitize(hostile, vocab_size=50, room=4, max_nodes=8).acceptance is None
