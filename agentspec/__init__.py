@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "Speculator": "agentspec.speculator",
     "Stream": "agentspec.stream",
-    "load_target": "agentspec.engine.target",
+    "load_target": "agentspec.engine.load",
     "HFTarget": "agentspec.engine.target",
     "CompletionMemory": "agentspec.memory.completion",
     "record": "agentspec.session",
