@@ -96,15 +96,9 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
     ``widths``, ``prefill_widths``: a side's (``"a"``/``"b"``) forward and prompt-chunk
     widths, where not the target's own."""
     from agentspec import SpecConfig, load_target
-    from agentspec.bench.cli import resolve_workload
-    from agentspec.bench.harness import (
-        BenchConfig,
-        SpecSystem,
-        _close_memory,
-        _memory_speculator,
-        run_requests,
-    )
-    from agentspec.bench.workload import load_workload
+    from agentspec.bench.harness import SpecSystem, close_memory, memory_speculator, run_requests
+    from agentspec.bench.results import BenchConfig
+    from agentspec.bench.workload import load_workload, resolve_workload
     from agentspec.drafters.policy import measure_cost
     from agentspec.engine.target import HFTarget
 
@@ -126,7 +120,7 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
                if k in own else target for k in configs}
     costs = {k: measure_cost(targets[k]) if k in own else "measure" for k in configs}
     with tempfile.TemporaryDirectory(prefix="agentspec-ab-") as tmp:
-        systems = {k: SpecSystem(f"agentspec-{k}", _memory_speculator(
+        systems = {k: SpecSystem(f"agentspec-{k}", memory_speculator(
             targets[k], f"sqlite:///{Path(tmp) / f'{k}.db'}", config, costs[k]),
             temperature=0.0, record=True) for k, config in configs.items()}
         try:  # the bench's loop: warmup through both, measured lines in alternating order
@@ -134,7 +128,7 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
                                    encode=systems["a"].spec.encode, warmed=("a", "b"))
         finally:
             for system in systems.values():
-                _close_memory(system)
+                close_memory(system)
     seconds = {k: [r.outcomes[k][0].seconds for r in results] for k in systems}
     tokens = {k: sum(len(r.outcomes[k][0].token_ids) for r in results) for k in systems}
     ratios = [sa / sb for sa, sb in zip(seconds["a"], seconds["b"], strict=True) if sb > 0]

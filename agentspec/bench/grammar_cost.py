@@ -36,8 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from agentspec.bench.cli import data_dir
-from agentspec.bench.workload import load_workload
+from agentspec.bench.workload import data_dir, load_workload
 from agentspec.grammar import compiled
 from agentspec.grammar.state import GrammarState
 from agentspec.types import Draft

@@ -36,10 +36,20 @@ import os
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from agentspec.bench.results import (
+    DTYPES,
+    BenchConfig,
+    BenchResult,
+    Outcome,
+    RequestResult,
+    System,
+    budget,
+    grammar_of,
+    prompt_of,
+)
 from agentspec.bench.workload import Workload, WorkloadItem
 from agentspec.text import cut_at_stop
 
@@ -51,128 +61,6 @@ MEMORY_SYSTEMS = ("agentspec", "agentspec-chain", "agentspec-head", "agentspec-s
 WARMED_SYSTEMS = ("agentspec-pld", *MEMORY_SYSTEMS)
 
 Progress = Callable[[int, int, str], None]
-# --dtype names -> torch dtype attribute names.
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """What to run.
-
-    Attributes:
-        systems: system names, the reference ``hf-greedy`` first.
-        temperature: 0 is greedy.
-        max_new_tokens: overrides every line's budget when set.
-        samples: seeds per request when ``temperature > 0``.
-        db: memory database URL of the ``agentspec`` system; ``None``: a fresh temporary file.
-        seed: first seed of the sampled runs.
-        device: where the target runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``); ``None``: CUDA
-            when available, else the CPU (:func:`agentspec.load_target`'s default).
-        dtype: the target's weights, a key of :data:`DTYPES`; ``None``: bf16 on CUDA, fp32 on
-            the CPU.
-        lines_out: a greedy run also writes its outputs (warmup and measured) here, in the
-            offline replay's ``--outputs`` format (:mod:`agentspec.bench.replay`).
-        prefix_cache_bytes: each agentspec system's prefix cache budget (``None``: the
-            default, 0: off; :class:`~agentspec.engine.target.HFTarget`).
-    """
-
-    systems: tuple[str, ...]
-    temperature: float = 0.0
-    max_new_tokens: int | None = None
-    samples: int = 1
-    db: str | None = None
-    seed: int = 1234
-    device: str | None = None
-    dtype: str | None = None
-    lines_out: Path | None = None
-    prefix_cache_bytes: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if not self.systems or self.systems[0] != "hf-greedy":
-            raise ValueError(f"systems must start with the reference 'hf-greedy', got {self.systems}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.samples < 1:
-            raise ValueError(f"samples must be >= 1, got {self.samples}")
-        if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:
-            raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One system on one request (one seed).
-
-    Attributes:
-        token_ids: the output cut before the first stop token.
-        seconds: wall-clock time of tokenisation + generation.
-        steps: target forwards after the prefill (``None`` for transformers).
-        drafted, accepted: draft tokens by source (agentspec only).
-        text: the output text (agentspec only).
-        cached_tokens: prompt tokens whose KV rows the call did not compute (held from the
-            call before or restored from the prefix cache; agentspec only).
-    """
-
-    token_ids: tuple[int, ...]
-    seconds: float
-    steps: int | None = None
-    drafted: dict[str, int] = field(default_factory=dict)
-    accepted: dict[str, int] = field(default_factory=dict)
-    text: str | None = None
-    cached_tokens: int = 0
-
-
-class System(Protocol):
-    """One way of generating: ``run`` one request and time it."""
-
-    name: str
-
-    def run(self, item: WorkloadItem, max_new_tokens: int, seed: int | None) -> Outcome: ...
-
-
-@dataclass(frozen=True)
-class RequestResult:
-    """Every system's outcomes on one measured request (one outcome per seed)."""
-
-    item: WorkloadItem
-    prompt_tokens: int
-    max_new_tokens: int
-    outcomes: dict[str, tuple[Outcome, ...]]
-
-
-@dataclass(frozen=True)
-class BenchResult:
-    """What :func:`run_bench` measured, ready for :func:`agentspec.bench.report.summarize`."""
-
-    workload: str
-    model: str
-    device: str
-    config: BenchConfig
-    warmup_requests: int
-    requests: tuple[RequestResult, ...]
-    load_average: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    dtype: str | None = None
-    gpu_name: str | None = None
-    versions: dict[str, str] = field(default_factory=dict)
-    notes: tuple[str, ...] = ()
-    # Tokens per step of the offline replay's hindsight ceiling over the measured requests
-    # (greedy runs with the agentspec system only; see agentspec.bench.replay).
-    ceiling_tokens_per_step: float | None = None
-
-
-def prompt_of(item: WorkloadItem) -> Any:
-    """The item's chat messages (as fresh dicts) or raw prompt, as the systems take it."""
-    return [dict(m) for m in item.messages] if item.messages is not None else item.prompt
-
-
-def grammar_of(item: WorkloadItem) -> Any:
-    """The item's :class:`~agentspec.grammar.Grammar` (compiled once per distinct spec), or None."""
-    if item.grammar is None:
-        return None
-    from agentspec.grammar import compiled
-
-    return compiled(item.grammar)
 
 
 class SpecSystem:
@@ -236,11 +124,11 @@ def build_systems(target: Any, config: BenchConfig, db_url: str,
         elif name == "agentspec-pld":
             built[name] = SpecSystem(name, pld, temperature=t)
         elif name == "agentspec":
-            built[name] = SpecSystem(name, _memory_speculator(
+            built[name] = SpecSystem(name, memory_speculator(
                 target, db_url, SpecConfig(draft_head=False)), temperature=t, record=True)
         elif name == "agentspec-chain":
             assert chain_db_url is not None
-            built[name] = SpecSystem(name, _memory_speculator(target, chain_db_url,
+            built[name] = SpecSystem(name, memory_speculator(target, chain_db_url,
                                                               SpecConfig(trees=False,
                                                                          draft_head=False)),
                                      temperature=t, record=True)
@@ -250,7 +138,7 @@ def build_systems(target: Any, config: BenchConfig, db_url: str,
             if head_db_url is None or not heads_exist(target.fingerprint):
                 raise ValueError("agentspec-head needs a trained head for the model "
                                  "(agentspec head train) and a memory database of its own")
-            built[name] = SpecSystem(name, _memory_speculator(target, head_db_url), temperature=t,
+            built[name] = SpecSystem(name, memory_speculator(target, head_db_url), temperature=t,
                                      record=True)
         elif name == "agentspec-suffix":
             if suffix_db_url is None:
@@ -262,7 +150,9 @@ def build_systems(target: Any, config: BenchConfig, db_url: str,
     return built
 
 
-def _memory_speculator(target: Any, db_url: str, config: Any = None, cost: Any = "measure") -> Any:
+def memory_speculator(target: Any, db_url: str, config: Any = None, cost: Any = "measure") -> Any:
+    """A warmed Speculator on a fork of ``target`` with a completion memory in ``db_url``
+    (the memory systems; :mod:`agentspec.bench.ab` builds its variants with it)."""
     from agentspec import Speculator
     from agentspec.memory.completion import CompletionMemory
     from agentspec.stores import SQLStore
@@ -321,7 +211,7 @@ def run_requests(workload: Workload, systems: dict[str, System], config: BenchCo
     total, done = len(warmup) + len(measure), 0
     for item in warmup:
         for name in warm:
-            out = systems[name].run(item, _budget(item, config), None)
+            out = systems[name].run(item, budget(item, config), None)
             if warmup_outputs is not None and name == warm[0]:
                 warmup_outputs[item.id] = out.token_ids
         done += 1
@@ -332,14 +222,14 @@ def run_requests(workload: Workload, systems: dict[str, System], config: BenchCo
         if callable(warm_once) and measure:
             if on_progress:
                 on_progress(done, total, f"warmup {name} on {measure[0].id}")
-            warm_once(measure[0], _budget(measure[0], config))
+            warm_once(measure[0], budget(measure[0], config))
     results = []
     for index, item in enumerate(measure):
         outcomes: dict[str, list[Outcome]] = {name: [] for name in systems}
         for seed in _seeds(config, index):
             for name in rotation(list(systems), index):
-                outcomes[name].append(systems[name].run(item, _budget(item, config), seed))
-        results.append(RequestResult(item, len(encode(prompt_of(item))), _budget(item, config),
+                outcomes[name].append(systems[name].run(item, budget(item, config), seed))
+        results.append(RequestResult(item, len(encode(prompt_of(item))), budget(item, config),
                                      {k: tuple(v) for k, v in outcomes.items()}))
         done += 1
         if on_progress:
@@ -347,12 +237,6 @@ def run_requests(workload: Workload, systems: dict[str, System], config: BenchCo
                               f"{sum(len(o.token_ids) for o in v)}t" for k, v in outcomes.items())
             on_progress(done, total, f"measure {item.id}: {times}")
     return tuple(results)
-
-
-def _budget(item: WorkloadItem, config: BenchConfig) -> int:
-    budget = config.max_new_tokens or item.max_new_tokens
-    assert budget is not None  # load_workload fills every line's budget
-    return budget
 
 
 def run_bench(workload: Workload, model: str, config: BenchConfig,
@@ -370,7 +254,7 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
     target = load_target(model, device=config.device, dtype=_torch_dtype(config.dtype),
                          prefix_cache_bytes=config.prefix_cache_bytes)
     encode = Speculator(target, speculate=False).encode
-    static_len = max((len(encode(prompt_of(i))) + _budget(i, config) for i in workload.measure),
+    static_len = max((len(encode(prompt_of(i))) + budget(i, config) for i in workload.measure),
                      default=None) if "hf-static" in config.systems else None
     with tempfile.TemporaryDirectory(prefix="agentspec-bench-") as tmp:
         db_url = config.db or f"sqlite:///{Path(tmp) / 'memory.db'}"
@@ -382,7 +266,7 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
         requests = run_requests(workload, systems, config, encode=encode,
                                 on_progress=on_progress, warmup_outputs=warmup_outputs)
         for name in MEMORY_SYSTEMS:
-            _close_memory(systems.get(name))
+            close_memory(systems.get(name))
     ceiling = None
     if config.temperature == 0 and "agentspec" in systems:
         from agentspec.bench.replay import Constraint, bench_ceiling
@@ -418,7 +302,8 @@ def environment(model: Any) -> dict[str, Any]:
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
 
 
-def _close_memory(system: System | None) -> None:
+def close_memory(system: System | None) -> None:
+    """Close the memory of a system's Speculator, if it has one (before its folder goes)."""
     memory = getattr(getattr(system, "spec", None), "memory", None)
     close = getattr(memory, "close", None)
     if callable(close):

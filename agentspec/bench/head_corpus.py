@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.live:
         from agentspec.bench import bfcl_live
-        from agentspec.bench.harness import grammar_of, prompt_of
+        from agentspec.bench.results import grammar_of, prompt_of
 
         for item in bfcl_live.build_workload(bfcl_live.load_entries(), rest=True):
             sampling = SamplingParams(grammar=None if args.no_grammar else grammar_of(item))

@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _lines(target: Any, path: Path, scope: str | None) -> int:
-    from agentspec.bench.replay import load_lines
+    from agentspec.bench.replay_lines import load_lines
     from agentspec.drafters.head import head_path, load_head
 
     measured = [line for line in load_lines(path) if line.phase == "measure"

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from agentspec.bench.harness import Outcome, grammar_of, prompt_of
+from agentspec.bench.results import Outcome, grammar_of, prompt_of
 from agentspec.bench.workload import WorkloadItem
 from agentspec.text import cut_at_stop
 

@@ -38,9 +38,8 @@ def interleave(spec: Any, calls: Sequence[dict[str, Any]]) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from agentspec import SamplingParams, Speculator
-    from agentspec.bench.cli import resolve_workload
-    from agentspec.bench.harness import grammar_of, prompt_of
-    from agentspec.bench.workload import in_turn, load_workload
+    from agentspec.bench.results import grammar_of, prompt_of
+    from agentspec.bench.workload import in_turn, load_workload, resolve_workload
     from agentspec.engine.load import load_target
     from agentspec.engine.target import HFTarget
 

@@ -36,9 +36,9 @@ def ordered(items: Sequence[WorkloadItem], order: str) -> list[WorkloadItem]:
 def child(workload: str, model: str, limit: int | None, order: str) -> dict[str, Any]:
     """One run in this process (its malloc settings are the environment's)."""
     from agentspec import Speculator, load_target
-    from agentspec.bench.cli import resolve_workload
-    from agentspec.bench.harness import SpecSystem, prompt_of
-    from agentspec.bench.workload import load_workload
+    from agentspec.bench.harness import SpecSystem
+    from agentspec.bench.results import prompt_of
+    from agentspec.bench.workload import load_workload, resolve_workload
 
     items = list(load_workload(resolve_workload(workload), default_max_new_tokens=96).measure)
     items = ordered(items[:limit], order)

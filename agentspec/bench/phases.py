@@ -4,11 +4,12 @@
 
 Each system runs the workload's warmup lines untimed, then its measured lines with every phase
 of the decode loop timed: the prefill (``target.start``), the forwards (``target.score``), the
-commit, drafting (the chain's ``begin``/``propose``/``observe``/``end``), sanitising, the
-grammar (``constrain``, ``advance``, its set-up), verification, and the memory's lookup,
-embedding and record (only on the calls' own thread: a write handed to the memory's worker
-thread counts as its hand-over, ``memory.record_behind``, and as the wait of a later read
-for it, ``memory.settle``). On CUDA each timed call is bracketed by a device synchronisation, so a
+commit, drafting (the chain's ``begin``/``propose``/``observe``/``end``), sanitising (every
+proposal: the chain's sources' inside drafting, then the loop's), the grammar
+(``constrain``, ``advance``, its set-up), verification, and the memory's lookup, embedding and
+record (only on the calls' own thread: a write handed to the memory's worker thread counts as
+its hand-over, ``memory.record_behind``, and as the wait of a later read for it,
+``memory.settle``). On CUDA each timed call is bracketed by a device synchronisation, so a
 phase holds its own kernels and not the next one's wait (and the whole runs a little slower
 than the bench). Prints, per system, each phase's milliseconds per request and per call;
 ``--json`` writes them. Nested phases overlap: a chain's ``begin`` holds the memory's lookup,
@@ -83,12 +84,13 @@ def _patched(owner: Any, name: str, clock: PhaseClock, label: str) -> Iterator[N
 def timing(clock: PhaseClock, targets: Sequence[Any] = ()) -> Iterator[PhaseClock]:
     """Every phase of the decode loop, and each of ``targets``' forwards, timed on ``clock``."""
     import agentspec.decoding.loop as decode
+    import agentspec.decoding.untrusted as untrusted
     from agentspec.drafters.chain import DrafterChain
     from agentspec.grammar.state import GrammarState
     from agentspec.memory.completion import CompletionMemory
 
     spots: list[tuple[Any, str, str]] = [
-        (decode, "sanitize", "sanitize"), (decode, "verify", "verify"),
+        (untrusted, "sanitize", "sanitize"), (decode, "verify", "verify"),
         (GrammarState, "__init__", "grammar.setup"), (GrammarState, "constrain", "grammar.constrain"),
         (GrammarState, "advance", "grammar.advance"),
         (CompletionMemory, "lookup", "memory.lookup"), (CompletionMemory, "_embed", "memory.embed"),
@@ -112,15 +114,9 @@ def profile(workload: str, systems: Sequence[str], *, model: str = "smollm2-135m
     """Run ``systems`` (bench names, agentspec ones) over ``workload``; per system: requests,
     steps, seconds and every phase's ``[seconds, calls]`` over the measured lines."""
     from agentspec import load_target
-    from agentspec.bench.cli import resolve_workload
-    from agentspec.bench.harness import (
-        BenchConfig,
-        SpecSystem,
-        _budget,
-        _close_memory,
-        build_systems,
-    )
-    from agentspec.bench.workload import load_workload
+    from agentspec.bench.harness import SpecSystem, build_systems, close_memory
+    from agentspec.bench.results import BenchConfig, budget
+    from agentspec.bench.workload import load_workload, resolve_workload
 
     bad = [s for s in systems if s not in SYSTEMS]
     if bad or not systems:
@@ -143,13 +139,13 @@ def profile(workload: str, systems: Sequence[str], *, model: str = "smollm2-135m
             system = built[name]
             assert isinstance(system, SpecSystem)
             for item in items.warmup:
-                system.run(item, _budget(item, config), None)
+                system.run(item, budget(item, config), None)
             clock = PhaseClock(sync)
             steps, seconds, lines = 0, 0.0, list(items.measure)[:measure]
             with timing(clock, [system.spec.target]):
                 clock.on = True
                 for item in lines:
-                    outcome = system.run(item, _budget(item, config), None)
+                    outcome = system.run(item, budget(item, config), None)
                     steps += outcome.steps or 0
                     seconds += outcome.seconds
                 clock.on = False
@@ -157,7 +153,7 @@ def profile(workload: str, systems: Sequence[str], *, model: str = "smollm2-135m
                          "phases": {k: [clock.seconds[k], clock.calls[k]] for k in clock.seconds}}
             if on_system:
                 on_system(name, out[name])
-            _close_memory(system)
+            close_memory(system)
     return out
 
 

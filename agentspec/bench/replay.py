@@ -35,13 +35,9 @@ ceiling's tokens per step would cost on this device.
 ``--cost`` defaults to this machine's cached curve of the model (:func:`cached_cost_file`),
 the one its bench runs sized their drafts by; replayed on it, tokens per step match theirs.
 
-``held past the draft`` says where a chain's tokens per step fall short of the ceiling's. Each
-step, every proposal the chain asked for is scored against the output as if verified whole
-(its spine): ``cut`` sums how far the verified draft's source's own proposal would have held
-past the nodes the step accepted, or, in a step that verified no draft, the best proposal (the
-sizing left out what would have held); ``other`` how far the best other proposal would have
-held past both (the choice of source). What is left of the gap is steps where no proposal held
-at all, and where the ceiling's steps begin.
+``held past the draft`` says where a chain's tokens per step fall short of the ceiling's:
+``cut``, what the sizing left out; ``other``, what another source's proposal held
+(:mod:`agentspec.bench.held_past`).
 
 ``host ms/step`` is the drafter's own time per step (propose and observe; for the ceiling it
 includes asking every drafter), measured in the replay on this machine. ``modeled speedup`` is
@@ -58,40 +54,23 @@ import json
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentspec.bench.held_past import Recorder, held_past
+from agentspec.bench.replay_lines import Line, generate_lines, load_lines, save_lines
 from agentspec.config import SamplingParams, SpecConfig
 from agentspec.drafters.chain import DrafterChain
 from agentspec.drafters.policy import DEFAULT_COST, CostModel
 from agentspec.protocols import DraftContext, Drafter
-from agentspec.tree import common_prefix_len, spine_length, spine_prefix, sub_draft
+from agentspec.tree import spine_prefix, sub_draft
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
-_STOP = -1  # stands for the stop token that ended an output (no draft proposes it)
+STOP = -1  # stands for the stop token that ended an output (no draft proposes it)
 MODEL = "replay"  # the model fingerprint of the replay's memory rows
 POLICIES = ("prompt-lookup", "suffix", "agentspec", "agentspec-chain", "ceiling-pld", "ceiling")
-
-
-@dataclass(frozen=True)
-class Line:
-    """One workload line with the target's greedy output (cut before its stop token)."""
-
-    id: str
-    phase: str
-    scope: str
-    prompt_ids: tuple[int, ...]
-    key_text: str
-    output_ids: tuple[int, ...]
-    output_text: str
-    max_new_tokens: int
-    grammar: Mapping[str, Any] | None = None
-
-    @property
-    def stopped(self) -> bool:
-        return len(self.output_ids) < self.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -191,7 +170,7 @@ class Hindsight:
             d.begin(context)
 
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
-        todo = [*self.output[len(context.tokens) - self.prompt_len :], _STOP]
+        todo = [*self.output[len(context.tokens) - self.prompt_len :], STOP]
         best, best_path = EMPTY_DRAFT, -1
         for drafter in self.drafters:
             draft = drafter.propose(context, max_tokens=max_tokens)
@@ -215,55 +194,6 @@ class Hindsight:
             d.end(context)
 
 
-class _Recorder:
-    """A drafter that keeps its proposal of the current step, for the replay's account of
-    what the proposals would have held (:attr:`Totals.held_cut`). Everything else, the
-    acceptance class a chain reads after ``propose`` included, is the drafter's own."""
-
-    def __init__(self, drafter: Drafter) -> None:
-        self.drafter = drafter
-        self.name = drafter.name
-        self.last: Draft | None = None
-
-    def __getattr__(self, attr: str) -> Any:  # only for what this class does not define
-        return getattr(self.drafter, attr)
-
-    def begin(self, context: DraftContext) -> None:
-        self.drafter.begin(context)
-
-    def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
-        self.last = self.drafter.propose(context, max_tokens=max_tokens)
-        return self.last
-
-    def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
-        self.drafter.observe(context, draft, verdict)
-
-    def end(self, context: DraftContext) -> None:
-        self.drafter.end(context)
-
-
-def held_past(recorders: Sequence[_Recorder], draft: Draft, accepted: int,
-              todo: Sequence[int]) -> tuple[int, int]:
-    """``(cut, other)`` for one step: how far the proposal of the verified draft's source would
-    have held, verified whole, past the ``accepted`` nodes (with no draft verified: the best
-    proposal), and how far the best other proposal would have held past both. ``todo``: the
-    output from the step on, the stop last; a proposal is scored by its spine, leaving the step
-    its next token."""
-    source = draft.source_of(0) if draft.num_nodes else None
-    chosen = best = 0
-    for rec in recorders:
-        if rec.last is None or rec.last.num_nodes == 0:
-            continue
-        spine = rec.last.token_ids[: spine_length(rec.last.parents)]
-        held = min(common_prefix_len(spine, todo), len(todo) - 1)
-        best = max(best, held)
-        if rec.name == source:
-            chosen = held
-    if source is None:  # no draft: the sizing (or plain decoding's rate) left every one out
-        return best, 0
-    return max(0, chosen - accepted), max(0, best - max(chosen, accepted))
-
-
 def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
            cost: CostModel = DEFAULT_COST, constraint: Constraint | None = None) -> Totals:
     """Run ``drafter`` over every line's known greedy output; totals over measured lines.
@@ -273,7 +203,7 @@ def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
     grammar are decoded under it (see the module docstring).
     """
     totals = Totals()
-    recorders = [d for d in getattr(drafter, "drafters", ()) if isinstance(d, _Recorder)]
+    recorders = [d for d in getattr(drafter, "drafters", ()) if isinstance(d, Recorder)]
     held_cut = held_other = 0
     for line in lines:
         context = DraftContext(tokens=list(line.prompt_ids), prompt_len=len(line.prompt_ids),
@@ -311,10 +241,10 @@ def replay(lines: Sequence[Line], drafter: Drafter, *, memory: Any = None,
 
 def _replay_line(line: Line, drafter: Drafter, context: DraftContext, cost: CostModel,
                  grammar: Any = None, constrain: Callable[[Draft, int], Draft] | None = None,
-                 recorders: Sequence[_Recorder] = (),
+                 recorders: Sequence[Recorder] = (),
                  ) -> tuple[int, float, Counter[str], float, tuple[int, int]]:
     # What the steps commit: the output, then the stop token where one ended it.
-    todo = [*line.output_ids, _STOP] if line.stopped else list(line.output_ids)
+    todo = [*line.output_ids, STOP] if line.stopped else list(line.output_ids)
     drafter.begin(context)
     steps, seconds, done, accepted, host = 0, 0.0, 0, Counter[str](), 0.0
     held_cut = held_other = 0
@@ -328,16 +258,16 @@ def _replay_line(line: Line, drafter: Drafter, context: DraftContext, cost: Cost
             host += time.perf_counter() - started
             if constrain is not None:  # as the decode loop: prune what it forbids, add what it forces
                 draft = constrain(draft, room)
-            rest = [*todo[done:], _STOP]
+            rest = [*todo[done:], STOP]
             path = spine_cut(draft, accepted_path(draft, rest))
             if recorders:
                 cut, other = held_past(recorders, draft, len(path), rest)
                 held_cut, held_other = held_cut + cut, held_other + other
             new = todo[done : done + len(path) + 1]
             if grammar is not None:
-                grammar.advance([t for t in new if t != _STOP])
+                grammar.advance([t for t in new if t != STOP])
             verdict = Verdict(tuple(path), tuple(draft.token_ids[n] for n in path), new[-1])
-            context.tokens.extend(t for t in new if t != _STOP)
+            context.tokens.extend(t for t in new if t != STOP)
             done += len(new)
             steps += 1
             seconds += cost.seconds(draft.num_nodes)
@@ -363,7 +293,7 @@ def policies(memory: Any, cost: CostModel) -> dict[str, Callable[[], Drafter]]:
                 SuffixDrafter(memory, MODEL), PromptLookupDrafter(config)]
 
     def chain(drafters: list[Drafter], trees: bool = True) -> DrafterChain:
-        return DrafterChain([_Recorder(d) for d in drafters], cost=cost, trees=trees)
+        return DrafterChain([Recorder(d) for d in drafters], cost=cost, trees=trees)
 
     return {
         "prompt-lookup": lambda: chain([PromptLookupDrafter(config)]),
@@ -416,8 +346,7 @@ def bench_ceiling(workload: Any, warmup_outputs: dict[str, tuple[int, ...]],
     under it, forced tokens included. ``save_to``: the lines are also written there (the
     ``--outputs`` file of :func:`main`).
     """
-    from agentspec.bench.harness import prompt_of
-    from agentspec.bench.report import REFERENCE
+    from agentspec.bench.results import REFERENCE, prompt_of
     from agentspec.memory.completion import conversation_key
     from agentspec.text import encode_prompt
 
@@ -439,43 +368,6 @@ def bench_ceiling(workload: Any, warmup_outputs: dict[str, tuple[int, ...]],
     if save_to is not None:
         save_lines(lines, save_to)
     return run_policies(lines, ["ceiling"], constraint=constraint)["ceiling"].tokens_per_step
-
-
-def generate_lines(workload_path: Path, model: str, default_max_new_tokens: int) -> list[Line]:
-    """The target's greedy output of every line (the engine's greedy output is plain decoding's)."""
-    from rich.progress import track
-
-    from agentspec import Speculator
-    from agentspec.bench.harness import prompt_of
-    from agentspec.bench.workload import load_workload
-    from agentspec.grammar import compiled
-    from agentspec.memory.completion import conversation_key
-
-    workload = load_workload(workload_path, default_max_new_tokens=default_max_new_tokens)
-    spec = Speculator.from_pretrained(model, memory=None)
-    lines = []
-    for item in track(workload.items, description="greedy outputs"):
-        prompt = prompt_of(item)
-        budget = item.max_new_tokens or default_max_new_tokens
-        sampling = SamplingParams(grammar=None if item.grammar is None else compiled(item.grammar))
-        gen = spec.generate(prompt, budget, sampling=sampling)
-        lines.append(Line(item.id, item.phase, item.scope, tuple(spec.encode(prompt)),
-                          conversation_key(prompt), gen.token_ids, gen.text, budget,
-                          item.grammar))
-    return lines
-
-
-def save_lines(lines: Sequence[Line], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps([line.__dict__ for line in lines]) + "\n", encoding="utf-8")
-
-
-def load_lines(path: Path) -> list[Line]:
-    rows = json.loads(path.read_text(encoding="utf-8"))
-    return [Line(r["id"], r["phase"], r["scope"], tuple(r["prompt_ids"]), r["key_text"],
-                 tuple(r["output_ids"]), r["output_text"], int(r["max_new_tokens"]),
-                 r.get("grammar"))
-            for r in rows]
 
 
 def read_cost(path: Path) -> CostModel:
@@ -507,7 +399,7 @@ def table(results: dict[str, Totals]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from agentspec.bench.cli import resolve_workload
+    from agentspec.bench.workload import resolve_workload
 
     parser = argparse.ArgumentParser(prog="python -m agentspec.bench.replay",
                                      description=__doc__.splitlines()[0])

@@ -1,4 +1,4 @@
-"""Turns a :class:`~agentspec.bench.harness.BenchResult` into numbers, a table, JSON, markdown
+"""Turns a :class:`~agentspec.bench.results.BenchResult` into numbers, a table, JSON, markdown
 and a plot.
 
 ``speedup`` is a system's tokens/s over ``hf-greedy``'s tokens/s on the same requests;
@@ -16,9 +16,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from agentspec.bench.harness import BenchResult, Outcome, RequestResult
+from agentspec.bench.results import REFERENCE, BenchResult, Outcome, RequestResult
 
-REFERENCE = "hf-greedy"
 SOURCES = ("prompt_lookup", "memory", "suffix")
 _GROUPED_ID = re.compile(r"^([A-Za-z]+)-\d+$")
 

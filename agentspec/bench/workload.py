@@ -203,6 +203,29 @@ def package_data(module: str, requirement: str, name: str) -> Path:
     return path
 
 
+def data_dir() -> Path:
+    """The folder of the shipped workloads (package data of ``agentspec.bench``)."""
+    return Path(__file__).resolve().parent / "data"
+
+
+def resolve_workload(name: str) -> Path:
+    """A workload file: an existing path, else a shipped workload's short name (``prompts``).
+
+    Raises:
+        ValueError: neither; the message names the value and the shipped names (the
+            ``agentspec bench`` command reports it as bad input, exit 2).
+    """
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = data_dir() / f"{name}.jsonl"
+    if "/" not in name and shipped.is_file():
+        return shipped
+    names = sorted(p.stem for p in data_dir().glob("*.jsonl"))
+    raise ValueError(f"workload {name!r} is neither a file nor a shipped workload (shipped: "
+                     f"{', '.join(names)})")
+
+
 def load_workload(path: str | Path, *, default_max_new_tokens: int) -> Workload:
     """Loads a JSON Lines workload, skipping and reporting bad lines.
 

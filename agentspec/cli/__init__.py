@@ -3,7 +3,7 @@
 
 The package: this module (the Typer app, ``generate``, ``demo``, ``bench``), ``cache`` (read and
 delete commands), ``cache_io`` (export, import), ``verify`` (reindex, verify) and ``common``
-(options, errors, output). The ``bench`` command mounts :mod:`agentspec.bench.cli`.
+(options, errors, output). The ``bench`` command mounts :mod:`agentspec.cli.bench`.
 
 Exit codes: 0 success, 1 failure, 2 usage or bad input (one line on stderr, no traceback).
 ``--db URL`` and ``--json`` go before the command or after any ``cache`` command
@@ -13,6 +13,7 @@ SQLite file under ``$AGENTSPEC_HOME``.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import sys
@@ -180,17 +181,15 @@ def demo(ctx: typer.Context) -> None:
 
 @app.command("bench", context_settings=_PASS_THROUGH, add_help_option=False)
 @handles_errors
-def bench(ctx: typer.Context) -> None:
-    """Benchmarks (agentspec.bench.cli); see: agentspec bench --help.
+def bench_command(ctx: typer.Context) -> None:
+    """Benchmarks (agentspec.cli.bench); see: agentspec bench --help.
 
     Example: agentspec bench --help
     """
-    try:
-        from agentspec.bench.cli import bench_app
-    except ModuleNotFoundError as e:
-        if e.name not in ("agentspec.bench.cli",):
-            raise
-        fail("benchmarks are not available: agentspec.bench.cli is not installed in this build")
+    if importlib.util.find_spec("agentspec.bench") is None:  # a build without the bench
+        fail("benchmarks are not available: agentspec.bench is not installed in this build")
+    from agentspec.cli.bench import bench_app
+
     command = typer.main.get_command(bench_app)
     code = command.main(args=list(ctx.args), prog_name="agentspec bench", standalone_mode=False)
     if isinstance(code, int) and code:

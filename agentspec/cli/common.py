@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import os
 import re
 import struct
 import sys
@@ -25,27 +24,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from agentspec.errors import AgentSpecError
+from agentspec.terminal import output_width
 
 EXIT_FAIL = 1
 EXIT_USAGE = 2
 F = TypeVar("F", bound=Callable[..., Any])
 
-# Written to a file or a pipe (a CI log, `agentspec bench ... > run.log`), Rich would lay
-# tables out in 80 columns and cut the bench's system names to "agen…"; there, lines are as
-# wide as a table needs up to PIPE_WIDTH ($COLUMNS still decides where it is set).
-PIPE_WIDTH = 200
-
-
-def output_width(stream: Any, environ: dict[str, str] | None = None) -> int | None:
-    """The width for a console on ``stream``: None (the terminal's, or $COLUMNS) on a
-    terminal or where $COLUMNS is set, else :data:`PIPE_WIDTH`."""
-    env = os.environ if environ is None else environ
-    isatty = getattr(stream, "isatty", None)
-    if env.get("COLUMNS") or (callable(isatty) and isatty()):
-        return None
-    return PIPE_WIDTH
-
-
+# Rich lays a pipe's output out wide (agentspec.terminal: the bench's tables whole in a log).
 console = Console(highlight=False, width=output_width(sys.stdout))
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 

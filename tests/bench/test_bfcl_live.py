@@ -5,8 +5,7 @@ from pathlib import Path
 import pytest
 
 from agentspec.bench import bfcl_live
-from agentspec.bench.cli import resolve_workload
-from agentspec.bench.workload import load_workload, write_workload
+from agentspec.bench.workload import load_workload, resolve_workload, write_workload
 
 
 def _entry(i: int, tools: str, question: str = "do it") -> dict:

@@ -13,20 +13,29 @@ import torch
 import transformers
 from typer.testing import CliRunner
 
-from agentspec.bench import cli as bench_cli
 from agentspec.bench import harness
-from agentspec.bench.harness import BenchResult, Outcome, RequestResult
-from agentspec.bench.workload import WorkloadItem
+from agentspec.bench.results import BenchResult, Outcome, RequestResult
+from agentspec.bench.workload import WorkloadItem, resolve_workload
 from agentspec.cli import app
+from agentspec.cli import bench as bench_cli
 
 
 def invoke(*args: str):
     return CliRunner().invoke(app, ["bench", *args])
 
 
-def test_module_imports_neither_torch_nor_transformers() -> None:
-    code = ("import sys, agentspec.bench.cli; "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+def test_module_imports_neither_torch_nor_transformers_nor_the_bench() -> None:
+    code = ("import sys, agentspec.cli.bench; "
+            "print(sorted(m for m in ('torch', 'transformers', 'agentspec.bench') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_commands_help_imports_no_bench_module() -> None:
+    code = ("import sys\nfrom typer.testing import CliRunner\nfrom agentspec.cli import app\n"
+            "assert CliRunner().invoke(app, ['--help']).exit_code == 0\n"
+            "print(sorted(m for m in sys.modules if m.startswith('agentspec.bench')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -94,12 +103,14 @@ def test_bad_task_id_for_the_builder(tmp_path: Path) -> None:
 
 
 def test_short_names_resolve_to_shipped_workloads(tmp_path: Path) -> None:
-    data = Path(bench_cli.__file__).parent / "data"
-    assert bench_cli.resolve_workload("prompts") == data / "prompts.jsonl"
-    assert bench_cli.resolve_workload("bfcl") == data / "bfcl.jsonl"
+    data = Path(harness.__file__).parent / "data"
+    assert resolve_workload("prompts") == data / "prompts.jsonl"
+    assert resolve_workload("bfcl") == data / "bfcl.jsonl"
     own = tmp_path / "prompts"
     own.write_text('{"id": "a", "prompt": "x"}\n')
-    assert bench_cli.resolve_workload(str(own)) == own  # an existing file wins
+    assert resolve_workload(str(own)) == own  # an existing file wins
+    with pytest.raises(ValueError, match="'no/such'.*shipped: .*prompts"):
+        resolve_workload("no/such")
 
 
 def test_systems_parsing() -> None:
@@ -151,7 +162,7 @@ def test_a_baseline_mismatch_is_a_finding_not_a_failure(tmp_path: Path, monkeypa
 
 
 def test_in_bf16_agentspec_must_equal_its_plain_decoding_not_hf_greedy() -> None:
-    from agentspec.bench.cli import _fail_on_mismatch
+    from agentspec.cli.bench import _fail_on_mismatch
     from agentspec.cli.common import CliError
 
     bf16 = {"dtype": "bf16", "exact_match": {"agentspec-plain": 0.5, "agentspec": 0.5},

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from agentspec.bench import harness, report
-from agentspec.bench.harness import BenchConfig, BenchResult, Outcome
 from agentspec.bench.prompts import GROUNDED, OPEN
+from agentspec.bench.results import BenchConfig, BenchResult, Outcome, RequestResult
 from agentspec.bench.workload import WorkloadItem, load_workload, write_workload
 
 ALL = ("hf-greedy", "hf-pld", "agentspec-pld", "agentspec")
@@ -128,7 +128,7 @@ def test_cut_at_stop() -> None:
 
 
 def test_shipped_prompts_workload_is_the_bundled_prompts() -> None:
-    from agentspec.bench.cli import data_dir
+    from agentspec.bench.workload import data_dir
 
     w = load_workload(data_dir() / "prompts.jsonl", default_max_new_tokens=128)
     assert [i.id for i in w.measure] == [f"grounded-{i}" for i in range(len(GROUNDED))] + \
@@ -139,7 +139,7 @@ def test_shipped_prompts_workload_is_the_bundled_prompts() -> None:
 
 
 def test_shipped_bfcl_workload_loads() -> None:
-    from agentspec.bench.cli import data_dir
+    from agentspec.bench.workload import data_dir
 
     w = load_workload(data_dir() / "bfcl.jsonl", default_max_new_tokens=128)
     assert w.errors == () and w.warmup and w.measure
@@ -203,8 +203,8 @@ def test_tool_call_steps_counts_only_call_outputs_under_a_tool_grammar() -> None
     text = WorkloadItem("b", messages=msgs, grammar=grammar)
     free = WorkloadItem("c", messages=msgs)
 
-    def req(item: WorkloadItem, out: str, steps: int) -> harness.RequestResult:
-        return harness.RequestResult(item, 5, 32, {
+    def req(item: WorkloadItem, out: str, steps: int) -> RequestResult:
+        return RequestResult(item, 5, 32, {
             "hf-greedy": (Outcome((1,) * 12, 1.0),),
             "agentspec": (Outcome((1,) * 12, 0.5, steps, text=out),)})
 
@@ -253,7 +253,7 @@ def test_agentspec_suffix_drafts_from_earlier_outputs_and_the_prompt_without_a_s
     again = systems["agentspec-suffix"].run(item, 48, None)
     assert again.token_ids == first.token_ids
     assert (again.accepted or {}).get("suffix", 0) > 0  # the first output was recorded
-    harness._close_memory(systems["agentspec-suffix"])
+    harness.close_memory(systems["agentspec-suffix"])
 
 
 def test_the_results_table_keeps_every_system_name_when_written_to_a_file(tmp_path: Path) -> None:
@@ -263,7 +263,7 @@ def test_the_results_table_keeps_every_system_name_when_written_to_a_file(tmp_pa
 
     from rich.console import Console
 
-    from agentspec.cli.common import PIPE_WIDTH, output_width
+    from agentspec.terminal import PIPE_WIDTH, output_width
 
     names = ("hf-greedy", "agentspec-pld", "agentspec-suffix", "agentspec")
     systems = {n: FakeSystem(n, []) for n in names}

@@ -12,7 +12,7 @@ class Target:
     def start(self, ids):
         return len(ids)
 
-    def score(self, last, draft):
+    def score(self, last, draft, *, keep_hidden=False):
         return last
 
     def commit(self, draft, verdict):
@@ -21,21 +21,23 @@ class Target:
 
 def test_timing_counts_only_while_on_and_restores_what_it_patched():
     import agentspec.decoding.loop as decode
+    import agentspec.decoding.untrusted as untrusted
     from agentspec.drafters.chain import DrafterChain
     from agentspec.memory.completion import CompletionMemory
 
-    before = (decode.sanitize, decode.verify, DrafterChain.propose, CompletionMemory.lookup)
+    before = (untrusted.sanitize, decode.verify, DrafterChain.propose, CompletionMemory.lookup)
     target = Target()
     clock = PhaseClock()
     with timing(clock, [target]):
-        assert decode.sanitize is not before[0] and "score" in vars(target)
+        assert untrusted.sanitize is not before[0] and "score" in vars(target)
         target.score(3, None)  # off: not counted
         clock.on = True
         assert target.score(4, None) == 4 and target.start([1, 2]) == 2
         target.score(5, None)
     assert clock.calls == {"target.score": 2, "target.start": 1}
     assert clock.seconds["target.score"] >= 0
-    assert (decode.sanitize, decode.verify, DrafterChain.propose, CompletionMemory.lookup) == before
+    assert (untrusted.sanitize, decode.verify, DrafterChain.propose,
+            CompletionMemory.lookup) == before
     assert "score" not in vars(target) and Target.score is not None
 
 

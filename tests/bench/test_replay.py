@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from agentspec.bench import replay as rp
+from agentspec.bench.held_past import Recorder, held_past
 from agentspec.config import SpecConfig
 from agentspec.decoding.loop import NoDrafter
 from agentspec.drafters.chain import DrafterChain
@@ -137,7 +138,7 @@ class _CharTokenizer:
 
 
 def test_bench_ceiling_replays_the_bench_outputs(tmp_path: Path):
-    from agentspec.bench.harness import Outcome, RequestResult
+    from agentspec.bench.results import Outcome, RequestResult
     from agentspec.bench.workload import Workload, WorkloadItem
 
     body = tuple(range(200, 230))
@@ -233,22 +234,22 @@ def test_the_cli_prices_on_the_machines_own_cached_curve_of_the_model(tmp_path: 
 
 
 def test_held_past_splits_what_the_sizing_cut_from_what_another_source_had():
-    todo = [5, 6, 7, 8, 9, rp._STOP]
+    todo = [5, 6, 7, 8, 9, rp.STOP]
     # held_past reads only each recorder's name and its last proposal
-    mine, theirs = rp._Recorder(SimpleNamespace(name="a")), rp._Recorder(SimpleNamespace(name="b"))
+    mine, theirs = Recorder(SimpleNamespace(name="a")), Recorder(SimpleNamespace(name="b"))
     mine.last = Draft.chain([5, 6, 7, 0], "a")     # would have held 3
     theirs.last = Draft.chain([5, 6, 7, 8, 9, 4], "b")  # would have held 5: all but the stop
     verified = Draft.chain([5], "a")               # the sizing kept one node: 1 accepted
-    assert rp.held_past([mine, theirs], verified, 1, todo) == (2, 2)
+    assert held_past([mine, theirs], verified, 1, todo) == (2, 2)
     # Had the chain verified b's whole proposal, nothing was left anywhere.
-    assert rp.held_past([mine, theirs], theirs.last, 5, todo) == (0, 0)
+    assert held_past([mine, theirs], theirs.last, 5, todo) == (0, 0)
     # A source that proposed nothing this step (skipped) counts for nothing; with no draft
     # verified, the sizing left out the best proposal's held tokens.
     theirs.last = None
-    assert rp.held_past([mine, theirs], Draft(), 0, todo) == (3, 0)
+    assert held_past([mine, theirs], Draft(), 0, todo) == (3, 0)
     # A tree is scored by its spine, as the decode loop verifies it.
     mine.last = Draft((5, 6, 9, 7), (-1, 0, -1, 2), "a")  # spine 5 6; 9 7 off it
-    assert rp.held_past([mine], Draft.chain([5], "a"), 1, todo) == (1, 0)
+    assert held_past([mine], Draft.chain([5], "a"), 1, todo) == (1, 0)
 
 
 def test_the_replay_counts_the_tokens_a_dear_forward_left_unverified():
@@ -257,7 +258,7 @@ def test_the_replay_counts_the_tokens_a_dear_forward_left_unverified():
     dear = CostModel(base=1.0, per_token=1.0)  # every drafted node costs a forward: draft little
     runs = {}
     for name, cost in (("free", FREE), ("dear", dear)):
-        chain = DrafterChain([rp._Recorder(PromptLookupDrafter(SpecConfig()))], cost=cost)
+        chain = DrafterChain([Recorder(PromptLookupDrafter(SpecConfig()))], cost=cost)
         runs[name] = rp.replay([line], chain, cost=cost)
         assert runs[name].held_other == 0  # one source: nothing elsewhere
     # Drafting little, the steps accept less of what prompt lookup proposed, and the count

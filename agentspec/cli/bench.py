@@ -2,7 +2,8 @@
 ``agentspec bench build-bfcl-live``.
 
 Wired into ``agentspec`` by :mod:`agentspec.cli` (imported lazily there). Importing this
-module imports neither torch nor transformers: the commands import them when they run.
+module imports neither torch, transformers nor the bench (:mod:`agentspec.bench`): the
+commands import them when they run.
 
 Exit codes: 0 success, 1 failure, 2 bad input (one line on stderr naming the value).
 """
@@ -33,28 +34,6 @@ CORE_SYSTEMS = "hf-greedy,hf-pld,agentspec-plain,agentspec-pld"
 DEFAULT_MAX_NEW_TOKENS = 128
 
 
-def data_dir() -> Path:
-    """The folder of the shipped workloads (package data of ``agentspec.bench``)."""
-    return Path(__file__).resolve().parent / "data"
-
-
-def resolve_workload(name: str) -> Path:
-    """A workload file: an existing path, else a shipped workload's short name (``prompts``).
-
-    Raises:
-        CliError (exit 2): neither; the message names the value and the shipped names.
-    """
-    path = Path(name)
-    if path.is_file():
-        return path
-    shipped = data_dir() / f"{name}.jsonl"
-    if "/" not in name and shipped.is_file():
-        return shipped
-    names = sorted(p.stem for p in data_dir().glob("*.jsonl"))
-    fail(f"workload {name!r} is neither a file nor a shipped workload (shipped: "
-         f"{', '.join(names)})", EXIT_USAGE)
-
-
 def parse_systems(text: str) -> list[str]:
     """``"hf-greedy,agentspec"`` -> names, checked; hf-greedy (the reference) is put first."""
     names = [s.strip() for s in text.split(",") if s.strip()]
@@ -69,7 +48,7 @@ def parse_systems(text: str) -> list[str]:
 
 def resolve_dtype(text: str | None, device: str) -> str:
     """``--dtype``: bf16, fp16 or fp32; default bf16 on CUDA, fp32 on the CPU."""
-    from agentspec.bench.harness import DTYPES
+    from agentspec.bench.results import DTYPES
 
     if text is None:
         return "bf16" if device.startswith("cuda") else "fp32"
@@ -169,23 +148,23 @@ def bench(
         resolve_dtype(dtype, "cpu")  # a bad name fails before torch is imported
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    path = resolve_workload(workload)
+    from agentspec.bench.results import BenchConfig
+    from agentspec.bench.workload import load_workload, resolve_workload
+
+    path = resolve_workload(workload)  # neither a file nor a shipped name: ValueError, exit 2
     names = parse_systems(systems or (CORE_SYSTEMS if path.stem == "prompts" else DEFAULT_SYSTEMS))
     if lines is not None and (temperature > 0 or "agentspec" not in names):
         fail("--lines needs a greedy run (temperature 0) with the agentspec system, whose "
              f"warmup outputs it writes; got temperature {temperature}, systems "
              f"{','.join(names)}", EXIT_USAGE)
-    from agentspec.bench import harness
-    from agentspec.bench.workload import load_workload
-
     loaded = load_workload(path, default_max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
     for line, error in loaded.errors:
         err_console.print(f"warning: {path}:{line}: skipped: {error}", markup=False)
-    config = harness.BenchConfig(systems=tuple(names), temperature=temperature,
-                                 max_new_tokens=max_new_tokens, samples=samples, db=db,
-                                 device=device, dtype=dtype, lines_out=lines,
-                                 prefix_cache_bytes=None if prefix_cache_mb is None
-                                 else int(prefix_cache_mb * 2**20))
+    config = BenchConfig(systems=tuple(names), temperature=temperature,
+                         max_new_tokens=max_new_tokens, samples=samples, db=db, device=device,
+                         dtype=dtype, lines_out=lines,
+                         prefix_cache_bytes=None if prefix_cache_mb is None
+                         else int(prefix_cache_mb * 2**20))
     _run_and_report(loaded, model, config, json_out=json_out, plot=plot, report=report)
 
 
