@@ -67,7 +67,7 @@ def forward_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) ->
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import AttentionInterface
 
-    from agentspec.engine import kv as _kv
+    from agentspec.engine import kv
     from agentspec.engine.forward import FixedForward
 
     class Count(TorchDispatchMode):
@@ -91,28 +91,28 @@ def forward_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) ->
     def attention(*args: Any, **kwargs: Any) -> Any:
         count.inside = True
         try:
-            return _kv._gqa_sdpa(*args, **kwargs)
+            return kv.agentspec_sdpa(*args, **kwargs)
         finally:
             count.inside = False
 
     out: dict[str, dict[str, int]] = {}
-    AttentionInterface.register(_kv._ATTENTION, attention)
+    AttentionInterface.register(kv.ATTENTION, attention)
     try:
         for capacity in capacities:
             if capacity < 2 * width:
                 raise ValueError(f"capacity {capacity} is below two forwards of {width} rows")
-            forward = FixedForward(base.model, _kv.FixedKV(capacity), width,
+            forward = FixedForward(base.model, kv.FixedKV(capacity), width,
                                    sliding_window=base.sliding_window)
             forward.load([7] * width, list(range(width)), np.tril(np.ones((width, width), bool)),
                          capacity - 2 * width)
             with torch.inference_mode():
-                forward._compute()  # the first forward allocates the KV
+                forward.compute()  # the first forward allocates the KV
                 count.total = count.attention = 0
                 with count:
-                    forward._compute()
+                    forward.compute()
             out[str(capacity)] = {"operations": count.total, "in attention": count.attention}
     finally:
-        AttentionInterface.register(_kv._ATTENTION, _kv._gqa_sdpa)
+        AttentionInterface.register(kv.ATTENTION, kv.agentspec_sdpa)
     return out
 
 

@@ -39,6 +39,7 @@ def child(workload: str, model: str, limit: int | None, order: str) -> dict[str,
     from agentspec.bench.harness import SpecSystem
     from agentspec.bench.results import prompt_of
     from agentspec.bench.workload import load_workload, resolve_workload
+    from agentspec.engine import malloc
 
     items = list(load_workload(resolve_workload(workload), default_max_new_tokens=96).measure)
     items = ordered(items[:limit], order)
@@ -52,7 +53,7 @@ def child(workload: str, model: str, limit: int | None, order: str) -> dict[str,
         seconds.append(outcome.seconds)
         outputs.append(list(outcome.token_ids))
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    return {"malloc": target.malloc, "seconds": seconds, "faults": faults, "outputs": outputs}
+    return {"malloc": malloc.state(), "seconds": seconds, "faults": faults, "outputs": outputs}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

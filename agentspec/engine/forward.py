@@ -194,16 +194,23 @@ class FixedForward:
             self._graph.replay()
         else:  # eager: attention reads only the KV blocks up to the last row (exact, faster)
             with live_keys(self._live):
-                self._compute(None if logits else 1)
+                self.compute(None if logits else 1)
         assert self.logits is not None
         return self.logits
 
     def capture(self) -> None:
         """Record the forward as a CUDA graph (inputs must be staged: the warm-up forwards
         write only the slots from ``kv_len`` on, which hold nothing committed)."""
-        self._graph, _ = capture_graph(self._compute)
+        self._graph, _ = capture_graph(self.compute)
 
-    def _compute(self, logits_to_keep: int | None = None) -> None:
+    @property
+    def captured(self) -> bool:
+        """Whether :meth:`run` replays a CUDA graph (the target captures a forward once)."""
+        return self._graph is not None
+
+    def compute(self, logits_to_keep: int | None = None) -> None:
+        """The forward on the staged inputs, eagerly, over the whole KV: what a CUDA graph
+        records (:meth:`capture`; the bench counts its operations). Sets :attr:`logits`."""
         w = self.width
         ids, depth, kv_len = self._ins[:w], self._ins[w : 2 * w], self._ins[2 * w]
         positions = kv_len + depth  # [width]

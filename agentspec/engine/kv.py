@@ -78,7 +78,10 @@ class FixedKV:
         return out
 
 
-_ATTENTION = "agentspec_sdpa"
+ATTENTION = "agentspec_sdpa"
+"""The name the engine's attention (:func:`agentspec_sdpa`) is registered under with
+transformers: what :func:`verifying_attention` switches a model to (and where the bench hangs
+a counting wrapper)."""
 
 
 KEY_BLOCK = 256
@@ -100,8 +103,8 @@ def live_keys(n: int | None) -> Iterator[None]:
     """Attend only the first ``n`` KV slots (rounded up to whole blocks) in the forwards inside.
 
     Exact: the slots past a forward's last row are masked for every row, and a block holding
-    only masked keys adds exact zeros (see :func:`_gqa_sdpa`). Eager forwards only: a captured
-    CUDA graph reads the whole capacity.
+    only masked keys adds exact zeros (see :func:`agentspec_sdpa`). Eager forwards only: a
+    captured CUDA graph reads the whole capacity.
     """
     token = _LIVE_KEYS.set(n)
     try:
@@ -110,11 +113,12 @@ def live_keys(n: int | None) -> Iterator[None]:
         _LIVE_KEYS.reset(token)
 
 
-def _gqa_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-              value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
-              scaling: float | None = None, is_causal: bool | None = None,
-              **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Attention in float32, reduced in blocks of :data:`KEY_BLOCK` keys in a fixed order.
+def agentspec_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, attention_mask: Any, dropout: float = 0.0,
+                   scaling: float | None = None, is_causal: bool | None = None,
+                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Attention in float32, reduced in blocks of :data:`KEY_BLOCK` keys in a fixed order
+    (registered as :data:`ATTENTION`).
 
     Not SDPA: the CPU flash kernel splits a forward's queries into blocks, and the same query
     row gave other bits at row 27 than at row 47 of a forward. And not one softmax and one
@@ -238,8 +242,8 @@ def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(_ATTENTION, _gqa_sdpa)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(_ATTENTION, sdpa_mask)
+    AttentionInterface.register(ATTENTION, agentspec_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
 
 
 _register()
@@ -252,7 +256,7 @@ def verifying_attention(model: Any) -> Iterator[None]:
     if getattr(config, "_attn_implementation", None) != "sdpa":
         yield
         return
-    config._attn_implementation = _ATTENTION
+    config._attn_implementation = ATTENTION
     try:
         yield
     finally:

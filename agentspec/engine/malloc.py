@@ -1,15 +1,11 @@
 """glibc malloc settings for a CPU target: large temporaries reused, not mapped anew.
 
-A prefill chunk's attention allocates score tensors of ~19 MB per layer (256 rows against 2,048
-keys; see :mod:`agentspec.engine.kv`), freed a moment later. glibc serves such sizes with fresh
-``mmap`` regions (its threshold adapts, but only upwards from 128 KiB and as sizes are freed)
-and gives freed heap tops back to the system, so the next forward may fault every page in
-again, zeroed by the kernel. On the 2-core CPU, prefilling a 1,306-token prompt (alternately
-with another) took 2.07-2.92 s with 47k-407k page faults, 1.88-1.95 s with none once tuned;
-bfcl-live through a Speculator ran 1.03x and 1.01x faster tuned (workload order, scopes in
-turn), the default taking 1.4M-2.1M faults in one of its two runs each
-(``python -m agentspec.bench.malloc``); the whole bfcl-live bench, agentspec 25.2 s -> 20.1 s
-(BENCHMARKS.md).
+A prefill chunk's attention allocates score tensors of many MiB per layer (a 256-row chunk
+against 2,048 keys; see :mod:`agentspec.engine.kv`), freed a moment later. glibc serves such
+sizes with fresh ``mmap`` regions (its threshold adapts, but only upwards from 128 KiB and as
+sizes are freed) and gives freed heap tops back to the system, so the next forward may fault
+every page in again, zeroed by the kernel: time in page faults instead of the forward. What
+the settings save is measured by ``python -m agentspec.bench.malloc`` (BENCHMARKS.md).
 
 :func:`tune` sets ``M_MMAP_THRESHOLD`` to glibc's maximum (32 MiB: smaller blocks come from the
 heap and are reused) and ``M_TRIM_THRESHOLD`` to 512 MiB (freed memory up to that much stays
@@ -38,6 +34,13 @@ def tune() -> str:
     """Apply the settings once; returns what was done: ``"tuned"``, or why not (applying them
     twice from two threads at once is harmless: the same values)."""
     return _apply()
+
+
+def state() -> str:
+    """What :func:`tune` did in this process, or ``"not tuned (no CPU target loaded)"``: the
+    settings are process-wide, so their state is asked here, not of a target (the bench
+    reports it)."""
+    return tune() if tune.cache_info().currsize else "not tuned (no CPU target loaded)"
 
 
 def _apply() -> str:

@@ -121,8 +121,8 @@ class HFTarget:
         self.reuse_prefix = reuse_prefix
         self.device = next(model.parameters()).device
         cuda = self.device.type == "cuda"
-        # the engine's large CPU temporaries: reused, not mapped anew (engine.malloc)
-        self.malloc = "off (cuda)" if cuda else malloc.tune()
+        if not cuda:  # the engine's large CPU temporaries: reused, not mapped anew (engine.malloc)
+            malloc.tune()
         self.widths = ordered_widths(widths or ((64,) if cuda else CPU_WIDTHS))
         self.cuda_graphs = cuda_graphs and cuda
         wide = (() if cuda else CPU_PREFILL_WIDTHS) if prefill_widths is None else tuple(prefill_widths)
@@ -268,7 +268,7 @@ class HFTarget:
             forward = FixedForward(self.model, self._kv, width, sliding_window=self.sliding_window)
             self._forwards[width] = forward
         forward.load(ids, depth, anc, self._kv_len)
-        if self.cuda_graphs and forward._graph is None:
+        if self.cuda_graphs and not forward.captured:
             try:
                 forward.capture()
             except RuntimeError as exc:  # the same forward still runs eagerly, just slower

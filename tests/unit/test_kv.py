@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from agentspec.engine.kv import FixedKV, _gqa_sdpa, live_keys, verifying_attention
+from agentspec.engine.kv import FixedKV, agentspec_sdpa, live_keys, verifying_attention
 
 
 def _rows(n: int, start: int = 0) -> torch.Tensor:
@@ -51,7 +51,7 @@ def test_gqa_attention_equals_transformers_sdpa(q_len):
     value = torch.randn(1, 2, 20, 8, generator=gen)
     mask = torch.rand(1, 1, q_len, 20, generator=gen) > 0.3
     mask[..., 0] = True
-    ours, _ = _gqa_sdpa(module, query, key, value, mask, scaling=0.3)
+    ours, _ = agentspec_sdpa(module, query, key, value, mask, scaling=0.3)
     ref, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
     assert ours.shape == ref.shape == (1, q_len, 6, 8)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
@@ -114,9 +114,9 @@ def test_gqa_attention_rows_do_not_depend_on_the_kv_capacity_or_the_keys_read():
     outs, wrong = [], []
     for capacity in (1280, 1536, 4096):
         query, key, value, mask = _at_capacity(capacity)
-        outs.append(_gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0])
+        outs.append(agentspec_sdpa(module, query, key, value, mask, scaling=0.125)[0])
         with live_keys(LIVE):  # only the blocks up to the last live key
-            outs.append(_gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0])
+            outs.append(agentspec_sdpa(module, query, key, value, mask, scaling=0.125)[0])
         wrong.append(_one_softmax_attention(query, key, value, mask, 0.125))
     assert all(torch.equal(o, outs[0]) for o in outs)
     torch.testing.assert_close(outs[0], wrong[0], atol=1e-5, rtol=1e-5)  # the same attention
@@ -140,7 +140,7 @@ def test_gqa_attention_head_by_head_gives_the_all_heads_bits(monkeypatch, dtype)
         for blocks in (1, 1 << 30):  # head by head everywhere; never
             monkeypatch.setattr(_kv, "PER_HEAD_BLOCKS", blocks)
             with live_keys(live):
-                outs.append(_gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0])
+                outs.append(agentspec_sdpa(module, query, key, value, mask, scaling=0.125)[0])
         assert torch.equal(outs[0], outs[1]), (width, capacity)
 
 
@@ -187,5 +187,5 @@ def test_only_the_cpu_multiplies_head_by_head(monkeypatch):
         query = torch.zeros(1, 9, 4, 64, device=device)
         key, value = (torch.zeros(1, 3, 256 * _kv.PER_HEAD_BLOCKS, 64, device=device) for _ in range(2))
         mask = torch.ones(1, 1, 4, key.shape[2], dtype=torch.bool, device=device)
-        out = _gqa_sdpa(module, query, key, value, mask, scaling=0.125)[0]
+        out = agentspec_sdpa(module, query, key, value, mask, scaling=0.125)[0]
         assert out.shape == (1, 4, 9, 64) and len(stacks) == expected, device
