@@ -7,6 +7,10 @@ chain each, the way the decode loop does, and reports per draft node:
 - ``node``: the whole per-node cost of ``constrain`` (check, consume, mask, roll back, and the
   bits unpacked into the boolean mask the sampler applies), i.e. its time over its rows.
 
+The timers are the bench's own, around the grammar's public calls: :class:`TimedGrammarState`
+times each row's mask (``GrammarState.fill_row``), :func:`timed_steps` each step of the decode
+loop (``GrammarState.constrain``, then ``LazyMasks.forbidding``).
+
 The calls (``--source live``, the default) are the ground-truth answers of BFCL's
 ``live_multiple`` requests (real user requests to deployed agents), rendered as this project's
 call lists under a grammar of the request's own tool set. Agent traffic repeats its tool sets,
@@ -38,8 +42,26 @@ import numpy as np
 
 from agentspec.bench.workload import data_dir, load_workload
 from agentspec.grammar import compiled
-from agentspec.grammar.state import GrammarState
+from agentspec.grammar.state import GrammarState, LazyMasks
 from agentspec.types import Draft
+
+
+class TimedGrammarState(GrammarState):
+    """A grammar state that times each row mask it computes (or copies from the cache) while
+    :attr:`timed`: :attr:`mask_seconds`, one entry per row (the ``mask`` figure)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.timed = False
+        self.mask_seconds: list[float] = []
+
+    def fill_row(self, row: int, node: list[Any] | None, first: bool | None = None) -> None:
+        if not self.timed:
+            super().fill_row(row, node, first)
+            return
+        started = time.perf_counter()
+        super().fill_row(row, node, first)
+        self.mask_seconds.append(time.perf_counter() - started)
 
 
 def replies(workload: Path) -> list[tuple[dict[str, Any], str]]:
@@ -126,14 +148,14 @@ def llguidance_cost(tokenizer: Any, vocab_size: int, eos: list[int],
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         key = json.dumps(spec)
         t0 = time.perf_counter()
-        state = GrammarState(compiled(spec), tokenizer, vocab_size=vocab_size, eos_ids=eos)
+        state = TimedGrammarState(compiled(spec), tokenizer, vocab_size=vocab_size, eos_ids=eos)
         if key not in seen and k >= half:
             setup_s.append(time.perf_counter() - t0)
         seen.add(key)
         walks = 1 if held_out else repeats + 1
         for r in range(walks):
             timed = k >= half if held_out else r > 0
-            state.timing = timed
+            state.timed = timed
             state.mask_seconds.clear()
             t0 = time.perf_counter()
             kept = _walk(state, ids)
@@ -219,21 +241,39 @@ def forced_steps(workload: Path, model: str, max_new_tokens: int) -> dict[str, A
 
 
 @contextmanager
-def _timed_states() -> Iterator[list[GrammarState]]:
-    """Every :class:`GrammarState` made inside, timing its steps (``step_costs``)."""
-    states: list[GrammarState] = []
-    made = GrammarState.__init__
+def timed_steps() -> Iterator[list[list[float]]]:
+    """Every grammar step of every :class:`GrammarState` inside, timed: ``[seconds in the
+    grammar, rows scored]`` per ``constrain`` call that constrains (not once free text has
+    begun), the step's ``LazyMasks.forbidding`` checks added to its seconds. The two public
+    calls are wrapped for the block and put back after."""
+    steps: list[list[float]] = []
+    last: dict[int, list[float]] = {}  # id(state) -> its latest step
+    constrain, forbidding = GrammarState.constrain, LazyMasks.forbidding
 
-    def init(self: GrammarState, *args: Any, **kwargs: Any) -> None:
-        made(self, *args, **kwargs)
-        self.timing = True
-        states.append(self)
+    def timed_constrain(self: GrammarState, draft: Draft, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        out, allowed = constrain(self, draft, **kwargs)
+        if allowed is not None:
+            step = [time.perf_counter() - started, out.num_nodes + 1]
+            steps.append(step)
+            last[id(self)] = step
+        return out, allowed
 
-    GrammarState.__init__ = init  # type: ignore[method-assign]
+    def timed_forbidding(self: LazyMasks, tokens: Any) -> Any:
+        started = time.perf_counter()
+        out = forbidding(self, tokens)
+        step = last.get(id(self.state))
+        if step is not None:
+            step[0] += time.perf_counter() - started
+        return out
+
+    GrammarState.constrain = timed_constrain  # type: ignore[method-assign]
+    LazyMasks.forbidding = timed_forbidding  # type: ignore[method-assign]
     try:
-        yield states
+        yield steps
     finally:
-        GrammarState.__init__ = made  # type: ignore[method-assign]
+        GrammarState.constrain = constrain  # type: ignore[method-assign]
+        LazyMasks.forbidding = forbidding  # type: ignore[method-assign]
 
 
 def decode_cost(workload: Path, model: str, max_new_tokens: int) -> dict[str, Any]:
@@ -256,14 +296,13 @@ def decode_cost(workload: Path, model: str, max_new_tokens: int) -> dict[str, An
         grammar = compiled(dict(item.grammar or {}))
         outs = {}
         for lazy in ((True, False) if k % 2 == 0 else (False, True)):  # interleaved
-            with _timed_states() as states:
+            with timed_steps() as steps:
                 gen = specs[lazy].generate([dict(m) for m in item.messages or ()], max_new_tokens,
                                            sampling=SamplingParams(grammar=grammar), record=False)
             outs[lazy] = gen.token_ids
-            for state in states:
-                for seconds, rows in state.step_costs:
-                    per_row[lazy].extend([seconds / rows] * int(rows))
-                    per_step[lazy].append(seconds)
+            for seconds, rows in steps:
+                per_row[lazy].extend([seconds / rows] * int(rows))
+                per_step[lazy].append(seconds)
         equal += outs[True] == outs[False]
     return {"calls": len(items), "equal_outputs": equal,
             **{f"{'lazy' if lazy else 'full'}_masks": {"row": percentiles(per_row[lazy]),

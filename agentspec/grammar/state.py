@@ -15,7 +15,6 @@ first request of a new tool set finds the skeleton's masks cached and its lexer 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,11 +75,6 @@ class GrammarState:
         self._committed = 0  # committed tokens the matcher holds
         self._path: list[list[Any] | None] = [self._shared.root]  # trie node per committed prefix
         self._bits = torch.zeros((1, self._words), dtype=torch.int32)  # grown on demand
-        self.mask_seconds: list[float] = []  # per computed row, when timing (see the bench)
-        # Per constrain call, when timing: [seconds in the grammar (constrain, then the lazy
-        # masks' checks), rows scored].
-        self.step_costs: list[list[float]] = []
-        self.timing = False
         self._version = 0  # bumped by every change of the committed state or the walk
 
     def close(self) -> None:
@@ -100,12 +94,15 @@ class GrammarState:
                 raise GrammarError(f"the {self.grammar.kind} grammar failed: {matcher.get_error()}")
         return shared.root[0]
 
-    def _fill(self, row: int, node: list[Any] | None, first: bool | None = None) -> None:
+    def fill_row(self, row: int, node: list[Any] | None, first: bool | None = None) -> None:
         """Row ``row``'s mask: the matcher's current state, whose trie node is ``node``.
         ``first``: the state is the output's start (an or_text grammar also allows a text
-        start there); by default, row 0 is."""
+        start there); by default, row 0 is.
+
+        Every row mask :meth:`constrain` and :class:`LazyMasks` compute (or copy from the
+        cache) is one call: public so that a subclass can time one row's mask (the bench's
+        ``grammar_cost``)."""
         v = self._bits[row]
-        started = time.perf_counter() if self.timing else 0.0
         cached = None if node is None else node[0]
         if cached is not None:
             v.copy_(cached)
@@ -117,13 +114,11 @@ class GrammarState:
         if (row == 0 if first is None else first) and self.mode == "undecided" \
                 and self._text_start is not None:
             v.bitwise_or_(self._text_start)  # or a text start
-        if self.timing:
-            self.mask_seconds.append(time.perf_counter() - started)
 
     def _valid(self, token: int, node: list[Any] | None, first: bool) -> bool:
         """Whether the matcher's current state (trie node ``node``; ``first``: the output's
         start) allows ``token``, without computing its mask: a cached mask's bit, else
-        llguidance's check of that one token (what its mask would say, at a few us)."""
+        llguidance's check of that one token (what its mask would say, without computing it)."""
         if not 0 <= token < self.vocab_size:
             return False
         if first and self._starts_text(token):
@@ -140,7 +135,7 @@ class GrammarState:
             # tokens of them (after ``"name`` only ``":``, not ``"``), which a token check
             # does not know: the mask decides.
             self._grow(1)
-            self._fill(0, node, first)
+            self.fill_row(0, node, first)
             bits = self._bits[0]
         return bool((int(bits[token >> 5]) >> (token & 31)) & 1)
 
@@ -192,7 +187,6 @@ class GrammarState:
         """
         if self.mode == "text":
             return draft, None
-        started = time.perf_counter() if self.timing else 0.0
         self._version += 1
         first_alt = spine_length(draft.parents)
         spine = min(first_alt, room, max_nodes)
@@ -211,7 +205,7 @@ class GrammarState:
 
         def reach(row: int) -> None:  # the matcher is at row ``row``'s state
             if not lazy:
-                self._fill(row, trie)
+                self.fill_row(row, trie)
             for i in by_row.get(row, ()):
                 if allows(row, draft.token_ids[i]):
                     allowed_alts.add(i)
@@ -244,7 +238,7 @@ class GrammarState:
                 forced.append(token)
                 trie = trie_child(trie, token)
                 if not lazy:
-                    self._fill(consumed + len(forced), trie)
+                    self.fill_row(consumed + len(forced), trie)
         spine_ids = [*draft.token_ids[:consumed], *forced]
         sources = [draft.source_of(i) for i in range(consumed)] + [GRAMMAR_SOURCE] * len(forced)
         # Alternatives: children of the root or of a kept spine node that the parent's mask
@@ -270,7 +264,7 @@ class GrammarState:
                 rows += 1
                 walk.append(token)
                 if not lazy:
-                    self._fill(walked, trie_child(trie, token))
+                    self.fill_row(walked, trie_child(trie, token))
         self.matcher.rollback(walked)
         self._check()
         if consumed == draft.num_nodes and not forced:
@@ -293,8 +287,6 @@ class GrammarState:
                                  device=self.device)
             allowed[:rows] = unpack_bits(self._bits[:rows].to(self.device), self.vocab_size)
             self._nonempty(self._bits[:rows])
-        if self.timing:
-            self.step_costs.append([time.perf_counter() - started, out.num_nodes + 1])
         return out, allowed
 
     def _nonempty(self, bits: torch.Tensor) -> None:
@@ -376,7 +368,6 @@ class LazyMasks:
         st = self.state
         if st._version != self.version or st.matcher is None:
             raise GrammarError("these masks belong to a step the grammar state has moved past")
-        started = time.perf_counter() if st.timing else 0.0
         check = [r for r in range(min(self.rows, len(tokens)))
                  if not (r < len(self.walk) and tokens[r] == self.walk[r])]
         out: dict[int, torch.Tensor] = {}
@@ -394,14 +385,12 @@ class LazyMasks:
         finally:
             st.matcher.rollback(at)
         st._check()
-        if st.timing and st.step_costs:
-            st.step_costs[-1][0] += time.perf_counter() - started
         return out
 
     def _mask(self, node: list[Any] | None, first: bool) -> torch.Tensor:
         st = self.state
         st._grow(1)
-        st._fill(0, node, first)
+        st.fill_row(0, node, first)
         st._nonempty(st._bits[:1])
         return unpack_bits(st._bits[:1].to(st.device), st.vocab_size)[0]
 

@@ -46,7 +46,7 @@ def test_a_tokens_check_is_its_mask_bit(tok) -> None:
     ids = tok.encode(CALLS[0], add_special_tokens=False)
     for at in range(len(ids) + 1):
         state._grow(1)
-        state._fill(0, None)
+        state.fill_row(0, None)
         mask = g.unpack_bits(state._bits[:1], state.vocab_size)[0]
         allowed = mask.nonzero().flatten().tolist()
         probe = rng.sample(allowed, min(40, len(allowed))) + [rng.randrange(len(tok)) for _ in range(80)]
