@@ -237,6 +237,12 @@ class SQLStore:
         with self._read() as conn:
             return np.fromiter(conn.execute(stmt).scalars(), np.int64)
 
+    def catches_up_by_key(self, after_id: int, among: Sequence[int] | None) -> bool:
+        """Whether :meth:`ids_after` finds its rows by the primary key (a memory catching up:
+        ``after_id > 0`` or ``among``) rather than through the scope's index; a subclass may
+        answer otherwise (the bench's store as it was, ``agentspec.bench.memory_lookup``)."""
+        return after_id > 0 or among is not None
+
     def ids_after(self, after_id: int, *, scope: str | None = None, model: str | None = None,
                   embedder: str | None = None,
                   among: Sequence[int] | None = None) -> list[tuple[int, np.ndarray]]:
@@ -246,7 +252,8 @@ class SQLStore:
         With ``after_id > 0`` or ``among`` (a memory catching up) the rows are found by the
         primary key, not through the scope's index, which would read every row id of the
         scope: the work grows with the rows written since, not with the store."""
-        filters = self._filters(scope, model, embedder, unindexed=after_id > 0 or among is not None)
+        filters = self._filters(scope, model, embedder,
+                                unindexed=self.catches_up_by_key(after_id, among))
         base = (select(records.c.id, records.c.embedding)
                 .where(records.c.id > int(after_id), records.c.embedding.is_not(None), *filters)
                 .order_by(records.c.id))

@@ -96,9 +96,8 @@ def time_lookups(memory: CompletionMemory, targets: np.ndarray,
 class ScopeIndexedStore(SQLStore):
     """The store as it was: catching up reads the new rows through the scope's index."""
 
-    def _filters(self, scope: str | None = None, model: str | None = None,
-                 embedder: str | None = None, *, unindexed: bool = False) -> list:
-        return super()._filters(scope, model, embedder)
+    def catches_up_by_key(self, after_id: int, among: Sequence[int] | None) -> bool:
+        return False
 
 
 def time_requests(url: str, embedder: PrecomputedEmbedder, vectors: np.ndarray,
