@@ -71,8 +71,8 @@ class SpecConfig:
         max_tree_nodes: node budget when several candidates merge into a tree.
         memory_neighbours: how many remembered completions of similar requests (same scope
             and model) a call drafts from. They merge into one tree, and each node counts how
-            many of them back it (:attr:`~agentspec.types.Draft.support`). 16 against 8 on
-            the 2-core CPU: 0.98x on bfcl-live and 0.99x on bfcl (BENCHMARKS.md).
+            many of them back it (:attr:`~agentspec.types.Draft.support`). More than the
+            default did not repay the larger lookup and merge (BENCHMARKS.md).
         trees: verify tree drafts where the target's attention can take a tree mask; False
             verifies each step's best chain only.
         grammar_drafts: under a grammar (``SamplingParams.grammar``), append the tokens it

@@ -130,8 +130,7 @@ def node_support(token_ids: Sequence[int], parents: Sequence[int],
     """Per node of a tree, how many of ``continuations`` spell the path from the root to it
     (at least 1 for every node: a node no continuation reaches, as after a budget cut,
     counts as its own one). Equal continuations are walked once, weighted by how many there
-    are (a suffix's occurrences mostly repeat one continuation: 32 of 64 tokens, 0.09 ms
-    instead of 0.28)."""
+    are (a suffix's occurrences mostly repeat one continuation)."""
     index = child_index(token_ids, parents)
     counts = [0] * len(token_ids)
     for cont, weight in Counter(map(tuple, continuations)).items():

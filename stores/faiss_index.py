@@ -1,7 +1,7 @@
 """FaissIndex: inner-product search keyed by SQL ids.
 
 Small indexes are exact (``IndexIDMap2(IndexFlatIP)``). Past ``ivf_threshold`` vectors a flat scan
-reads too much memory per query (100k x 384 floats = 147 MiB: ~6 ms on a 2-core CPU), so the
+reads too much memory per query (100k x 384 floats = 147 MiB a query), so the
 index moves to an inverted file (``IndexIVFFlat``, ``nlist`` ~ 4 sqrt(n), ``nprobe`` lists
 searched), trained on the vectors it holds. IVF search is approximate, which suits drafts: a
 missed neighbour costs speed, never correctness, and the near-duplicate keys that matter sit in
@@ -88,10 +88,9 @@ class FaissIndex:
         """Up to ``k`` ``(id, inner product)`` pairs, best first.
 
         One query runs on one OpenMP thread (the caller's setting is restored after): faiss's
-        default of every core made a flat scan of 10,000-20,000 vectors 2.5-3x slower on a
-        2-core CPU (12,000 vectors: 1.49 ms against 0.49 ms; 19,999: 2.94 against 0.95 ms),
-        and more under load; below ~8,000 vectors, and for the inverted file, both take the
-        same time."""
+        default of every core made a flat scan of some thousands of vectors several times
+        slower on a small CPU, and more under load, where one thread is never slower
+        (BENCHMARKS.md)."""
         q = check_query(vector, k, self.dim)
         if k == 0 or self._index.ntotal == 0:
             return []

@@ -86,9 +86,10 @@ def engine_kernels(model: Any) -> Iterator[None]:
 
     Attention always (see :mod:`agentspec.engine.kv`). On the CPU (float32 and bfloat16), also every
     linear layer on oneDNN in float32 with packed weights (:func:`packed_linear`): MKL's
-    small-row products re-pack the weights on each call (a 4-row step cost 1.7x a 1-row one)
-    and use other kernels for 1, 2-3 and 4+ rows; packed oneDNN products are 2x faster at 4
-    rows and share one order from 2 rows on. CPU bfloat16 products gave a row other bits at
+    small-row products re-pack the weights on each call (a step of a few rows paid far more
+    than a 1-row one) and use other kernels for 1, 2-3 and 4+ rows; packed oneDNN products
+    are faster at those sizes (BENCHMARKS.md) and share one order from 2 rows on. CPU
+    bfloat16 products gave a row other bits at
     another row count on one machine (CI's) and not on another: not a probe's to catch.
 
     The swaps are the model's, shared by every fork: a forward holds :func:`model_lock`, so

@@ -89,11 +89,11 @@ KEY_BLOCK = 256
 size, so neither the KV capacity nor how much of it a forward reads can change its bits."""
 
 PER_HEAD_BLOCKS = 8
-"""From this many live key blocks on, attention on the CPU multiplies key/value head by head
-(no copy of the live KV; on the 2-core CPU 1.3-1.7x faster attention at 3,000-7,000 keys, a
-little slower at 1,000). Not on other devices: there the copy is cheap and each product is a
-kernel of the step's graph (three products and a stack in place of one, twice a layer: 180
-more operations a SmolLM2-135M forward from 2,048 KV slots on)."""
+"""From this many live key blocks on, attention on the CPU multiplies key/value head by head:
+no copy of the live KV, which on a long context costs more than the extra products (on a short
+one it saves less than they cost; BENCHMARKS.md). Not on other devices: there the copy is cheap
+and each product is a kernel of the step's graph (three products and a stack in place of one,
+twice a layer)."""
 
 _LIVE_KEYS: ContextVar[int | None] = ContextVar("agentspec_live_keys", default=None)
 
@@ -172,7 +172,7 @@ def agentspec_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     else:
         scores = torch.matmul(q, k.transpose(-1, -2))  # [b, kvh, blocks, g * w, KEY_BLOCK]
     # In place from here on: the same elementwise kernels, the same bits, but no temporaries
-    # (the scores of a 256-row prompt chunk are ~19 MB a layer; each copy is a pass over them).
+    # (the scores of a 256-row prompt chunk fill many MB a layer; each copy is a pass over them).
     scores.mul_(scale)
     # Only the blocks with a masked key are filled (on the CPU a prompt chunk's or a step's
     # earlier blocks are fully visible: filling them wrote nothing, in a pass over them).
@@ -194,9 +194,8 @@ def _fold_blocks(x: torch.Tensor) -> torch.Tensor:
     blocks padded with zeros to a power of two, neighbours first (``(x0 + x1) + (x2 + x3)``).
     Appending blocks of zeros (a larger capacity, a forward that reads more of the KV) leaves
     every partial sum's bits as they were, so the result does not depend on the number of
-    blocks; and ``log2(blocks)`` additions where adding the blocks one after the other took
-    ``blocks - 1`` (on CUDA each is a kernel in the step's graph: 14 a layer at 2,048 KV
-    slots, 30 at 4,096; now 3 and 4)."""
+    blocks; and ``log2(blocks)`` additions where adding the blocks one after the other takes
+    ``blocks - 1`` (on CUDA each addition is a kernel of the step's graph)."""
     n = x.shape[2]
     if n & (n - 1):  # not a power of two
         pad = [0, 0] * (x.dim() - 3) + [0, (1 << n.bit_length()) - n]

@@ -141,7 +141,8 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: str | No
     Args:
         name_or_path: ``"smollm2-135m-instruct"`` (default), ``"gemma-3-270m"``, a local
             transformers model directory, or a ``.gguf`` file. GGUF models are dequantised once
-            (15-50 s) and kept as safetensors under ``$AGENTSPEC_HOME/models``.
+            (the slow part of their first load) and kept as safetensors under
+            ``$AGENTSPEC_HOME/models``.
         device: ``"cuda"`` when available, else ``"cpu"``.
         dtype: bfloat16 on CUDA, float32 on the CPU.
         prefix_cache_bytes: the target's prefix cache budget (:class:`HFTarget`; ``None``:

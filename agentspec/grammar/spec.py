@@ -135,7 +135,7 @@ class Grammar:
         llg = import_llguidance()
         # "auto": a call, or text that may not start like one (see ``or_text``). Not one Lark
         # grammar ``call | TEXT``: masking free text through a lexer walks the whole vocabulary
-        # every token (~0.1-0.3 ms each here), for a mask that allows everything.
+        # every token (a mask's cost many times over), for a mask that allows everything.
         examples = [{"name": name, "arguments": example_value(params)} for name, params in specs]
         return cls("tool_calls", llg.LLMatcher.grammar_from_json_schema(schema), tuple(names),
                    or_text=choice == "auto",

@@ -28,12 +28,13 @@ TEXT_START = "start: TEXT\nTEXT: /[^{\\[\\s][\\s\\S]*/\n"
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], *,
                  json_slices: bool = False) -> Any:
-    """llguidance's view of a Hugging Face tokenizer (built once, ~1 s; cached per tokenizer).
+    """llguidance's view of a Hugging Face tokenizer (slow to build: built once, cached per
+    tokenizer).
 
     ``vocab_size`` is the model's logit width; ``eos_ids`` are the tokens that end a
     generation, allowed exactly where the grammar is complete. ``json_slices``: llguidance's
-    vocabulary slices tuned for JSON strings (its mask ~1.5x faster on tool calls here; the
-    slices are an optimisation and never change a mask)."""
+    vocabulary slices tuned for JSON strings (a faster mask on tool calls; the slices are an
+    optimisation and never change a mask)."""
     eos = tuple(sorted(eos_ids))
     key = (id(tokenizer), vocab_size, eos, json_slices)
     with _LOCK:
@@ -50,7 +51,7 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], *,
 
 class SharedGrammar:
     """One grammar on one tokenizer, shared by the requests that use it: a pristine matcher
-    that each request's is copied from (building one costs ~1 ms, a copy ~2 us) and the masks
+    that each request's is copied from (a copy costs a small part of a build) and the masks
     computed so far, by token path (the root's is the empty output's, which every request
     starts with).
 
@@ -173,7 +174,7 @@ def unpack_bits(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """llguidance's bitmask ``[rows, ceil(vocab / 32)]`` int32 -> bool ``[rows, vocab_size]``
     (True = allowed), on the bitmask's device. Bit ``t & 31`` of word ``t >> 5`` is token t."""
     if bits.device.type == "cpu" and sys.byteorder == "little":
-        # numpy unpacks bytes in one pass (~10x the shift-and-mask below on a 49k vocabulary);
+        # numpy unpacks bytes in one pass (far faster than the shift-and-mask below);
         # int32 words are little-endian here, so byte b of word w holds tokens 32w+8b..+7.
         flat = np.unpackbits(bits.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
         return torch.from_numpy(flat[:, :vocab_size]).view(torch.bool)
