@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentspec import Speculator
-from agentspec.bench.prompts import GROUNDED
+from tests.prompts import GROUNDED
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,8 +48,8 @@ def test_cuda_graph_replays_bitwise_as_the_eager_forward(gpu_spec):
 
 
 def test_drafts_and_prefix_reuse_leave_bf16_outputs_unchanged_on_cuda(gpu_spec):
-    from agentspec.bench.prompts import ALL_PROMPTS
     from agentspec.engine.target import HFTarget
+    from tests.prompts import ALL_PROMPTS
 
     base = gpu_spec.target
     plain = Speculator(HFTarget(base.model, base.tokenizer, reuse_prefix=False), speculate=False)
@@ -62,9 +62,9 @@ def test_prefix_cache_restores_the_rows_a_prefill_computes_on_cuda(gpu_spec):
     # Interleaved prompts of two long openings: each call after the first two gets its opening
     # back from the prefix cache (copied into the captured graphs' KV buffers) and must score
     # the rows a fresh prefill does, bitwise.
-    from agentspec.bench.prompts import ALL_PROMPTS
     from agentspec.engine.target import HFTarget
     from agentspec.types import Draft
+    from tests.prompts import ALL_PROMPTS
 
     base = gpu_spec.target
     cached = HFTarget(base.model, base.tokenizer)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from agentspec import SamplingParams, Speculator
-from agentspec.bench.prompts import ALL_PROMPTS
 from agentspec.decoding.loop import decode
 from agentspec.protocols import DraftContext
+from tests.prompts import ALL_PROMPTS
 
 from .helpers import OracleTreeDrafter
 

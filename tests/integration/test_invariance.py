@@ -23,8 +23,6 @@ import torch
 
 import agentspec.engine.forward
 from agentspec import SamplingParams, Speculator
-from agentspec.bench.prompts import ALL_PROMPTS
-from agentspec.bench.workload import load_workload
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
 from agentspec.engine.load import load_target
@@ -35,6 +33,7 @@ from agentspec.protocols import DraftContext
 from agentspec.stores import SQLStore
 from agentspec.tree import merge_chains
 from agentspec.types import Draft, Verdict
+from tests.prompts import ALL_PROMPTS, prompt_of, workload_lines
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +47,7 @@ def _bfcl_prompts(n: int) -> list:
     # Their 1,100-token prompts found the capacity defect (attention reduced over the whole KV,
     # whose length depended on the drafts' widths), fixed by blocked attention (agentspec/_kv.py).
     path = Path(__file__).parent / "data" / "bfcl_invariance_prompts.jsonl"
-    items = load_workload(path, default_max_new_tokens=MAX_NEW).measure[:n]
-    return [list(item.messages or ()) for item in items]
+    return [prompt_of(line) for line in workload_lines(path)[:n]]
 
 
 PROMPTS = ALL_PROMPTS[:16] + _bfcl_prompts(2)
@@ -200,8 +198,8 @@ class DraftDependentRows(HFTarget):
     bf16 step (1/8 at logits of 16-32) off here and there, as rows computed in another reduction
     order do (on CI's CPU, a row verified at width 16 read 18.875 where alone it read 19.0)."""
 
-    def score(self, last_token, draft):
-        logits = super().score(last_token, draft)
+    def score(self, last_token, draft, **kw):
+        logits = super().score(last_token, draft, **kw)
         if draft.num_nodes:
             gen = torch.Generator().manual_seed(len(self._kv_ids))
             logits = logits + torch.randint(-1, 2, logits.shape, generator=gen).to(logits.dtype) / 8

@@ -7,11 +7,11 @@ import random
 import pytest
 
 from agentspec import Speculator
-from agentspec.bench.prompts import ALL_PROMPTS
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.memory.completion import CompletionMemory, conversation_key
 from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import SQLStore
+from tests.prompts import ALL_PROMPTS
 
 MAX_NEW = 32
 PROMPTS = [ALL_PROMPTS[i] for i in (2, 4, 8, 10, 13)]

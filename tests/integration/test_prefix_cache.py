@@ -19,14 +19,12 @@ import pytest
 import torch
 
 from agentspec import Speculator
-from agentspec.bench.cli import resolve_workload
-from agentspec.bench.harness import prompt_of
-from agentspec.bench.workload import load_workload
 from agentspec.engine.load import load_target
 from agentspec.engine.prefix import BLOCK, PrefixCache
 from agentspec.engine.target import HFTarget
 from agentspec.tree import common_prefix_len
 from agentspec.types import Draft
+from tests.prompts import DATA, prompt_of, workload_lines
 
 pytestmark = pytest.mark.slow
 
@@ -44,8 +42,8 @@ def _agents() -> tuple[list[int], list[int]]:
     """The opening tokens of two tool sets' prompts from the shipped bfcl-live workload."""
     target = _model("fp32")
     spec = Speculator(target, speculate=False)
-    items = load_workload(resolve_workload("bfcl-live"), default_max_new_tokens=8).measure
-    first, second = items[0], next(i for i in items if i.scope != items[0].scope)
+    lines = workload_lines(DATA / "bfcl-live.jsonl")
+    first, second = lines[0], next(i for i in lines if i["scope"] != lines[0]["scope"])
     return (spec.encode(prompt_of(first))[:PREFIX], spec.encode(prompt_of(second))[:PREFIX])
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from agentspec import SamplingParams, Speculator
-from agentspec.bench.prompts import GROUNDED
 from agentspec.drafters.policy import DEFAULT_COST
+from tests.prompts import GROUNDED
 
 from .helpers import CheckingTarget, OracleTreeDrafter
 
