@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
-from agentspec.engine.load import load_target
+from agentspec.engine.load import load_target, resolve_model_dir
 from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
 from agentspec.types import Draft, Verdict
@@ -66,8 +68,8 @@ class CheckingTarget(HFTarget):
         with torch.inference_mode():
             return self.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
 
-    def score(self, last_token, draft):
-        logits = super().score(last_token, draft)
+    def score(self, last_token, draft, **kw):
+        logits = super().score(last_token, draft, **kw)
         prefixes: list[list[int]] = []
         for i, p in enumerate(draft.parents):
             prefixes.append((prefixes[p] if p >= 0 else []) + [draft.token_ids[i]])
@@ -86,3 +88,53 @@ class CheckingTarget(HFTarget):
 def cached_target(name: str) -> HFTarget:
     """A packaged model loaded once per test session (shared by the modules that need it)."""
     return load_target(name)
+
+
+# Three levels, four leaves; siblings distinct; node order is not a path order.
+TREE_PARENTS = (-1, -1, 0, 0, 1, 2, 4, 3)
+
+
+def leaf_paths(parents: tuple[int, ...]) -> list[list[int]]:
+    """Root-to-leaf node paths of a parent-pointer tree."""
+    has_child = {p for p in parents if p >= 0}
+    paths = []
+    for leaf in (i for i in range(len(parents)) if i not in has_child):
+        path, node = [], leaf
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        paths.append(path[::-1])
+    return paths
+
+
+def tree_equals_chains(target: HFTarget, prompt_ids: list[int], tokens: tuple[int, ...],
+                       atol: float) -> int:
+    """Score the tree once and every path as a chain from a fresh prefill; returns rows compared."""
+    draft = Draft(tokens, TREE_PARENTS, "test")
+    target.start(prompt_ids)
+    tree_logits = target.score(prompt_ids[-1], draft).float()  # [num_nodes + 1, vocab_size]
+    compared = 0
+    for path in leaf_paths(TREE_PARENTS):
+        target.start(prompt_ids)
+        chain = Draft.chain([tokens[i] for i in path], "test")
+        chain_logits = target.score(prompt_ids[-1], chain).float()  # [len(path) + 1, vocab_size]
+        rows = [0] + [i + 1 for i in path]
+        torch.testing.assert_close(tree_logits[rows], chain_logits, atol=atol, rtol=0)
+        compared += len(rows)
+    return compared
+
+
+def layer_skip_target(source: str, out_dir: Path, keep: Sequence[int]) -> HFTarget:
+    """A cheaper model on ``source``'s tokenizer: its decoder layers ``keep`` only, saved to
+    ``out_dir`` and loaded back (so every layer index and the config agree)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, path = resolve_model_dir(source)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.model.layers = torch.nn.ModuleList([model.model.layers[i] for i in keep])
+    model.config.num_hidden_layers = len(keep)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i] for i in keep]
+    model.save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(str(path)).save_pretrained(str(out_dir))
+    return load_target(str(out_dir))

@@ -19,21 +19,26 @@ import pytest
 import torch
 
 from agentspec import Speculator
-from agentspec.bench.prompts import _CODE, _RECORD
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
 from agentspec.engine.load import GEMMA_TURNS, PACKAGED_MODELS, give_turn_format
 from agentspec.engine.target import HFTarget
 from agentspec.text import encode_prompt, render_chat
 from agentspec.types import Draft
+from tests.prompts import CODE, RECORD
 
-from .helpers import CheckingTarget, OracleTreeDrafter, cached_target
-from .test_tree_scoring import TREE_PARENTS, tree_equals_chains
+from .helpers import (
+    TREE_PARENTS,
+    CheckingTarget,
+    OracleTreeDrafter,
+    cached_target,
+    tree_equals_chains,
+)
 
 MAX_NEW = 8  # gemma's 262k-token head is slow on the 2-core CPU
 ATOL = 1e-3
-LONG = ("Here is some code and data.\n" + _CODE + "\n" + _RECORD + "\n") * 2 + "Repeat the first function:\n"
-PROMPTS = ["The three primary colors are", f"Return this JSON unchanged:\n{_RECORD}\n", LONG]
+LONG = ("Here is some code and data.\n" + CODE + "\n" + RECORD + "\n") * 2 + "Repeat the first function:\n"
+PROMPTS = ["The three primary colors are", f"Return this JSON unchanged:\n{RECORD}\n", LONG]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +54,7 @@ def _cut(ids: list[int], gemma) -> list[int]:
 
 
 CHAT = [{"role": "system", "content": "Answer in one line."},
-        {"role": "user", "content": f"Return this JSON unchanged:\n{_RECORD}"}]
+        {"role": "user", "content": f"Return this JSON unchanged:\n{RECORD}"}]
 
 
 def test_gemma_speaks_in_gemma_turns(gemma):
@@ -59,7 +64,7 @@ def test_gemma_speaks_in_gemma_turns(gemma):
     turns = CHAT + [{"role": "assistant", "content": "{}"}, {"role": "tool", "content": "ok"}]
     assert render_chat(gemma.tokenizer, turns) == (
         "<bos><start_of_turn>user\nAnswer in one line.\n\nReturn this JSON unchanged:\n"
-        f"{_RECORD}<end_of_turn>\n<start_of_turn>model\n{{}}<end_of_turn>\n"
+        f"{RECORD}<end_of_turn>\n<start_of_turn>model\n{{}}<end_of_turn>\n"
         "<start_of_turn>tool\nok<end_of_turn>\n<start_of_turn>model\n")
     ids = encode_prompt(gemma.tokenizer, CHAT)
     assert ids[:2] == [gemma.tokenizer.bos_token_id, gemma.tokenizer.convert_tokens_to_ids("<start_of_turn>")]

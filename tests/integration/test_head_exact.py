@@ -30,7 +30,7 @@ from agentspec.drafters.head import HeadDrafter, RecurrentHead, beam_search
 from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
 from agentspec.types import Draft
-from tests.unit.test_verify_stats import p_value
+from tests.stats import p_value
 
 V, LENGTH, PROMPT, ALPHA = 4, 4, (1, 2, 3), 1e-3
 DRAWS, WRONG_DRAWS = 800, 800  # the wrong drafter gave p < 1e-5 at 800 draws (3 seeds)

@@ -23,8 +23,6 @@ import pytest
 import torch
 
 from agentspec import SamplingParams, Speculator
-from agentspec.bench.model_fallback import layer_skip_draft
-from agentspec.bench.prompts import ALL_PROMPTS
 from agentspec.decoding.loop import decode
 from agentspec.decoding.sampling import logits_to_probs
 from agentspec.drafters.model import ModelDrafter
@@ -32,9 +30,10 @@ from agentspec.drafters.policy import CostModel
 from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
 from agentspec.types import Draft
-from tests.unit.test_verify_stats import p_value
+from tests.prompts import ALL_PROMPTS
+from tests.stats import p_value
 
-from .helpers import cached_target
+from .helpers import cached_target, layer_skip_target
 
 V, LENGTH, PROMPT, ALPHA = 5, 3, (1, 2, 3), 1e-3
 # Drafting looks free under this cost model, so the chain keeps the model's draft every step
@@ -147,7 +146,7 @@ def test_greedy_drafts_are_point_masses(tiny_pair):
 def skip_layer_draft(tmp_path_factory) -> HFTarget:
     """SmolLM2 with 12 of its 30 layers: the same tokenizer, a different (cheaper) model."""
     out: Path = tmp_path_factory.mktemp("draft") / "smollm2-skip"
-    return layer_skip_draft("smollm2-135m-instruct", out, [*range(8), *range(26, 30)])
+    return layer_skip_target("smollm2-135m-instruct", out, [*range(8), *range(26, 30)])
 
 
 @pytest.mark.slow

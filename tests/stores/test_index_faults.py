@@ -12,7 +12,7 @@ import pytest
 from agentspec.memory.completion import CompletionMemory
 from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import FaissIndex
-from tests.stores.test_memory_faults import catching, fault_warnings, rec
+from tests.stores.faults import catching, fault_warnings, rec
 
 
 def _truncate(faiss: Path, meta: Path) -> None:

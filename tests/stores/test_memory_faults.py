@@ -21,7 +21,6 @@ import socket
 import sqlite3
 import subprocess
 import tempfile
-import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,33 +29,17 @@ from pathlib import Path
 import pytest
 from sqlalchemy import event
 
-from agentspec.errors import MemoryFaultWarning, StoreError
+from agentspec.errors import StoreError
 from agentspec.memory.completion import CompletionMemory
 from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import SQLStore
+from tests.stores.faults import catching, fault_warnings, rec
 
 BOUND = 5  # max_pending in these tests
 
 
-def rec(memory: CompletionMemory, key: str, *, text: str | None = None, n: int = 4) -> int:
-    return memory.record(scope="s", model="m", request_text=key, key_text=key,
-                         completion_text=text or f"answer to {key}",
-                         completion_ids=list(range(n)))
-
-
 def keys_in(store: SQLStore) -> list[str]:
     return [r.key_text for r in store.iter()]
-
-
-def fault_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in caught if issubclass(w.category, MemoryFaultWarning)]
-
-
-@contextmanager
-def catching() -> Iterator[list[warnings.WarningMessage]]:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield caught
 
 
 # --- outages: the database goes away and comes back -----------------------------------------
@@ -246,8 +229,8 @@ def test_generate_answers_every_call_through_an_outage(outage: Outage, spec) -> 
     """The real model: no call fails, each output is plain decoding's, and what was generated
     during the outage is in the store afterwards and drafts the next repeat."""
     from agentspec import Speculator
-    from agentspec.bench.prompts import ALL_PROMPTS
     from agentspec.drafters.policy import DEFAULT_COST
+    from tests.prompts import ALL_PROMPTS
 
     prompts = [ALL_PROMPTS[i] for i in (2, 4, 8, 10, 13)]
     plain = Speculator(spec.target, speculate=False)

@@ -12,7 +12,6 @@ import torch
 
 from agentspec.drafters.head import (
     HeadDrafter,
-    RecurrentHead,
     beam_search,
     head_path,
     load_head,
@@ -31,42 +30,15 @@ from agentspec.drafters.head_train import (
 from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
 from agentspec.types import Draft, Record
-
-V = 12
-
-
-class TinyTokenizer:
-    eos_token_id = V - 1
-
-    def get_vocab(self) -> dict[str, int]:
-        return {f"t{i}": i for i in range(V)}
-
-    def __len__(self) -> int:
-        return V
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        return {"input_ids": [int(t) for t in text.split()]}
-
-
-def tiny_target(seed: int = 0) -> HFTarget:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         tie_word_embeddings=False, initializer_range=0.5)
-    return HFTarget(LlamaForCausalLM(config).eval(), TinyTokenizer(), name=f"tiny-{seed}")
-
-
-def random_head(target: HFTarget, vocab: list[int], seed: int = 1) -> RecurrentHead:
-    torch.manual_seed(seed)
-    model = target.model
-    head = RecurrentHead(model.get_input_embeddings().weight.float(),
-                         model.get_output_embeddings().weight.float(), torch.tensor(vocab))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.normal_(0, 0.5)
-    return head.eval()
+from tests.tiny_model import (
+    OPENING_A,
+    OPENING_B,
+    V,
+    cycle_records,
+    random_head,
+    tiny_target,
+    turn_records,
+)
 
 
 @pytest.fixture(scope="module")
@@ -227,22 +199,11 @@ def test_drafter_is_absent_without_a_head_and_drafts_with_one(target, tmp_path):
     assert tree.token_ids[:4] == out.token_ids and tree.num_nodes > 4
 
 
-def _records(n: int) -> list[Record]:
-    """Distinct completions of a tiny 'agent' whose outputs follow a fixed cycle (3 4 5 6)."""
-    out = []
-    for i in range(n):
-        prompt = f"1 {2 + i % 3} 5"
-        completion = tuple(([3, 4, 5, 6] * 4)[i % 4 :][: 4 + i // 4])
-        out.append(Record(scope="s", model="m", request_text=prompt, key_text=prompt,
-                          completion_text="", completion_ids=completion, id=i + 1))
-    return out
-
-
 def test_replay_gives_the_full_forwards_hidden_rows_and_restricted_distributions(target):
     """Replays reuse the shared prefix's KV and score only the head's vocabulary rows; each
     record's rows must still be a whole forward's, its distributions the full logits'
     restricted to the vocabulary and renormalised. A replay over the wrong rows fails."""
-    records = _records(6)
+    records = cycle_records(6)
     vocab = vocabulary(records, target.tokenizer)
     data = replay(target.model, target.tokenizer, records, vocab)
     assert len(data) == 6
@@ -260,25 +221,15 @@ def test_replay_gives_the_full_forwards_hidden_rows_and_restricted_distributions
         assert not torch.allclose(item.logp.float(), wrong, atol=2e-3)
 
 
-# Two conversations' openings; each turn is a record whose completion is 3 4 5 6.
-_OPENING_A, _OPENING_B = [1, 2, 5, 3, 4, 5, 6], [1, 3, 5, 6, 3, 4, 5]
-
-
-def _turn_records(turns: list[list[int]]) -> list[Record]:
-    return [Record(scope="s", model="m", request_text=" ".join(map(str, p)), key_text=str(i),
-                   completion_ids=(3, 4, 5, 6), completion_text="", id=i + 1)
-            for i, p in enumerate(turns)]
-
-
 def test_replay_runs_interleaved_conversations_once_per_distinct_prefix(target):
     """Two conversations whose turns interleave in the store (A1 B1 A2 B2 A3): replayed in
     the store's order each turn shares only the opening with the turn before and runs its
     whole history again; sorted by tokens, a turn continues its own conversation's KV. The
     tokens run must be the prefix trie's (the sorted order's), fewer than the store order's,
     and each record's rows still its own whole forward's."""
-    a, b = _OPENING_A, _OPENING_B
+    a, b = OPENING_A, OPENING_B
     turns = [a, b, a + [6, 3, 4, 5, 6, 3], b + [6, 3, 4, 5, 3, 4], a + [6, 3, 4, 5, 6, 3, 6, 5, 4]]
-    records = _turn_records(turns)
+    records = turn_records(turns)
     vocab = vocabulary(records, target.tokenizer)
     ran: list[int] = []
     hook = target.model.model.register_forward_pre_hook(
@@ -307,27 +258,8 @@ def test_replay_runs_interleaved_conversations_once_per_distinct_prefix(target):
                                    atol=1e-4, rtol=1e-4)
 
 
-def test_head_replay_bench_counts_the_tokens_each_order_runs(target):
-    """``bench.head_replay`` times both orders; its token counts are the target's own inputs:
-    on records that interleave two conversations the store's order runs more of them, and
-    both orders give each record the same rows."""
-    from agentspec.bench.head_replay import timed_replay
-
-    a, b = _OPENING_A, _OPENING_B
-    turns = [a, b, a + [6, 3, 4, 5, 6, 3], b + [6, 3, 4, 5, 3, 4]]
-    records = _turn_records(turns)
-    vocab = vocabulary(records, target.tokenizer)
-    _, sorted_tokens, by_tokens = timed_replay(target, records, vocab, sort=True)
-    _, store_tokens, by_store = timed_replay(target, records, vocab, sort=False)
-    # the store's order: each turn shares only the token "1" with the one before it
-    assert sorted_tokens < store_tokens == len(a) + 4 + sum(len(p) + 4 - 1 for p in turns[1:])
-    for x, y in zip(by_tokens, by_store, strict=True):
-        assert x.tokens.tolist() == y.tokens.tolist()
-        torch.testing.assert_close(x.hidden, y.hidden, atol=1e-4, rtol=1e-4)
-
-
 def test_training_distils_the_target_and_beats_an_untrained_head(target, tmp_path):
-    records = _records(20)
+    records = cycle_records(20)
     ticks: list[str] = []
     config = TrainConfig(depth=3, epochs=30, batch_starts=64, held_out=0.2, lr=1e-2)
     result = train_head(target.model, target.tokenizer, records, config=config,
@@ -395,7 +327,7 @@ def test_held_out_acceptance_is_against_the_targets_own_greedy_tokens(target):
     """A head that can only draft one token is accepted only where the target's greedy token
     over its whole vocabulary is that token; the argmax over the head's own vocabulary (the
     measure before) would accept it everywhere."""
-    records = _records(4)
+    records = cycle_records(4)
     data = replay(target.model, target.tokenizer, records, vocabulary(records, target.tokenizer))
     with torch.no_grad():
         greedy = {t for d in data
@@ -420,7 +352,7 @@ def test_whole_tree_acceptance_walks_every_beam(target):
     beam only (the spine measure) would miss every step where the target takes the other."""
     from collections import Counter
 
-    records = _records(6)
+    records = cycle_records(6)
     data = replay(target.model, target.tokenizer, records, vocabulary(records, target.tokenizer))
     with torch.no_grad():
         greedy = [(d.hidden[1:] @ target.model.lm_head.weight.T).argmax(-1).tolist() for d in data]
@@ -437,26 +369,3 @@ def test_whole_tree_acceptance_walks_every_beam(target):
     assert both["tree_accepted"] > both["mean_accepted"]
     deep = acceptance_by_depth(head, data, width=4, depth=3)
     assert deep["mean_accepted"] <= deep["tree_accepted"] <= 3
-
-
-def test_acceptance_on_bench_lines_lays_rows_out_as_the_training_replay(target):
-    """``head_cost --lines`` runs each bench line through the target once; its rows must be
-    the ones the training replay gives the same request, or its acceptance is another's."""
-    from collections import Counter
-
-    from agentspec.bench.head_cost import lines_acceptance
-    from agentspec.bench.replay import Line
-
-    records = _records(6)
-    vocab = vocabulary(records, target.tokenizer)
-    data = replay(target.model, target.tokenizer, records, vocab)
-    with torch.no_grad():  # a one-token head accepted where the target's greedy token is it
-        greedy = Counter(t for d in data
-                         for t in (d.hidden[1:] @ target.model.lm_head.weight.T).argmax(-1).tolist())
-    head = random_head(target, [greedy.most_common(1)[0][0]])
-    lines = [Line(str(r.id), "measure", "s", tuple(int(t) for t in r.request_text.split()),
-                  r.key_text, r.completion_ids, "", 16) for r in records]
-    by_lines = lines_acceptance(target, head, lines, depth=3)
-    by_replay = acceptance_by_depth(head, data, depth=3)
-    assert by_lines["lines"] == 6 and by_replay["mean_accepted"] > 0
-    assert {k: by_lines[k] for k in by_replay} == by_replay

@@ -14,7 +14,7 @@ from agentspec.engine.target import HFTarget
 from agentspec.memory.completion import CompletionMemory
 from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import InMemoryStore
-from tests.unit.test_head import TinyTokenizer, tiny_target
+from tests.tiny_model import TinyTokenizer, tiny_target
 
 
 class DecodingTokenizer(TinyTokenizer):

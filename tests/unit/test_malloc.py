@@ -80,7 +80,7 @@ def test_off_glibc_or_refused_nothing_is_claimed(libc: FakeLibc, monkeypatch: py
 
 
 def test_a_cpu_target_applies_them_once():
-    from tests.unit.test_head import tiny_target
+    from tests.tiny_model import tiny_target
 
     tiny_target().fork()
     assert _malloc.tune.cache_info().misses == 1  # applied by the first target, once

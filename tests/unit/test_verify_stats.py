@@ -15,12 +15,12 @@ import itertools
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from agentspec.config import SamplingParams
 from agentspec.decoding.sampling import logits_to_probs
 from agentspec.decoding.verify import verify, walk
 from agentspec.types import Draft, Verdict
+from tests.stats import p_value
 
 V, LENGTH, DRAWS, ALPHA = 4, 3, 50_000, 1e-3
 WRONG_DRAWS = 20_000  # enough power to reject each wrong verifier by a wide margin
@@ -91,16 +91,6 @@ def run(make_draft, sampling, verifier, seed=123, draws=DRAWS) -> np.ndarray:
             seq.extend(verdict.new_tokens)
         counts[int(np.ravel_multi_index(seq[:LENGTH], (V,) * LENGTH))] += 1
     return counts
-
-
-def p_value(counts: np.ndarray, probs: np.ndarray) -> float:
-    expected = probs * counts.sum()
-    keep = expected >= 5
-    obs = np.append(counts[keep], counts[~keep].sum())
-    exp = np.append(expected[keep], expected[~keep].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
 T1 = SamplingParams(temperature=1.0)
