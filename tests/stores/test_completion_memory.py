@@ -155,10 +155,15 @@ class _Statements:
         return out
 
 
+class ScopeIndexedStore(SQLStore):
+    """Wrong (the store as it was): catching up reads the new rows through the scope's index."""
+
+    def catches_up_by_key(self, after_id, among):
+        return False
+
+
 @pytest.mark.parametrize("store_kind", ["current", "scope-indexed (as before)"])
 def test_catching_up_reads_only_the_rows_written_since(tmp_path, store_kind):
-    from agentspec.bench.memory_lookup import ScopeIndexedStore
-
     url = f"sqlite:///{tmp_path / 'm.db'}"
     store = SQLStore(url) if store_kind == "current" else ScopeIndexedStore(url)
     mine = CompletionMemory(store, embedder=HashEmbedder(), sync_interval_s=0.0)
