@@ -126,7 +126,7 @@ def live_calls(limit: int | None = None) -> list[tuple[dict[str, Any], str]]:
     return out[:limit]
 
 
-def _walk(state: GrammarState, ids: list[int]) -> int:
+def walk(state: GrammarState, ids: list[int]) -> int:
     """Constrain the reply as one draft chain; the number of its tokens the grammar allows."""
     out, _ = state.constrain(Draft.chain(ids, "reply"), room=len(ids), max_nodes=len(ids),
                              force=False)
@@ -158,7 +158,7 @@ def llguidance_cost(tokenizer: Any, vocab_size: int, eos: list[int],
             state.timed = timed
             state.mask_seconds.clear()
             t0 = time.perf_counter()
-            kept = _walk(state, ids)
+            kept = walk(state, ids)
             elapsed = time.perf_counter() - t0
             if kept < len(ids):  # BFCL's answer breaks its own schema (a type, an enum)
                 refused += r == 0

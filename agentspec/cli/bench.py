@@ -197,10 +197,10 @@ def _run_and_report(loaded: Any, model: str, config: Any, *, json_out: Path | No
         report_mod.plot(summary, plot)
     if report is not None:
         report_mod.write_markdown(summary, report)
-    _fail_on_mismatch(summary)
+    fail_on_mismatch(summary)
 
 
-def _fail_on_mismatch(summary: dict[str, Any]) -> None:
+def fail_on_mismatch(summary: dict[str, Any]) -> None:
     """Exit 1 when an agentspec system breaks its promise.
 
     In fp32 the promise is identity with hf-greedy. In bf16/fp16 transformers' kernels round

@@ -162,16 +162,16 @@ def test_a_baseline_mismatch_is_a_finding_not_a_failure(tmp_path: Path, monkeypa
 
 
 def test_in_bf16_agentspec_must_equal_its_plain_decoding_not_hf_greedy() -> None:
-    from agentspec.cli.bench import _fail_on_mismatch
+    from agentspec.cli.bench import fail_on_mismatch
     from agentspec.cli.common import CliError
 
     bf16 = {"dtype": "bf16", "exact_match": {"agentspec-plain": 0.5, "agentspec": 0.5},
             "same_as_plain": {"agentspec": 1.0}}
-    _fail_on_mismatch(bf16)  # transformers rounds otherwise in bf16: reported, not failed
+    fail_on_mismatch(bf16)  # transformers rounds otherwise in bf16: reported, not failed
     with pytest.raises(CliError):
-        _fail_on_mismatch({**bf16, "same_as_plain": {"agentspec": 0.9}})  # drafts changed outputs
+        fail_on_mismatch({**bf16, "same_as_plain": {"agentspec": 0.9}})  # drafts changed outputs
     with pytest.raises(CliError):
-        _fail_on_mismatch({**bf16, "dtype": "fp32"})  # fp32: identity with transformers
+        fail_on_mismatch({**bf16, "dtype": "fp32"})  # fp32: identity with transformers
 
 
 TINY = [

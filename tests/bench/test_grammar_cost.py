@@ -34,9 +34,9 @@ def test_a_timed_state_times_one_mask_per_row_only_while_timed(tok) -> None:
     ids = tok.encode(CALL, add_special_tokens=False)
     state = grammar_cost.TimedGrammarState(_grammar(), tok, vocab_size=len(tok),
                                            eos_ids=[tok.eos_token_id])
-    assert grammar_cost._walk(state, ids) == len(ids) and state.mask_seconds == []
+    assert grammar_cost.walk(state, ids) == len(ids) and state.mask_seconds == []
     state.timed = True
-    assert grammar_cost._walk(state, ids) == len(ids)
+    assert grammar_cost.walk(state, ids) == len(ids)
     assert len(state.mask_seconds) == len(ids) + 1  # the committed state's row, then each node's
     assert all(s >= 0 for s in state.mask_seconds)
     state.close()

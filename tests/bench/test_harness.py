@@ -233,7 +233,7 @@ def test_agentspec_pld_drafts_by_prompt_lookup_alone_even_where_a_head_is_traine
     monkeypatch.setattr(head, "heads_exist", lambda fingerprint: True)  # as if trained
     config = BenchConfig(systems=("hf-greedy", "agentspec-pld"))
     systems = harness.build_systems(spec.target, config, f"sqlite:///{tmp_path / 'm.db'}")
-    drafters = systems["agentspec-pld"].spec._default_drafters()  # type: ignore[attr-defined]
+    drafters = systems["agentspec-pld"].spec.drafters  # type: ignore[attr-defined]
     assert [d.name for d in drafters] == ["prompt_lookup"]
 
 
