@@ -1,15 +1,18 @@
-"""The seams of agentspec: small Protocols that drafters, stores, indexes and embedders satisfy."""
+"""The seams of agentspec: small Protocols that drafters, memories, stores, indexes, embedders
+and decode-loop observers satisfy."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
 from agentspec.config import SamplingParams
-from agentspec.types import Draft, Record, Verdict
+from agentspec.types import Draft, Finished, Record, Verdict
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +34,9 @@ class DraftContext:
         sampling: the request's sampling parameters, for drafters that sample like the target
             (a small model drafting with probabilities); None: unknown, draft point masses.
         generator: the request's explicit random source, for those drafters.
+        credits: ``(memory, record id)`` -> the accepted draft tokens that remembered
+            completion drafted in this request; drafters add to it, and each memory hears its
+            own when the request ends (:meth:`Memory.finish`).
 
     Per-request drafter state lives here (:meth:`state`), not on the drafter: the steps of
     several calls may interleave (streams on several threads take turns on one model).
@@ -43,6 +49,7 @@ class DraftContext:
     extra_sources: Sequence[Sequence[int]] = field(default_factory=tuple)
     sampling: SamplingParams | None = None
     generator: torch.Generator | None = None
+    credits: Counter[tuple[Any, int]] = field(default_factory=Counter, repr=False, compare=False)
     _states: dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -83,6 +90,56 @@ class Drafter(Protocol):
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None: ...
 
     def end(self, context: DraftContext) -> None: ...
+
+
+@runtime_checkable
+class Memory(Protocol):
+    """What a :class:`~agentspec.Speculator` and its drafters ask of a completion memory.
+
+    :class:`~agentspec.memory.CompletionMemory` is one; a memory of the user's with only
+    ``lookup``, ``record`` and ``credit`` is wrapped into one (:func:`agentspec.memory.as_memory`).
+    A memory is an accelerator: none of these may fail a generation that is otherwise done.
+    """
+
+    def lookup(self, key_text: str, *, scope: str, model: str, k: int = 8,
+               min_similarity: float | None = None) -> list[tuple[Record, float]]:
+        """Up to ``k`` remembered completions of ``scope`` and ``model``, most similar first."""
+        ...
+
+    def completions(self, *, scope: str, model: str, after_id: int = 0) -> Iterator[Record]:
+        """Records of ``scope`` and ``model`` with ``id > after_id``, in id order."""
+        ...
+
+    def finish(self, done: Finished, *, behind: bool) -> Future[int] | int:
+        """The one end-of-request call: the credits, then the record. ``behind``: hand the
+        writes to a worker thread and return its future (where the memory has one)."""
+        ...
+
+    def prefetch(self, key_text: str) -> None:
+        """Start embedding a key whose lookup comes soon; a failure costs nothing here."""
+        ...
+
+    def warmup(self) -> None:
+        """Do the one-time work (load the embedder) now."""
+        ...
+
+    @property
+    def embeds_on_cpu(self) -> bool:
+        """Whether the key's embedding runs on the CPU (prefetching it then pays off)."""
+        ...
+
+
+@runtime_checkable
+class StepObserver(Protocol):
+    """Watches each step of the decode loop, read only (never decides a token).
+
+    ``wants_hidden``: the step's forward keeps the target's final hidden rows
+    (``target.hidden``, row 0 the root's, row ``i + 1`` node ``i``'s), read in :meth:`step`.
+    """
+
+    wants_hidden: bool
+
+    def step(self, target: Any, draft: Draft, verdict: Verdict) -> None: ...
 
 
 @runtime_checkable

@@ -10,37 +10,31 @@ depend on how calls interleave.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from agentspec.config import SamplingParams, SpecConfig
 from agentspec.decoding.loop import NoDrafter, Step, decode
 from agentspec.decoding.sampling import make_generator
 from agentspec.drafters.chain import DrafterChain
+from agentspec.drafters.head_rows import RowKeeper
 from agentspec.drafters.policy import CostModel, measure_cost
 from agentspec.engine.load import load_target
 from agentspec.engine.target import HFTarget
 from agentspec.errors import warn_once
 from agentspec.home import agentspec_home
-from agentspec.protocols import DraftContext, Drafter
+from agentspec.memory.foreign import REQUIRED, as_memory
+from agentspec.protocols import DraftContext, Drafter, Memory
+from agentspec.request import Request
 from agentspec.session import Session, current_session, tool_loop
 from agentspec.stream import Stream
-from agentspec.text import (
-    Prompt,
-    StopStrings,
-    TextDeltas,
-    conversation_key,
-    encode_prompt,
-    request_text,
-    validate_prompt,
-)
+from agentspec.text import Prompt, TextDeltas, encode_prompt
 from agentspec.turns import Turns
-from agentspec.types import Generation, GenerationStats
+from agentspec.types import Finished, Generation, GenerationStats
 
 
 @dataclass
@@ -107,6 +101,8 @@ class Speculator:
         _check_arguments(target, memory, drafters, config, speculate, cost, draft_model)
         self.target = target
         self.memory = open_memory(memory)
+        # What the Speculator and its drafters call: the memory, or a user's one wrapped once.
+        self._memory: Memory | None = None if self.memory is None else as_memory(self.memory)
         self.config = config or SpecConfig()
         self.speculate = speculate
         self.stop_token_ids = target.stop_token_ids
@@ -142,10 +138,8 @@ class Speculator:
         with self._turns:
             self.target.check_widths()
             self._drafter()
-        if self.memory is not None:
-            warm = getattr(self.memory, "warmup", None)  # a memory of the user's may have none
-            if callable(warm):
-                warm()
+        if self._memory is not None:
+            self._memory.warmup()
 
     def _default_drafters(self) -> list[Drafter]:
         from agentspec.drafters.memory import MemoryDrafter
@@ -153,12 +147,11 @@ class Speculator:
         from agentspec.drafters.suffix import SuffixDrafter
 
         drafters: list[Drafter] = []
-        if self.memory is not None:
+        if self._memory is not None:
             fp = self.target.fingerprint
-            drafters += [MemoryDrafter(self.memory, fp, k=self.config.memory_neighbours,
-                                       max_nodes=self.config.max_tree_nodes,
-                                       write_behind=self.config.write_behind),
-                         SuffixDrafter(self.memory, fp)]
+            drafters += [MemoryDrafter(self._memory, fp, k=self.config.memory_neighbours,
+                                       max_nodes=self.config.max_tree_nodes),
+                         SuffixDrafter(self._memory, fp)]
         drafters.append(PromptLookupDrafter(self.config))
         if self.config.draft_head:
             from agentspec.drafters.head import HeadDrafter, heads_exist
@@ -223,46 +216,37 @@ class Speculator:
             raise here, before the first delta is asked for; the call belongs to the session
             active here.
         """
-        validate_prompt(prompt)
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        stops = StopStrings(stop)
-        key_text = conversation_key(prompt) if self.memory is not None else ""
-        if key_text:
-            self._prefetch(key_text)
-        prompt_ids = self.encode(prompt)
-        self.target.check_length(len(prompt_ids) + max_new_tokens)
-        return Stream(self._run(prompt, prompt_ids, key_text, max_new_tokens, sampling=sampling,
-                                stops=stops, scope=scope, record=record,
-                                session=current_session(self)))
+        request = Request.build(self.tokenizer, prompt, max_new_tokens, sampling=sampling,
+                                stop=stop, scope=scope, record=record,
+                                session=current_session(self), keyed=self._memory is not None,
+                                on_key=self._prefetch)
+        self.target.check_length(len(request.prompt_ids) + max_new_tokens)
+        return Stream(self._run(request))
 
-    def _run(self, prompt: Prompt, prompt_ids: list[int], key_text: str, max_new_tokens: int, *,
-             sampling: SamplingParams | None, stops: StopStrings, scope: str | None,
-             record: bool, session: Session | None) -> Generator[str, None, Generation]:
-        scope = scope or (session.scope if session else "default")
-        sampling = sampling or SamplingParams()
-        run = _Run(prompt_len=len(prompt_ids))
-        generator = make_generator(sampling.seed, self.target.device)
-        context = DraftContext(tokens=list(prompt_ids), prompt_len=len(prompt_ids), scope=scope,
-                               key_text=key_text,
+    def _run(self, request: Request) -> Generator[str, None, Generation]:
+        run = _Run(prompt_len=len(request.prompt_ids))
+        generator = make_generator(request.sampling.seed, self.target.device)
+        session = request.session
+        context = DraftContext(tokens=list(request.prompt_ids), prompt_len=len(request.prompt_ids),
+                               scope=request.scope, key_text=request.key_text,
                                extra_sources=tuple(session.sources) if session else (),
-                               sampling=sampling, generator=generator)
-        deltas = TextDeltas(self.tokenizer, stops)
-        keep_rows = record and self.memory is not None and self.config.head_rows
-        kept: list[torch.Tensor] = []
+                               sampling=request.sampling, generator=generator)
+        deltas = TextDeltas(self.tokenizer, request.stops)
+        keeper = RowKeeper() if (request.record and self._memory is not None
+                                 and self.config.head_rows) else None
         with self._turns:
             drafter = self._drafter()
-        steps = decode(self.target, drafter, context, sampling=sampling,
-                       max_new_tokens=max_new_tokens, stop_token_ids=self.stop_token_ids,
+        steps = decode(self.target, drafter, context, sampling=request.sampling,
+                       max_new_tokens=request.max_new_tokens, stop_token_ids=self.stop_token_ids,
                        generator=generator,
                        grammar_drafts=self.speculate and self.config.grammar_drafts,
-                       lazy_masks=self.config.lazy_masks, keep_rows=keep_rows)
+                       lazy_masks=self.config.lazy_masks,
+                       observers=() if keeper is None else (keeper,))
+        finished = False
         try:
             while (step := self._step(steps, run)) is not None:
                 run.count(step)
                 run.token_ids.extend(step.new_tokens)
-                if step.rows is not None:
-                    kept.append(step.rows)
                 delta, hit_stop = deltas.push(step.new_tokens)
                 if delta:
                     yield delta  # a stream holds no turn here
@@ -271,10 +255,15 @@ class Speculator:
                     if hit_stop:
                         run.token_ids[:] = run.token_ids[: deltas.kept_tokens]
                     break
+            finished = True
         finally:
             # Ends the drafters' request (decode's own cleanup) holding a turn, without waiting
-            # for one: this may run in a finaliser of an abandoned stream.
-            self._turns.run_soon(steps.close)
+            # for one: this may run in a finaliser of an abandoned stream, whose drafts' credits
+            # still reach the memory.
+            if finished:
+                self._turns.run_soon(steps.close)
+            else:
+                self._turns.run_soon(functools.partial(self._abandon, steps, request, context))
         tail = deltas.flush()
         if tail:
             yield tail
@@ -282,60 +271,60 @@ class Speculator:
         generation = Generation(run.text, tuple(run.token_ids), run.stats(), run.finish_reason)
         if session is not None:
             session.observe(generation)
-        if record and self.memory is not None and run.token_ids:
-            text = request_text(prompt)
-            behind = getattr(self.memory, "record_behind", None) if self.config.write_behind else None
-            write = behind if callable(behind) else self.memory.record
+        self._end(request, context, generation, keeper)
+        return generation
+
+    def _abandon(self, steps: Generator[Step, None, None], request: Request,
+                 context: DraftContext) -> None:
+        """An abandoned (or failed) stream: the drafters' cleanup, then its credits."""
+        steps.close()
+        self._end(request, context, None)
+
+    def _end(self, request: Request, context: DraftContext, generation: Generation | None,
+             keeper: RowKeeper | None = None) -> None:
+        """The request's one exit to the memory: the credits its drafts earned, then its
+        completion's record (``generation`` None: an abandoned stream, credits only), each
+        memory once; then the head's training rows of a recorded completion. Never fails the
+        call: the generation is done and exact, a memory is an accelerator."""
+        ids = () if generation is None else generation.token_ids
+        remember = request.record and bool(ids) and self._memory is not None
+        credits: dict[int, tuple[Memory, list[tuple[int, int]]]] = {}
+        for (memory, record_id), accepted in sorted(context.credits.items(), key=lambda c: c[0][1]):
+            credits.setdefault(id(memory), (memory, []))[1].append((record_id, accepted))
+        if remember:
+            credits.setdefault(id(self._memory), (self._memory, []))  # type: ignore[arg-type]
+        for memory, own in credits.values():
+            done = Finished(scope=request.scope, model=self.target.fingerprint,
+                            request_text=request.text, key_text=request.key_text,
+                            completion_text="" if generation is None else generation.text,
+                            completion_ids=tuple(ids), credits=tuple(own),
+                            remember=remember and memory is self._memory)
             try:
-                done = write(scope=scope, model=self.target.fingerprint, request_text=text,
-                             key_text=key_text, completion_text=run.text,
-                             completion_ids=list(run.token_ids))
+                written = memory.finish(done, behind=self.config.write_behind)
             except Exception as e:  # an accelerator's fault: the generation is done and exact
                 _record_failed(e)
             else:
-                if isinstance(done, Future):  # written behind the call: its error comes later
-                    done.add_done_callback(_record_done)
-            if keep_rows:
-                self._keep_rows(scope, text, prompt_ids[-1], run.token_ids, kept)
-        return generation
-
-    def _keep_rows(self, scope: str, text: str, last_prompt_token: int, token_ids: list[int],
-                   kept: list[torch.Tensor]) -> None:
-        """Save a recorded completion's hidden rows for head training (never fails the call)."""
-        from agentspec.drafters.head_rows import save_rows
-
-        rows = torch.cat(kept) if kept else None
-        if rows is None or rows.shape[0] < len(token_ids):
-            return  # a step gave no rows: the completion is replayed instead
-        try:
-            save_rows(self.target.fingerprint, scope, text, last_prompt_token, token_ids,
-                      rows[: len(token_ids)])
-        except OSError as e:
-            warn_once(f"cannot keep hidden rows for head training ({e}); "
-                      "agentspec head train will replay these completions")
+                if isinstance(written, Future):  # written behind the call: its error comes later
+                    written.add_done_callback(_record_done)
+        if remember and keeper is not None:
+            keeper.save(self.target.fingerprint, request.scope, request.text,
+                        request.prompt_ids[-1], ids)
 
     def _prefetch(self, key_text: str) -> None:
-        """Where :attr:`SpecConfig.prefetch_key` says so (default: a target off the CPU),
-        start the memory embedding the call's key while the prompt is encoded and prefilled;
-        a memory without ``prefetch``, or one whose prefetch fails, embeds it in the lookup as
-        before (where a failure is met and reported)."""
+        """Where :attr:`SpecConfig.prefetch_key` says so (default: a target off the CPU with a
+        memory that embeds on the CPU), start the memory embedding the call's key while the
+        prompt is encoded and prefilled; a failed prefetch is embedded again in the lookup
+        (where a failure is met and reported)."""
+        memory = self._memory
         ahead = self.config.prefetch_key
         if ahead is None:
-            ahead = self.target.device.type != "cpu" and self._embeds_on_cpu()
-        prefetch = getattr(self.memory, "prefetch", None)
-        if not ahead or prefetch is None:
+            ahead = self.target.device.type != "cpu" and memory is not None and memory.embeds_on_cpu
+        if not ahead or memory is None:
             return
         try:
-            prefetch(key_text)
+            memory.prefetch(key_text)
         except Exception:  # the lookup embeds again and meets the error there
             return
-
-    def _embeds_on_cpu(self) -> bool:
-        """Whether the memory's embedder runs on the CPU (an embedder that names no device
-        is taken to)."""
-        embedder = getattr(self.memory, "embedder", None)
-        device = getattr(embedder, "resolved_device", None) or getattr(embedder, "device", None)
-        return not isinstance(device, str) or device.startswith("cpu")
 
     def _step(self, steps: Generator[Step, None, None], run: _Run) -> Step | None:
         """The next step of a generation, computed holding a turn (the first one prefills:
@@ -343,7 +332,7 @@ class Speculator:
         with self._turns:
             step = next(steps, None)
             if run.steps == 0:
-                run.cached_tokens = getattr(self.target, "reused_tokens", 0)
+                run.cached_tokens = self.target.reused_tokens
             return step
 
     def session(self, name: str, *, scope: str = "default") -> Session:
@@ -396,7 +385,6 @@ def open_memory(memory: Any) -> Any:
     return CompletionMemory.open(url, index_dir=agentspec_home() / "index")
 
 
-_MEMORY_METHODS = ("lookup", "record", "credit")
 _DRAFTER_METHODS = ("begin", "propose", "observe", "end")
 
 
@@ -409,7 +397,7 @@ def _check_arguments(target: Any, memory: Any, drafters: Any, config: Any, specu
     if not isinstance(target, HFTarget):
         raise bad("target", "an HFTarget (agentspec.load_target(...))", target)
     if not (memory is None or isinstance(memory, str)
-            or all(callable(getattr(memory, m, None)) for m in _MEMORY_METHODS)):
+            or all(callable(getattr(memory, m, None)) for m in REQUIRED)):
         raise bad("memory", "a CompletionMemory, a URL string, 'default' or None", memory)
     if drafters is not None:
         if isinstance(drafters, (str, bytes)) or not isinstance(drafters, Sequence):

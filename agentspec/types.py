@@ -1,4 +1,5 @@
-"""Frozen data passed between the engine's parts: drafts, verdicts, statistics, records."""
+"""Frozen data passed between the engine's parts: drafts, verdicts, statistics, records, and
+what a memory hears when a request ends."""
 
 from __future__ import annotations
 
@@ -215,3 +216,26 @@ class Record:
     @property
     def num_tokens(self) -> int:
         return len(self.completion_ids)
+
+
+@dataclass(frozen=True)
+class Finished:
+    """What a completion memory hears when a request ends, in one call
+    (:meth:`agentspec.protocols.Memory.finish`).
+
+    Attributes:
+        scope, model, request_text, key_text, completion_text, completion_ids: the completion
+            to remember, as :class:`Record` holds it.
+        remember: whether to record it (the call's ``record``; an empty completion is not).
+        credits: ``(record id, accepted tokens)``: how many of this request's accepted draft
+            tokens each remembered completion drafted (the memory's LRU and statistics).
+    """
+
+    scope: str
+    model: str
+    request_text: str
+    key_text: str
+    completion_text: str
+    completion_ids: tuple[int, ...]
+    remember: bool
+    credits: tuple[tuple[int, int], ...] = ()

@@ -31,7 +31,7 @@ MAX_LINES = 500
 # in "=" matches that module alone: the package's face).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("agentspec.types", "agentspec.errors", "agentspec.home", "agentspec.text",
-     "agentspec.turns", "agentspec.tree"),
+     "agentspec.turns", "agentspec.tree", "agentspec.terminal"),
     ("agentspec.grammar", "agentspec.stores"),
     ("agentspec.config", "agentspec.protocols"),
     ("agentspec.engine",),

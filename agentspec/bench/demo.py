@@ -8,6 +8,9 @@ alternates call by call. Greedy outputs must be token-identical, and the agent g
 that completion. The tasks are played twice: a cold pass (empty memory) and a warm pass (the
 memory holds the cold pass's completions), to show what the memory buys an agent that repeats
 itself. Times are wall clock around ``generate`` (agentspec's include memory lookup and record).
+The agent calls its tools through the grammar (:func:`agentspec.bench.bfcl.task_grammar`: each
+reply is a JSON list of calls of the task's tools, valid under their schemas, or plain text);
+``--no-grammar`` lets the model write free text, to see what the grammar saves (malformed calls).
 
 Exit codes: 0 every output matched, 1 an output differed (or a failure), 2 bad input.
 
@@ -34,9 +37,9 @@ from rich.table import Table
 
 from agentspec.bench import bfcl
 from agentspec.bench.toolcalls import ToolCall, ToolEnvironment, parse_tool_calls
-from agentspec.cli.common import output_width
 from agentspec.config import SamplingParams
 from agentspec.grammar import compiled
+from agentspec.terminal import output_width
 from agentspec.text import cut_at_stop
 
 MODEL = "smollm2-135m-instruct"
@@ -59,6 +62,7 @@ class DemoConfig:
         max_turns, max_calls_per_turn: user turns per task (None: all), LLM calls per turn.
         db: memory database (SQLAlchemy URL); None: a fresh SQLite file in a temporary folder.
         model: the target.
+        grammar: constrain every reply to the task's tool-call grammar; False: free text.
     """
 
     task_ids: tuple[str, ...] = DEFAULT_TASK_IDS
@@ -67,6 +71,7 @@ class DemoConfig:
     max_calls_per_turn: int = DEFAULT_MAX_CALLS_PER_TURN
     db: str | None = None
     model: str = MODEL
+    grammar: bool = True
 
     def __post_init__(self) -> None:
         if not self.task_ids:
@@ -90,6 +95,8 @@ class CallResult:
             agentspec's decoding steps (target forwards).
         accepted: agentspec's accepted draft tokens by source.
         exact: the two completions are token-identical.
+        malformed: the reply's tool calls that did not parse (each goes back to the agent as
+            an error); none under the grammar but one cut short by the token budget.
     """
 
     pass_name: str
@@ -102,6 +109,7 @@ class CallResult:
     spec_steps: int
     accepted: dict[str, int]
     exact: bool
+    malformed: int = 0
 
     @property
     def speedup(self) -> float:
@@ -114,6 +122,15 @@ class CallResult:
 
 def _rate(tokens: int, seconds: float) -> float:
     return tokens / seconds if seconds > 0 else 0.0
+
+
+def reply_calls(text: str, *, constrained: bool) -> tuple[list[ToolCall], list[str]]:
+    """A reply's tool calls and malformed-call errors, read as the agent reads them
+    (:func:`agentspec.bench.bfcl.run_task`): under the grammar a reply is a call list exactly
+    when it starts with ``[`` (the grammar's two branches), else it is an answer."""
+    if constrained and not text.lstrip().startswith("["):
+        return [], []
+    return parse_tool_calls(text)
 
 
 class SideBySide:
@@ -158,10 +175,12 @@ class SideBySide:
         (plain, plain_s), (spec, spec_s) = runs["plain"], runs["agentspec"]
         stop_ids = self.plain.stop_token_ids
         pass_name, task_id, _ = self._where
+        _, errors = reply_calls(str(plain.text), constrained=grammar is not None)
         result = CallResult(
             pass_name, task_id, self._turn, self._call, len(plain.token_ids), plain_s, spec_s,
             spec.stats.steps, dict(spec.stats.accepted_by_source),
-            cut_at_stop(plain.token_ids, stop_ids) == cut_at_stop(spec.token_ids, stop_ids))
+            cut_at_stop(plain.token_ids, stop_ids) == cut_at_stop(spec.token_ids, stop_ids),
+            len(errors))
         self.results.append(result)
         self.on_call(result, plain.text)
         return str(plain.text)
@@ -202,10 +221,12 @@ def _accepted(accepted: dict[str, int]) -> str:
 
 
 class Reporter:
-    """Prints the demo as it runs: one line per LLM call, then its tool calls and results."""
+    """Prints the demo as it runs: one line per LLM call, then its tool calls and results.
+    ``constrained``: the replies were decoded under the tool-call grammar (see :func:`reply_calls`)."""
 
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console, *, constrained: bool = True) -> None:
         self.console = console
+        self.constrained = constrained
 
     def pass_header(self, pass_name: str) -> None:
         what = "memory empty" if pass_name == "cold" else "memory filled by the cold pass"
@@ -220,7 +241,7 @@ class Reporter:
             f"{_rate(r.new_tokens, r.plain_seconds):>12.1f}  "
             f"{_rate(r.new_tokens, r.spec_seconds):>15.1f}  [bold]{r.speedup:>6.2f}x[/]  "
             f"{r.tokens_per_step:>8.2f}  {_accepted(r.accepted)}{mark}", soft_wrap=True)
-        calls, errors = parse_tool_calls(text)
+        calls, errors = reply_calls(text, constrained=self.constrained)
         if not calls and not errors:
             self.console.print(f"    [dim]answer:[/] {_short(text)}")
         for error in errors:
@@ -270,10 +291,13 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
     console = console or Console(highlight=False, width=output_width(sys.stdout))
     tasks = bfcl.load_tasks(list(config.task_ids))
     started = time.perf_counter()
-    report = Reporter(console)
+    report = Reporter(console, constrained=config.grammar)
     with tempfile.TemporaryDirectory(prefix="agentspec-demo-") as tmp:
         plain, spec = _load(config, config.db or f"sqlite:///{Path(tmp) / 'memory.db'}", console)
         load_seconds = time.perf_counter() - started
+        console.print("tool calls: " + ("through the grammar (a JSON list of calls of the task's "
+                                        "tools, or plain text); --no-grammar: free text"
+                                        if config.grammar else "free text (--no-grammar)"))
         runner = SideBySide(plain, spec, max_new_tokens=config.max_new_tokens,
                             on_call=report.call)
         try:
@@ -282,7 +306,7 @@ def run_demo(config: DemoConfig, *, console: Console | None = None) -> dict[str,
                 for task in tasks:
                     runner.begin(pass_name, task)
                     bfcl.run_task(task, runner, max_calls_per_turn=config.max_calls_per_turn,
-                                  max_turns=config.max_turns,
+                                  max_turns=config.max_turns, constrain=config.grammar,
                                   env=_EchoEnvironment(task, report.tool))
         finally:
             spec.memory.close()  # before the temporary folder goes
@@ -306,6 +330,7 @@ def _pass_summary(rows: Sequence[CallResult]) -> dict[str, Any]:
         "tokens_per_step": tokens / steps if steps else None,
         "accepted_by_source": dict(sorted(accepted.items())),
         "exact_match": sum(r.exact for r in rows),
+        "malformed_calls": sum(r.malformed for r in rows),
     }
 
 
@@ -322,6 +347,7 @@ def summarize(results: Sequence[CallResult], config: DemoConfig, *, seconds: flo
         "passes": {p: _pass_summary([r for r in results if r.pass_name == p]) for p in PASSES},
         "exact_match": {"matched": matched, "calls": len(results),
                         "rate": matched / len(results) if results else 1.0},
+        "malformed_calls": sum(r.malformed for r in results),
         "seconds": seconds, "load_seconds": load_seconds,
         # The machine may be shared: the 1/5/15-minute load at the end says how loaded it was.
         "loadavg": list(os.getloadavg()),
@@ -357,6 +383,8 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
                   f"token-identical[/]; ran {summary['seconds']:.0f} s (model load "
                   f"{summary['load_seconds']:.0f} s); load average "
                   f"{' '.join(f'{x:.1f}' for x in summary['loadavg'])}")
+    how = "through the grammar" if summary["grammar"] else "free text (--no-grammar)"
+    console.print(f"tool calls {how}: {summary['malformed_calls']} malformed")
 
 
 # --- the command ------------------------------------------------------------------------------
@@ -380,6 +408,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--db", metavar="URL", default=None,
                         help="memory database (SQLAlchemy URL); default a fresh SQLite file in "
                              "a temporary folder (a --db that holds rows makes the cold pass warm)")
+    parser.add_argument("--no-grammar", dest="grammar", action="store_false",
+                        help="let the agent write free text instead of calling its tools "
+                             "through the tool-call grammar (to see the malformed calls it saves)")
     parser.add_argument("--json", metavar="OUT", type=Path, default=None,
                         help="write the summary (and every call) as JSON")
     return parser
@@ -392,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = DemoConfig(_task_ids(args.tasks), max_new_tokens=args.max_new_tokens,
                             max_turns=args.max_turns, max_calls_per_turn=args.max_calls_per_turn,
-                            db=args.db)
+                            db=args.db, grammar=args.grammar)
         bfcl.load_tasks(list(config.task_ids))  # bad ids fail before the model loads
     except (ValueError, KeyError) as e:
         err.print(f"error: {e.args[0]}", markup=False)

@@ -347,8 +347,7 @@ def bench_ceiling(workload: Any, warmup_outputs: dict[str, tuple[int, ...]],
     ``--outputs`` file of :func:`main`).
     """
     from agentspec.bench.results import REFERENCE, prompt_of
-    from agentspec.memory.completion import conversation_key
-    from agentspec.text import encode_prompt
+    from agentspec.text import conversation_key, encode_prompt
 
     outputs = dict(warmup_outputs)
     budgets = {}

@@ -41,7 +41,7 @@ def generate_lines(workload_path: Path, model: str, default_max_new_tokens: int)
     from agentspec.bench.results import prompt_of
     from agentspec.bench.workload import load_workload
     from agentspec.grammar import compiled
-    from agentspec.memory.completion import conversation_key
+    from agentspec.text import conversation_key
 
     workload = load_workload(workload_path, default_max_new_tokens=default_max_new_tokens)
     spec = Speculator.from_pretrained(model, memory=None)

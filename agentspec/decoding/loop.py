@@ -10,7 +10,7 @@ interleaving never changes an output.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +21,7 @@ from agentspec.decoding.untrusted import Guarded
 from agentspec.decoding.verify import cut_at_spine, verify
 from agentspec.engine.target import HFTarget
 from agentspec.grammar.state import GrammarState
-from agentspec.protocols import DraftContext, Drafter
+from agentspec.protocols import DraftContext, Drafter, StepObserver
 from agentspec.text import cut_at_stop
 from agentspec.tree import depths
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
@@ -32,16 +32,13 @@ class Step:
     """One target pass: the draft, the verdict, and the tokens it committed.
 
     ``new_tokens`` is the verdict's output cut before the first stop token; ``stopped`` says a
-    stop token ended the generation there. ``rows`` (only with ``decode(keep_rows=True)``):
-    the target's final hidden rows that processed the step's root and its accepted draft
-    tokens, ``[1 + accepted, hidden]`` float16 on the CPU, for training the draft head.
+    stop token ended the generation there.
     """
 
     draft: Draft
     verdict: Verdict
     new_tokens: tuple[int, ...]
     stopped: bool
-    rows: torch.Tensor | None = None
 
 
 class NoDrafter:
@@ -67,7 +64,7 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
            generator: torch.Generator | None = None,
            grammar_drafts: bool = True,
            lazy_masks: bool = True,
-           keep_rows: bool = False) -> Generator[Step, None, None]:
+           observers: Sequence[StepObserver] = ()) -> Generator[Step, None, None]:
     """Generate up to ``max_new_tokens`` tokens after ``context.tokens``, appending to it.
 
     Args:
@@ -83,14 +80,13 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
         lazy_masks: with ``sampling.grammar`` and greedy decoding, masks on demand
             (:class:`~agentspec.grammar.state.LazyMasks`): a row is masked only where its argmax is
             a token the grammar forbids. Same outputs.
-        keep_rows: give each step's hidden rows (:attr:`Step.rows`); turns the target's
-            ``keep_hidden`` on. Read only: no token depends on them.
+        observers: watch each step after its verdict (:class:`~agentspec.protocols.StepObserver`;
+            the draft head's training rows are kept this way). Read only: no token depends
+            on them.
     """
     grammar = None if sampling.grammar is None else GrammarState(
         sampling.grammar, target.tokenizer, vocab_size=target.vocab_size,
         eos_ids=sorted(stop_token_ids), device=target.device)
-    if keep_rows:
-        target.keep_hidden = True
     # 1. Prefill: the KV takes every prompt token but the last.
     target.start(context.tokens)
     guarded = Guarded(drafter, vocab_size=target.vocab_size, max_nodes=target.max_draft_nodes)
@@ -98,7 +94,7 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
     try:
         yield from _steps(target, guarded, context, sampling, max_new_tokens, stop_token_ids,
                           generator, grammar, grammar_drafts, lazy_masks and sampling.greedy,
-                          keep_rows)
+                          tuple(observers))
     finally:
         guarded.end(context)
         if grammar is not None:
@@ -108,8 +104,10 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
 def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: SamplingParams,
            max_new_tokens: int, stop_token_ids: frozenset[int],
            generator: torch.Generator | None, grammar: GrammarState | None,
-           grammar_drafts: bool, lazy_masks: bool, keep_rows: bool = False) -> Iterator[Step]:
+           grammar_drafts: bool, lazy_masks: bool,
+           observers: tuple[StepObserver, ...] = ()) -> Iterator[Step]:
     produced = 0
+    keep_hidden = any(o.wants_hidden for o in observers)
     # One uniform per output position, so a seeded sample does not depend on the drafts.
     uniforms = None if sampling.greedy else torch.rand(
         max_new_tokens, generator=generator, device=target.device)  # [max_new_tokens]
@@ -129,14 +127,14 @@ def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: 
         # target for a call of its own) and after other calls since our last step.
         if not target.holds(context.tokens):
             target.start(context.tokens)
-        logits = target.score(context.tokens[-1], draft)  # [num_nodes + 1, vocab_size]
+        logits = target.score(context.tokens[-1], draft,
+                              keep_hidden=keep_hidden)  # [num_nodes + 1, vocab_size]
         # 4. Verify exactly (one host sync), deciding only on spine rows.
         rows = None if uniforms is None else uniforms[_row_offsets(draft, produced)]
         verdict = cut_at_spine(draft, verify(draft, logits, sampling, generator, uniforms=rows,
                                              allowed=allowed))
-        kept = None
-        if keep_rows and target.hidden is not None:  # the root's row, then the accepted path's
-            kept = target.hidden[[0, *(i + 1 for i in verdict.path)]].to("cpu", torch.float16)
+        for observer in observers:
+            observer.step(target, draft, verdict)
         # 5. Commit: the KV keeps the accepted path only.
         target.commit(draft, verdict)
         new_tokens, stopped = cut_at_stop(verdict.new_tokens, stop_token_ids)
@@ -146,7 +144,7 @@ def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: 
             grammar.advance(new_tokens)
         # 6. Observe: drafters learn from what was accepted.
         drafter.observe(context, draft, verdict)
-        yield Step(draft, verdict, new_tokens, stopped, kept)
+        yield Step(draft, verdict, new_tokens, stopped)
         if stopped:
             return
 

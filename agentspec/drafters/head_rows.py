@@ -5,9 +5,10 @@ completion, the target's final hidden state. Replaying a completion through the 
 a forward over everything its prompt does not share with the record before (a few hundred
 tokens of an agent's call on average), which dominates training on a CPU. The decode loop has
 already computed those rows: with ``SpecConfig(head_rows=True)`` the
-:class:`~agentspec.Speculator` keeps, for each completion it records, the row of the last
-prompt token and of every completion token but the last (float16, one file per completion),
-and ``agentspec head train`` takes them instead of replaying that completion.
+:class:`~agentspec.Speculator` watches each call it records with a :class:`RowKeeper` (a
+decode-loop observer) and keeps the row of the last prompt token and of every completion
+token but the last (float16, one file per completion); ``agentspec head train`` takes them
+instead of replaying that completion.
 
 Files live under ``$AGENTSPEC_HOME/head-rows/<model fingerprint>/<scope>/``, named by a hash
 of the request and the completion's token ids: a record of the same request and completion
@@ -22,11 +23,14 @@ import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from agentspec.drafters.head import safe_name
+from agentspec.errors import warn_once
 from agentspec.home import agentspec_home
+from agentspec.types import Draft, Verdict
 
 
 def rows_dir(fingerprint: str, scope: str, home: Path | None = None) -> Path:
@@ -81,3 +85,33 @@ def load_rows(fingerprint: str, scope: str, request_text: str, completion_ids: S
             or rows.shape[0] != len(completion_ids):
         return None
     return tokens, rows
+
+
+class RowKeeper:
+    """One request's hidden rows, kept step by step for head training (a
+    :class:`~agentspec.protocols.StepObserver` of the decode loop): each step's root row, then
+    its accepted path's, float16 on the CPU. Read only: no token depends on them."""
+
+    wants_hidden = True
+
+    def __init__(self) -> None:
+        self.rows: list[torch.Tensor] = []
+
+    def step(self, target: Any, draft: Draft, verdict: Verdict) -> None:
+        hidden = target.hidden  # [num_nodes + 1, hidden], or None where it was not kept
+        if hidden is not None:
+            self.rows.append(hidden[[0, *(i + 1 for i in verdict.path)]].to("cpu", torch.float16))
+
+    def save(self, fingerprint: str, scope: str, request_text: str, last_prompt_token: int,
+             completion_ids: Sequence[int]) -> None:
+        """Keep the completion's rows (:func:`save_rows`); never fails the call: a step that
+        gave no rows leaves the completion to be replayed, and so does a file not written."""
+        rows = torch.cat(self.rows) if self.rows else None
+        if rows is None or rows.shape[0] < len(completion_ids):
+            return
+        try:
+            save_rows(fingerprint, scope, request_text, last_prompt_token, completion_ids,
+                      rows[: len(completion_ids)])
+        except OSError as e:
+            warn_once(f"cannot keep hidden rows for head training ({e}); "
+                      "agentspec head train will replay these completions")

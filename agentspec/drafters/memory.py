@@ -6,17 +6,17 @@ it: the candidate that has matched every generated token so far continues from t
 the others re-align on the longest suffix n-gram of the context (the same tool call with other
 arguments realigns after the argument). The candidates' continuations merge into one prefix
 tree, best first, each node marked with how many candidates back it (``Draft.support``).
-Accepted tokens are credited to the records they came from at the end.
+Accepted tokens are credited to the records they came from (:attr:`DraftContext.credits`),
+which the memory hears when the request ends.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from agentspec.drafters.ngram import NgramIndex
+from agentspec.memory.foreign import as_memory
 from agentspec.protocols import DraftContext
 from agentspec.tree import child_index, merge_chains, node_support
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
@@ -30,19 +30,18 @@ _SAME_REQUEST = 0.999
 
 @dataclass
 class _Request:
-    """One request's candidates, the owner of each node of its last draft, and its credits."""
+    """One request's candidates and the owner of each node of its last draft."""
 
     cands: list[_Candidate] = field(default_factory=list)
     # The last draft's (parent node, token) -> node, and each node's candidate (into cands):
     # the verified draft may be a reordered subset of it, so accepted tokens are matched by path.
     children: dict[tuple[int, int], int] = field(default_factory=dict)
     owners: list[int] = field(default_factory=list)
-    credits: Counter[int] = field(default_factory=Counter)
 
 
 @dataclass
 class _Candidate:
-    record_id: int
+    record_id: int | None  # None: a user's memory gave a record without an id (never credited)
     ids: list[int]
     similarity: float
     follow: int = 0  # position in ids that matched every generated token so far; -1 when not
@@ -53,33 +52,22 @@ class MemoryDrafter:
     """Top-k semantic neighbours' completions, aligned to the generated tail, as a draft tree.
 
     Args:
-        memory: a :class:`agentspec.memory.completion.CompletionMemory`.
+        memory: a :class:`~agentspec.memory.CompletionMemory` or a memory of the user's
+            (:func:`~agentspec.memory.as_memory`).
         model: the target's fingerprint; entries of another model are never used.
         k: neighbours fetched per request.
         min_similarity: neighbours below this cosine similarity are ignored.
         max_nodes: node budget of the merged tree.
-        write_behind: credit accepted tokens through the memory's ``credit_behind`` (on its
-            worker thread, after the call) where it has one.
     """
 
     name = "memory"
 
     def __init__(self, memory: Any, model: str, *, k: int = 8, min_similarity: float = 0.3,
-                 max_nodes: int = 64, write_behind: bool = False) -> None:
+                 max_nodes: int = 64) -> None:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
-        self.memory, self.model, self.k = memory, model, k
+        self.memory, self.model, self.k = as_memory(memory), model, k
         self.min_similarity, self.max_nodes = min_similarity, max_nodes
-        self.write_behind = write_behind
-        # Whether the memory leaves the dissimilar out itself (CompletionMemory: without
-        # reading their rows); a memory of the user's may take only the basic arguments.
-        lookup = getattr(memory, "lookup", None)
-        try:
-            params = list(inspect.signature(lookup).parameters.values()) if callable(lookup) else []
-        except (TypeError, ValueError):  # a builtin without a signature
-            params = []
-        self._filters = any(p.name == "min_similarity" or p.kind is inspect.Parameter.VAR_KEYWORD
-                            for p in params)
 
     def _request(self, context: DraftContext) -> _Request:
         return context.state(self, _Request)
@@ -88,9 +76,8 @@ class MemoryDrafter:
         req = self._request(context)
         if not context.key_text:
             return
-        extra = {"min_similarity": self.min_similarity} if self._filters else {}
-        hits = self.memory.lookup(context.key_text, scope=context.scope, model=self.model, k=self.k,
-                                  **extra)
+        hits = self.memory.lookup(context.key_text, scope=context.scope, model=self.model,
+                                  k=self.k, min_similarity=self.min_similarity)
         req.cands = [_Candidate(rec.id, list(rec.completion_ids), sim)
                      for rec, sim in hits if sim >= self.min_similarity and rec.completion_ids]
 
@@ -135,7 +122,9 @@ class MemoryDrafter:
                 node = req.children.get((node, tok), -1)
                 if node < 0:
                     break
-                req.credits[req.cands[req.owners[node]].record_id] += 1
+                record_id = req.cands[req.owners[node]].record_id
+                if record_id is not None:
+                    context.credits[(self.memory, record_id)] += 1
         new = verdict.new_tokens
         for cand in req.cands:
             if cand.follow >= 0:
@@ -143,10 +132,4 @@ class MemoryDrafter:
                 cand.follow = end if cand.ids[cand.follow : end] == list(new) else -1
 
     def end(self, context: DraftContext) -> None:
-        req = self._request(context)
-        behind = getattr(self.memory, "credit_behind", None) if self.write_behind else None
-        credit = behind if callable(behind) else getattr(self.memory, "credit", None)
-        if callable(credit):  # a memory of the user's may keep no credits
-            for record_id, accepted in req.credits.items():
-                credit(record_id, accepted)
-        req.credits = Counter()
+        pass

@@ -14,6 +14,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentspec.memory.foreign import as_memory
 from agentspec.protocols import DraftContext
 from agentspec.tree import merge_chains, node_support
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
@@ -32,7 +33,8 @@ class SuffixDrafter:
     """Frequency-ordered continuations of the longest suffix match over a scope's completions.
 
     Args:
-        memory: a :class:`agentspec.memory.completion.CompletionMemory` (read by id watermark through
+        memory: a :class:`~agentspec.memory.CompletionMemory` or a memory of the user's
+            (:func:`~agentspec.memory.as_memory`; read by id watermark through
             its ``completions``).
         model: the target's fingerprint.
         n_min / n_max: suffix match lengths.
@@ -48,7 +50,7 @@ class SuffixDrafter:
                  max_scope_tokens: int = 400_000) -> None:
         if not 1 <= n_min <= n_max:
             raise ValueError(f"need 1 <= n_min <= n_max, got n_min={n_min}, n_max={n_max}")
-        self.memory, self.model = memory, model
+        self.memory, self.model = as_memory(memory), model
         self.n_min, self.n_max = n_min, n_max
         self.max_occurrences, self.max_branches = max_occurrences, max_branches
         self.max_scope_tokens = max_scope_tokens

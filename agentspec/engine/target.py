@@ -346,8 +346,11 @@ class HFTarget:
         return twin
 
     @torch.inference_mode()
-    def score(self, last_token: int, draft: Draft) -> torch.Tensor:
+    def score(self, last_token: int, draft: Draft, *, keep_hidden: bool = False) -> torch.Tensor:
         """One forward over the last committed token and the draft.
+
+        ``keep_hidden`` (or :attr:`keep_hidden` set by a drafter that reads them): keep the
+        forward's final hidden rows in :attr:`hidden` until the next forward.
 
         Returns:
             logits ``[num_nodes + 1, vocab_size]``: row 0 predicts after the last committed
@@ -361,17 +364,18 @@ class HFTarget:
         anc[:, 0] = True
         anc[1:, 1:] = ancestor_matrix(draft.parents)
         depth = [0, *depths(draft.parents)]
-        if self.keep_hidden and self._hook is None:
+        keep = keep_hidden or self.keep_hidden
+        if keep and self._hook is None:
             self._hook = self.model.get_output_embeddings().register_forward_pre_hook(
                 self._keep_lm_input)
         self._lm_input = None
-        _CAPTURING.target = self if self.keep_hidden else None
+        _CAPTURING.target = self if keep else None
         try:
             logits = self._forward_rows([last_token, *draft.token_ids], depth, anc)
         finally:
             _CAPTURING.target = None
         lm_input, self._lm_input = self._lm_input, None
-        if self.keep_hidden and lm_input is not None:
+        if keep and lm_input is not None:
             self.hidden = lm_input[0, : n + 1]  # [num_nodes + 1, hidden]
             self.hidden_position = self._kv_len
         else:

@@ -28,65 +28,23 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from agentspec.errors import MemoryFaultWarning, StoreError
-from agentspec.memory.embedder import MiniLMEmbedder
+from agentspec.memory.caps import CapsWatch
+from agentspec.memory.embedder import MiniLMEmbedder, runs_on_cpu
 from agentspec.memory.guard import StoreGuard
 from agentspec.memory.index import ScopeIndex, load_index, save_index
+from agentspec.memory.worker import KeyVectors, Worker
 from agentspec.protocols import Embedder, MemoryStore
 from agentspec.stores.faiss_index import FaissIndex
 from agentspec.stores.sql import SQLStore
-from agentspec.text import conversation_key  # noqa: F401  (the memory's key; rendered in text.py)
-from agentspec.types import Record
-
-# Keys whose vectors a memory keeps (384 float32 each for MiniLM: 1.5 KiB).
-EMBED_CACHE = 256
-# Missing ids an index follows while catching up (beyond: it counts and reconciles instead).
-MAX_HOLES = 1024
-
-
-class _CapsWatch:
-    """When the memory must check its token caps (two sums over the store's rows).
-
-    A check measures how much room the caps leave: below the scope's cap and below the
-    store's. Until the next one the memory counts the tokens it writes itself, and checks again
-    once they could fill that room, or once ``interval`` seconds have passed (for what other
-    processes wrote). A memory alone on its store so evicts exactly when it would have checked
-    after every write. Called under the memory's lock.
-    """
-
-    def __init__(self) -> None:
-        self._room: dict[str, float] = {}  # per scope: tokens left below its cap at the check
-        self._room_total = float("inf")
-        self._written: dict[str, int] = {}  # per scope: tokens written since its check
-        self._written_total = 0
-        self._checked_at: dict[str, float] = {}
-
-    def due(self, scope: str, tokens: int, interval: float) -> bool:
-        """Count ``tokens`` just written to ``scope``; whether a check is due now."""
-        self._written[scope] = self._written.get(scope, 0) + tokens
-        self._written_total += tokens
-        return (scope not in self._checked_at
-                or time.monotonic() - self._checked_at[scope] >= interval
-                or self._written[scope] > self._room[scope]
-                or self._written_total > self._room_total)
-
-    def checked(self, scope: str, scope_cap: int | None, total_cap: int | None,
-                scope_tokens: int, total_tokens: int) -> None:
-        """A check (eviction included) left ``scope_tokens`` in ``scope``, ``total_tokens`` in all."""
-        inf = float("inf")
-        self._room[scope] = inf if scope_cap is None else scope_cap - scope_tokens
-        self._room_total = inf if total_cap is None else total_cap - total_tokens
-        self._written[scope] = 0
-        self._written_total = 0
-        self._checked_at[scope] = time.monotonic()
+from agentspec.types import Finished, Record
 
 
 class CompletionMemory:
@@ -128,20 +86,14 @@ class CompletionMemory:
         self.sync_interval_s = sync_interval_s
         self.check_interval_s = check_interval_s
         self._indexes: dict[tuple[str, str], ScopeIndex] = {}
-        self._caps = _CapsWatch()
+        self._caps = CapsWatch()
         self._lock = threading.RLock()
         self._owns_store = False
         self._guard = StoreGuard(max_pending=max_pending, retry_interval_s=retry_interval_s)
-        # The latest keys' vectors (a vector is a function of the embedder and the text): a
-        # generation's lookup and its record embed the same key, and agents repeat requests.
-        self._vectors: OrderedDict[tuple[str, str], np.ndarray] = OrderedDict()
-        self._vectors_lock = threading.Lock()
-        # Keys being embedded ahead of their lookup (prefetch) and writes handed over behind a
-        # call (record_behind, credit_behind), in order on one worker thread.
-        self._embedding: dict[tuple[str, str], Future[np.ndarray]] = {}
-        self._writes: list[Future[Any]] = []
-        self._embed_pool: ThreadPoolExecutor | None = None
-        self._on_worker = threading.local()
+        # The worker thread (keys embedded ahead of their lookup, writes behind a call) and the
+        # latest keys' vectors (a vector is a function of the embedder and the text).
+        self.worker = Worker()
+        self._vectors = KeyVectors(self.worker)
 
     @classmethod
     def open(cls, url: str | None = None, **kw: Any) -> CompletionMemory:
@@ -161,6 +113,11 @@ class CompletionMemory:
             self._embedder = MiniLMEmbedder()
         return self._embedder
 
+    @property
+    def embeds_on_cpu(self) -> bool:
+        """Whether the embedder runs on the CPU (:func:`~agentspec.memory.embedder.runs_on_cpu`)."""
+        return runs_on_cpu(self.embedder)
+
     def warmup(self) -> None:
         """Do the memory's one-time work now rather than in the first lookup: load the embedder
         and the vector index library (importing faiss alone takes about 0.25 s on a 2-core
@@ -176,10 +133,7 @@ class CompletionMemory:
         """Write the queued completions, save the indexes (when ``index_dir`` is set) and close
         a store opened by ``open``; what cannot be written is warned about, not raised. The
         writes handed to the worker thread are done first."""
-        if self._embed_pool is not None:
-            self._embed_pool.shutdown(wait=True)  # runs what was handed over, then stops
-            self._embed_pool = None
-        self._writes = []
+        self.worker.shutdown()  # runs what was handed over, then stops
         left = self.flush()
         if left:
             warnings.warn(f"{left} queued completion(s) could not be written to "
@@ -206,11 +160,28 @@ class CompletionMemory:
         :class:`~agentspec.Speculator` while a GPU prefills the prompt) hides the embedding
         behind that work. A failed prefetch costs nothing: the lookup embeds again and meets
         the error itself."""
-        key = (self.embedder.name, key_text)
-        with self._vectors_lock:
-            if key in self._vectors or key in self._embedding:
-                return
-            self._embedding[key] = self._worker().submit(self._embed_now, key)
+        self._vectors.prefetch(self.embedder, key_text)
+
+    def finish(self, done: Finished, *, behind: bool = False) -> Future[int] | int:
+        """The end of a request, in one call: credit the records its drafts came from, then
+        record its completion (where ``done.remember`` and it has tokens).
+
+        ``behind``: both on the worker thread (:meth:`credit_behind`, :meth:`record_behind`),
+        returning the future of the record id at once; else written now (:meth:`credit`,
+        :meth:`record`). This is where a call's writes are put behind it or not.
+
+        Returns:
+            The record id (or its future); -1 when nothing was recorded.
+        """
+        credit = self.credit_behind if behind else self.credit
+        for record_id, accepted in done.credits:
+            credit(record_id, accepted)
+        if not (done.remember and done.completion_ids):
+            return -1
+        write = self.record_behind if behind else self.record
+        return write(scope=done.scope, model=done.model, request_text=done.request_text,
+                     key_text=done.key_text, completion_text=done.completion_text,
+                     completion_ids=done.completion_ids)
 
     def record_behind(self, *, scope: str, model: str, request_text: str, key_text: str,
                       completion_text: str, completion_ids: Sequence[int]) -> Future[int]:
@@ -221,7 +192,7 @@ class CompletionMemory:
         and ``close`` wait for them too. What ``record`` would raise (never StoreError: an
         outage queues the record) is the future's exception."""
         ids = tuple(int(t) for t in completion_ids)  # the caller may reuse its list
-        return self._behind(self.record, scope=scope, model=model, request_text=request_text,
+        return self.worker.behind(self.record, scope=scope, model=model, request_text=request_text,
                             key_text=key_text, completion_text=completion_text,
                             completion_ids=ids)
 
@@ -229,36 +200,8 @@ class CompletionMemory:
         """:meth:`credit` on the memory's worker thread, in order with the other writes handed
         over (see :meth:`record_behind`); an error other than the store's (which ``credit``
         counts and drops) is warned about."""
-        done = self._behind(self.credit, int(record_id), int(accepted_tokens))
+        done = self.worker.behind(self.credit, int(record_id), int(accepted_tokens))
         done.add_done_callback(_warn_failed_credit)
-
-    def _worker(self) -> ThreadPoolExecutor:
-        """The one worker thread (started on first use). Called under ``_vectors_lock``."""
-        if self._embed_pool is None:
-            self._embed_pool = ThreadPoolExecutor(1, thread_name_prefix="agentspec-embed",
-                                                  initializer=self._mark_worker)
-        return self._embed_pool
-
-    def _mark_worker(self) -> None:
-        self._on_worker.is_worker = True
-
-    def _behind(self, fn: Any, *args: Any, **kwargs: Any) -> Future[Any]:
-        with self._vectors_lock:
-            self._writes = [w for w in self._writes if not w.done()]
-            done = self._worker().submit(fn, *args, **kwargs)
-            self._writes.append(done)
-        return done
-
-    def _settle(self) -> None:
-        """Wait for the writes handed to the worker so far (on the worker itself: nothing to
-        wait for, they run in order)."""
-        if not self._writes or getattr(self._on_worker, "is_worker", False):
-            return
-        with self._vectors_lock:
-            writes = list(self._writes)  # kept: a reader on another thread waits for them too
-        wait(writes)
-        with self._vectors_lock:
-            self._writes = [w for w in self._writes if not w.done()]
 
     def lookup(self, key_text: str, *, scope: str, model: str, k: int = 8,
                min_similarity: float | None = None) -> list[tuple[Record, float]]:
@@ -275,8 +218,8 @@ class CompletionMemory:
             raise ValueError(f"k must be >= 0, got {k}")
         if k == 0:
             return []
-        self._settle()
-        query = self._embed(key_text)
+        self.worker.settle()
+        query = self._vectors.get(self.embedder, key_text)
         with self._lock:
             self._flush()
             if self._guard.due("read"):
@@ -310,7 +253,7 @@ class CompletionMemory:
     def completions(self, *, scope: str, model: str, after_id: int = 0) -> Iterator[Record]:
         """Records of ``scope`` and ``model`` with ``id > after_id``, in id order, for drafters:
         when the store fails the iteration ends early (never raises StoreError)."""
-        self._settle()
+        self.worker.settle()
         if not self._guard.due("read"):
             return
         try:
@@ -332,8 +275,8 @@ class CompletionMemory:
         """
         if len(completion_ids) == 0:
             return -1
-        self._settle()
-        vector = self._embed(key_text)
+        self.worker.settle()
+        vector = self._vectors.get(self.embedder, key_text)
         record = Record(scope=scope, model=model, request_text=request_text, key_text=key_text,
                         completion_text=completion_text,
                         completion_ids=tuple(int(t) for t in completion_ids),
@@ -356,7 +299,7 @@ class CompletionMemory:
     def flush(self) -> int:
         """Try to write the queued completions now (after the writes handed to the worker
         thread); returns how many are still queued."""
-        self._settle()
+        self.worker.settle()
         with self._lock:
             self._flush(force=True)
             return len(self._guard.pending)
@@ -382,7 +325,7 @@ class CompletionMemory:
 
     def _upkeep(self, tokens: dict[str, int]) -> None:
         """After writing ``tokens`` completion tokens per scope: bring the scopes' indexes up to
-        date; evict above the caps when a check is due (see :class:`_CapsWatch`)."""
+        date; evict above the caps when a check is due (see :class:`~agentspec.memory.caps.CapsWatch`)."""
         caps = (self.max_tokens_per_scope, self.max_tokens_total)
         try:
             for scope, n in tokens.items():
@@ -402,7 +345,7 @@ class CompletionMemory:
     def credit(self, record_id: int, accepted_tokens: int) -> None:
         """Note that a draft from ``record_id`` had ``accepted_tokens`` accepted (LRU + stats);
         dropped (and counted) while the store cannot be written."""
-        self._settle()
+        self.worker.settle()
         with self._lock:
             if self._guard.due("write"):
                 try:
@@ -420,8 +363,8 @@ class CompletionMemory:
             raise ValueError(f"k must be >= 0, got {k}")
         if k == 0:
             return []
-        self._settle()
-        query = self._embed(text)
+        self.worker.settle()
+        query = self._vectors.get(self.embedder, text)
         scopes = [scope] if scope is not None else sorted(self.store.stats()["scopes"])
         hits: list[tuple[int, float]] = []
         with self._lock:
@@ -436,7 +379,7 @@ class CompletionMemory:
         ``faults`` (:meth:`StoreGuard.stats`: queued, dropped and flushed completions, skipped
         lookups, the last errors) and ``store_error`` (None, or why the store's totals are
         missing: it cannot be read)."""
-        self._settle()
+        self.worker.settle()
         try:
             out = self.store.stats()
             out["store_error"] = None
@@ -450,7 +393,7 @@ class CompletionMemory:
 
     def records(self, scope: str | None = None, model: str | None = None) -> Iterator[Record]:
         """Every record of ``scope`` and ``model`` (None: any), in id order."""
-        self._settle()
+        self.worker.settle()
         return self.store.iter(scope=scope, model=model)
 
     def rebuild(self, scope: str) -> int:
@@ -460,10 +403,10 @@ class CompletionMemory:
         Raises:
             StoreError: the store cannot be read.
         """
-        self._settle()
+        self.worker.settle()
         with self._lock:
             state = ScopeIndex(FaissIndex(int(self.embedder.dim)))
-            self._add_rows(state, self.store.ids_after(0, scope=scope, embedder=self.embedder.name))
+            state.add_rows(self.store.ids_after(0, scope=scope, embedder=self.embedder.name))
             state.synced_at = time.monotonic()
             self._indexes[(scope, self.embedder.name)] = state
             return len(state.index)
@@ -472,47 +415,12 @@ class CompletionMemory:
         """Write every loaded index to ``index_dir`` (nothing when it is None)."""
         if self.index_dir is None:
             return
-        self._settle()
+        self.worker.settle()
         with self._lock:
             for (scope, _), state in self._indexes.items():
                 save_index(self.index_dir, scope, self.embedder.name, self._store_id(), state)
 
     # --- index upkeep ------------------------------------------------------------------------
-    def _embed(self, text: str) -> np.ndarray:
-        """``text``'s unit vector ``[dim]`` (read only), from the cache of the latest
-        :data:`EMBED_CACHE` keys when there."""
-        key = (self.embedder.name, text)
-        with self._vectors_lock:
-            hit = self._vectors.get(key)
-            if hit is not None:
-                self._vectors.move_to_end(key)
-                return hit
-            pending = self._embedding.get(key)
-        # On the worker, a prefetch of this key may be queued behind the running task: it is
-        # embedded here, not waited for (the queued prefetch then finds the vector).
-        if pending is not None and (pending.done() or not getattr(self._on_worker, "is_worker", False)):
-            try:
-                return pending.result()
-            except Exception:  # embedded again here, where the error is raised to the caller
-                with self._vectors_lock:
-                    self._embedding.pop(key, None)
-        return self._embed_now(key)
-
-    def _embed_now(self, key: tuple[str, str]) -> np.ndarray:
-        with self._vectors_lock:
-            hit = self._vectors.get(key)
-            if hit is not None:  # a prefetch of a key embedded meanwhile
-                self._embedding.pop(key, None)
-                return hit
-        vector = np.ascontiguousarray(self.embedder.embed([key[1]])[0], np.float32)  # [dim]
-        vector.setflags(write=False)  # shared by every caller of this key
-        with self._vectors_lock:
-            self._vectors[key] = vector
-            self._embedding.pop(key, None)
-            while len(self._vectors) > EMBED_CACHE:
-                self._vectors.popitem(last=False)
-        return vector
-
     def _sync(self, scope: str, *, force: bool = False) -> ScopeIndex:
         """The index of ``scope``, brought up to date with the store when due."""
         key = (scope, self.embedder.name)
@@ -525,62 +433,13 @@ class CompletionMemory:
         if not force and now - state.synced_at < self.sync_interval_s:
             return state
         name = self.embedder.name
-        self._catch_up(scope, state, now)
+        state.catch_up(self.store, scope, name, now, self.check_interval_s)
         if now - state.checked_at >= self.check_interval_s:  # reads the scope's every row id
             if self.store.count(scope=scope, embedder=name) != len(state.index):
-                self._reconcile(scope, state)
+                state.reconcile(self.store, scope, name)
             state.checked_at = now
         state.synced_at = now
         return state
-
-    def _catch_up(self, scope: str, state: ScopeIndex, now: float) -> None:
-        """Add the scope's rows written since the watermark, reading only those (by key).
-
-        PostgreSQL hands out ids before commits, which can land out of order: an id missing
-        below the newest one may still commit. So the ids above the watermark (any scope) are
-        read first, the missing ones kept as holes and looked for again at each sync until
-        ``check_interval_s`` has passed (then the row count check finds a late one); and the
-        watermark moves only as far as that first read saw.
-        """
-        name = self.embedder.name
-        present = self.store.ids_since(state.watermark)  # [n] int64, sorted
-        top = int(present[-1]) if len(present) else state.watermark
-        if top - state.watermark - len(present) > MAX_HOLES - len(state.holes):
-            state.holes.clear()  # too many to follow: count and reconcile at once instead
-            state.checked_at = float("-inf")
-        else:
-            missing = np.setdiff1d(np.arange(state.watermark + 1, top + 1), present)
-            state.holes.update((int(i), now) for i in missing)
-        rows = self.store.ids_after(state.watermark, scope=scope, embedder=name)
-        if state.holes:
-            found = self.store.ids_after(0, scope=scope, embedder=name, among=list(state.holes))
-            for i, _ in found:
-                del state.holes[i]
-            for i in [i for i, t in state.holes.items() if now - t >= self.check_interval_s]:
-                del state.holes[i]
-            rows = list({i: v for i, v in found + rows}.items())  # a hole filled just now: in both
-        if rows:
-            self._add_rows(state, rows)
-        state.watermark = top  # rows above it read now are read again next time: adding is idempotent
-
-    def _add_rows(self, state: ScopeIndex, rows: Iterable[tuple[int, np.ndarray]]) -> None:
-        dim = state.index.dim
-        rows = [(i, v) for i, v in rows if v.shape == (dim,)]
-        if rows:
-            ids = [i for i, _ in rows]
-            state.index.add(ids, np.stack([v for _, v in rows]))  # [n, dim]
-            state.watermark = max(state.watermark, max(ids))
-
-    def _reconcile(self, scope: str, state: ScopeIndex) -> None:
-        """Make the index hold exactly the store's embedded ids of ``scope``."""
-        in_store = self.store.ids(scope=scope, embedder=self.embedder.name)
-        in_index = state.index.ids()
-        state.index.remove(np.setdiff1d(in_index, in_store).tolist())
-        missing = np.setdiff1d(in_store, in_index).tolist()
-        if missing:
-            rows = [(r.id, r.embedding) for r in self.store.get_many(missing)
-                    if r.embedding is not None]
-            self._add_rows(state, rows)  # type: ignore[arg-type]
 
     def _store_id(self) -> str:
         return str(getattr(self.store, "url", type(self.store).__name__))

@@ -13,13 +13,19 @@ import hashlib
 import json
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from agentspec.errors import MemoryFaultWarning, StoreError
+from agentspec.protocols import MemoryStore
 from agentspec.stores.faiss_index import FaissIndex
+
+# Missing ids an index follows while catching up (beyond: it counts and reconciles instead).
+MAX_HOLES = 1024
 
 
 @dataclass
@@ -31,8 +37,57 @@ class ScopeIndex:
     synced_at: float = float("-inf")  # time.monotonic() of the last sync
     checked_at: float = float("-inf")  # ... of the last row count (rows deleted elsewhere)
     # Ids below the watermark that were missing when it passed them, and since when: a
-    # transaction of another process may still commit them (see CompletionMemory._sync).
+    # transaction of another process may still commit them (see :meth:`catch_up`).
     holes: dict[int, float] = field(default_factory=dict)
+
+    def catch_up(self, store: MemoryStore, scope: str, embedder: str, now: float,
+                 check_interval_s: float) -> None:
+        """Add the scope's rows written since the watermark, reading only those (by key).
+
+        PostgreSQL hands out ids before commits, which can land out of order: an id missing
+        below the newest one may still commit. So the ids above the watermark (any scope) are
+        read first, the missing ones kept as holes and looked for again at each sync until
+        ``check_interval_s`` has passed (then the memory's row count check finds a late one);
+        and the watermark moves only as far as that first read saw.
+        """
+        present = store.ids_since(self.watermark)  # [n] int64, sorted
+        top = int(present[-1]) if len(present) else self.watermark
+        if top - self.watermark - len(present) > MAX_HOLES - len(self.holes):
+            self.holes.clear()  # too many to follow: count and reconcile at once instead
+            self.checked_at = float("-inf")
+        else:
+            missing = np.setdiff1d(np.arange(self.watermark + 1, top + 1), present)
+            self.holes.update((int(i), now) for i in missing)
+        rows = store.ids_after(self.watermark, scope=scope, embedder=embedder)
+        if self.holes:
+            found = store.ids_after(0, scope=scope, embedder=embedder, among=list(self.holes))
+            for i, _ in found:
+                del self.holes[i]
+            for i in [i for i, t in self.holes.items() if now - t >= check_interval_s]:
+                del self.holes[i]
+            rows = list({i: v for i, v in found + rows}.items())  # a hole filled just now: in both
+        if rows:
+            self.add_rows(rows)
+        self.watermark = top  # rows above it read now are read again next time: adding is idempotent
+
+    def add_rows(self, rows: Iterable[tuple[int, np.ndarray]]) -> None:
+        """Add ``(id, vector)`` rows of this index's dimension; the watermark follows."""
+        dim = self.index.dim
+        rows = [(i, v) for i, v in rows if v.shape == (dim,)]
+        if rows:
+            ids = [i for i, _ in rows]
+            self.index.add(ids, np.stack([v for _, v in rows]))  # [n, dim]
+            self.watermark = max(self.watermark, max(ids))
+
+    def reconcile(self, store: MemoryStore, scope: str, embedder: str) -> None:
+        """Make the index hold exactly the store's embedded ids of ``scope``."""
+        in_store = store.ids(scope=scope, embedder=embedder)
+        in_index = self.index.ids()
+        self.index.remove(np.setdiff1d(in_index, in_store).tolist())
+        missing = np.setdiff1d(in_store, in_index).tolist()
+        if missing:
+            self.add_rows([(int(r.id), r.embedding) for r in store.get_many(missing)  # type: ignore[arg-type]
+                           if r.embedding is not None])
 
 
 def index_paths(folder: Path, scope: str, embedder: str) -> tuple[Path, Path]:

@@ -1,5 +1,6 @@
-"""``agentspec demo``: bad input fails fast; a tiny real run is exact and the warm pass drafts
-from memory."""
+"""``agentspec demo``: bad input fails fast; tool calls are read as the agent reads them; a
+tiny real run is exact, calls its tools through the grammar and the warm pass drafts from
+memory."""
 
 from __future__ import annotations
 
@@ -7,9 +8,17 @@ import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from typer.testing import CliRunner
 
-from agentspec.bench.demo import CallResult, DemoConfig, _task_ids, summarize
+from agentspec.bench.demo import (
+    CallResult,
+    DemoConfig,
+    Reporter,
+    _task_ids,
+    reply_calls,
+    summarize,
+)
 from agentspec.cli import app
 from agentspec.text import cut_at_stop
 
@@ -26,7 +35,8 @@ def test_help_is_the_demo_options() -> None:
     res = CliRunner().invoke(app, ["demo", "--help"])
     assert res.exit_code == 0, res.output
     assert "usage: agentspec demo" in res.output
-    for option in ("--tasks", "--max-new-tokens", "--max-calls-per-turn", "--db", "--json"):
+    for option in ("--tasks", "--max-new-tokens", "--max-calls-per-turn", "--db", "--json",
+                   "--no-grammar"):
         assert option in res.output
 
 
@@ -41,11 +51,38 @@ def test_summarize_speedups() -> None:
         return CallResult(pass_name, "t", 0, 0, 10, plain_s, spec_s, 5, {"memory": 4}, exact)
 
     rows = [call("cold", 1.0, 1.0), call("warm", 2.0, 1.0), call("warm", 4.0, 1.0, False)]
+    rows.append(CallResult("warm", "t", 0, 1, 10, 1.0, 1.0, 5, {}, True, malformed=2))
     s = summarize(rows, DemoConfig(("t",)), seconds=1.0, load_seconds=0.5)
     warm = s["passes"]["warm"]
-    assert warm["total_speedup"] == pytest.approx(3.0) and warm["median_speedup"] == 3.0
+    assert warm["total_speedup"] == pytest.approx(7 / 3) and warm["median_speedup"] == 2.0
     assert warm["tokens_per_step"] == 2.0 and warm["accepted_by_source"] == {"memory": 8}
-    assert s["exact_match"] == {"matched": 2, "calls": 3, "rate": pytest.approx(2 / 3)}
+    assert s["exact_match"] == {"matched": 3, "calls": 4, "rate": pytest.approx(3 / 4)}
+    assert s["malformed_calls"] == warm["malformed_calls"] == 2 and s["grammar"] is True
+
+
+FENCED = 'Here it is:\n```json\n{"name": "ls", "arguments": {\n```'
+
+
+def test_calls_are_read_as_the_agent_reads_them() -> None:
+    """Under the grammar a reply is a call list exactly when it starts with '[': a fenced
+    snippet in an answer is an answer, not a malformed call; free text tries to parse it."""
+    call = '[{"name": "cd", "arguments": {"folder": "docs"}}]'
+    assert [c.name for c in reply_calls(call, constrained=True)[0]] == ["cd"]
+    assert reply_calls(FENCED, constrained=True) == ([], [])
+    calls, errors = reply_calls(FENCED, constrained=False)
+    assert calls == [] and errors and "malformed tool call" in errors[0]
+    assert reply_calls('[{"name": "cd", "argu', constrained=True)[1]  # cut by the budget
+
+
+@pytest.mark.parametrize("constrained", [True, False])
+def test_the_live_output_shows_malformed_calls_only_where_the_agent_saw_them(
+        constrained: bool) -> None:
+    console = Console(record=True, width=200)
+    Reporter(console, constrained=constrained).call(
+        CallResult("cold", "t", 0, 0, 10, 1.0, 1.0, 5, {}, True), FENCED)
+    out = console.export_text()
+    assert ("malformed tool call" in out) is not constrained
+    assert ("answer: Here it is:" in out) is constrained
 
 
 @pytest.mark.slow
@@ -58,7 +95,9 @@ def test_demo_tiny_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert res.exit_code == 0, res.output
     assert "cold pass" in res.stdout and "warm pass" in res.stdout
     assert "median speedup" in res.stdout  # the table's headers whole (80 columns cut them)
+    assert "tool calls through the grammar:" in res.stdout
     summary = json.loads(out.read_text())
+    assert summary["grammar"] is True
     assert summary["exact_match"]["rate"] == 1.0 and summary["exact_match"]["calls"] == 2
     cold, warm = summary["passes"]["cold"], summary["passes"]["warm"]
     for p in (cold, warm):

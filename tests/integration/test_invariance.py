@@ -27,10 +27,11 @@ from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
 from agentspec.engine.load import load_target
 from agentspec.engine.target import CPU_PREFILL_WIDTHS, HFTarget
-from agentspec.memory.completion import CompletionMemory, conversation_key
+from agentspec.memory import CompletionMemory
 from agentspec.memory.embedder import HashEmbedder
 from agentspec.protocols import DraftContext
 from agentspec.stores import SQLStore
+from agentspec.text import conversation_key
 from agentspec.tree import merge_chains
 from agentspec.types import Draft, Verdict
 from tests.prompts import ALL_PROMPTS, prompt_of, workload_lines

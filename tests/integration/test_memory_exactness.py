@@ -6,11 +6,13 @@ import random
 
 import pytest
 
-from agentspec import Speculator
+from agentspec import SpecConfig, Speculator
 from agentspec.drafters.policy import DEFAULT_COST
-from agentspec.memory.completion import CompletionMemory, conversation_key
+from agentspec.memory import CompletionMemory
 from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import SQLStore
+from agentspec.text import conversation_key
+from agentspec.types import Record
 from tests.prompts import ALL_PROMPTS
 
 MAX_NEW = 32
@@ -77,3 +79,43 @@ def test_a_memory_that_fails_to_record_does_not_fail_the_call(spec, references):
     with pytest.warns(UserWarning, match="could not record a completion.*index out of order"):
         out = speculator.generate(PROMPTS[0], MAX_NEW)
     assert list(out.token_ids) == references[0]
+
+
+class Listening:
+    """A memory of the user's that remembers one completion and logs what it hears."""
+
+    def __init__(self, ids: list[int], model: str) -> None:
+        self.ids, self.model, self.heard = ids, model, []
+
+    def lookup(self, key_text, *, scope, model, k=8):
+        return [(Record(scope, self.model, "r", key_text, "c", tuple(self.ids), id=7), 0.99)]
+
+    def record(self, **row):
+        self.heard.append(("record", tuple(row["completion_ids"])))
+        return 8
+
+    def credit(self, record_id, accepted_tokens):
+        self.heard.append(("credit", record_id, accepted_tokens))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("behind", [False, True])
+def test_a_call_ends_in_one_exit_credits_then_record_and_an_abandoned_one_credits(
+        spec, references, behind):
+    """The memory hears a call once it ends: the accepted tokens each remembered completion
+    drafted, then the completion; a stream closed early still pays its credits, records
+    nothing."""
+    listening = Listening(references[0], spec.target.fingerprint)
+    speculator = Speculator(spec.target, memory=listening, cost=DEFAULT_COST,
+                            config=SpecConfig(write_behind=behind))
+    out = speculator.generate(PROMPTS[0], MAX_NEW)
+    assert list(out.token_ids) == references[0]
+    accepted = out.stats.accepted.get("memory", 0)
+    assert accepted > 0
+    assert listening.heard == [("credit", 7, accepted), ("record", tuple(references[0]))]
+    listening.heard.clear()
+    stream = speculator.stream(PROMPTS[0], MAX_NEW)
+    next(stream)
+    stream.close()
+    assert [h[:2] for h in listening.heard] == [("credit", 7)]
+    assert stream.generation is None

@@ -62,7 +62,7 @@ def test_a_memory_of_the_users_without_min_similarity_still_drafts():
 
     drafter = MemoryDrafter(Basic(), "m")
     drafter.begin(DraftContext(tokens=[1, 2], prompt_len=2, scope="s", key_text="hello"))
-    assert drafter._filters is False
+    assert drafter.memory._filters is False
 
 
 def test_scope_and_model_isolation(memory):
@@ -428,7 +428,7 @@ def test_a_prefetched_key_is_embedded_once_off_the_callers_thread():
         float(fresh.embed(["user: list the files"])[0] @ fresh.embed(["user: list the files please"])[0]),
         abs=1e-6)
     memory.close()
-    assert memory._embed_pool is None
+    assert not memory.worker.started
 
 
 def test_a_failed_prefetch_is_embedded_again_by_the_lookup():
@@ -483,7 +483,7 @@ def test_a_write_behind_returns_at_once_and_every_later_read_sees_it(settles, mo
     embedder = WorkerGatedEmbedder()
     memory = CompletionMemory(InMemoryStore(), embedder=embedder, sync_interval_s=0.0)
     if not settles:
-        monkeypatch.setattr(memory, "_settle", lambda: None)
+        monkeypatch.setattr(memory.worker, "settle", lambda: None)
     done = behind(memory, "list the files in /tmp")
     assert not done.done()  # the caller is not held while the worker embeds and writes
     if settles:
@@ -503,7 +503,7 @@ def test_a_write_behind_returns_at_once_and_every_later_read_sees_it(settles, mo
 
 def test_two_readers_both_wait_for_a_write_behind():
     """A reader on another thread waiting for the writes does not take them from this one
-    (an earlier draft of ``_settle`` emptied the list it waited on: the second reader went
+    (an earlier draft of ``Worker.settle`` emptied the list it waited on: the second reader went
     ahead and missed the completion)."""
     embedder = WorkerGatedEmbedder()
     memory = CompletionMemory(InMemoryStore(), embedder=embedder, sync_interval_s=0.0)

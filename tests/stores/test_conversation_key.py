@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentspec.memory.completion import conversation_key
-from agentspec.text import truncate_middle
+from agentspec.text import conversation_key, truncate_middle
 
 SYSTEM = {"role": "system", "content": "You are an assistant. Tools: search(q), calc(expr)."}
 

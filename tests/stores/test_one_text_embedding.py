@@ -90,10 +90,7 @@ def test_a_call_embeds_its_key_ahead_only_for_an_embedder_on_the_cpu():
     # the GPU embeds a key in one graph replay, no worker thread needed.
     from types import SimpleNamespace
 
-    from agentspec.speculator import Speculator
-
-    def on_cpu(embedder):
-        return Speculator._embeds_on_cpu(SimpleNamespace(memory=SimpleNamespace(embedder=embedder)))
+    from agentspec.memory.embedder import runs_on_cpu as on_cpu
 
     assert on_cpu(MiniLMEmbedder(device="cpu")) and not on_cpu(MiniLMEmbedder(device="cuda:1"))
     assert on_cpu(SimpleNamespace()) and on_cpu(SimpleNamespace(device="cpu"))

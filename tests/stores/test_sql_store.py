@@ -224,14 +224,15 @@ def test_a_row_committed_after_a_later_id_is_still_found(pg_url, follow_holes, m
     commit later. The catching-up memory keeps the missing id as a hole and finds the row."""
     from sqlalchemy import create_engine, insert
 
+    from agentspec.memory.index import ScopeIndex
     from agentspec.stores.sql_schema import records, row_values
 
-    def by_watermark_alone(self, scope, state, now):
-        rows = self.store.ids_after(state.watermark, scope=scope, embedder=self.embedder.name)
-        self._add_rows(state, rows)  # the watermark jumps past any id not committed yet
+    def by_watermark_alone(self, store, scope, embedder, now, check_interval_s):
+        rows = store.ids_after(self.watermark, scope=scope, embedder=embedder)
+        self.add_rows(rows)  # the watermark jumps past any id not committed yet
 
     if not follow_holes:  # a deliberately wrong memory: it catches up by the watermark alone
-        monkeypatch.setattr(CompletionMemory, "_catch_up", by_watermark_alone)
+        monkeypatch.setattr(ScopeIndex, "catch_up", by_watermark_alone)
     SQLStore(pg_url).close()
     reader = CompletionMemory.open(pg_url, embedder=HashEmbedder(), sync_interval_s=0.0,
                                    check_interval_s=3600)

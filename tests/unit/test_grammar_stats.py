@@ -20,8 +20,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from agentspec.decoding import verify as verify_module
 from agentspec.config import SamplingParams
+from agentspec.decoding import verify as verify_module
 from agentspec.decoding.loop import decode
 from agentspec.decoding.sampling import logits_to_probs
 from agentspec.grammar import Grammar
@@ -90,7 +90,7 @@ class TableTarget:
     def holds(self, tokens: list[int]) -> bool:
         return True
 
-    def score(self, last_token: int, draft: Draft) -> torch.Tensor:
+    def score(self, last_token: int, draft: Draft, *, keep_hidden: bool = False) -> torch.Tensor:
         base = tuple(self.committed[1:])  # the generated tokens (the prompt is one token)
         prefixes: list[tuple[int, ...]] = []
         for i, p in enumerate(draft.parents):

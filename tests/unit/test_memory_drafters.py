@@ -10,7 +10,7 @@ from agentspec.memory.completion import CompletionMemory
 from agentspec.memory.embedder import HashEmbedder
 from agentspec.protocols import DraftContext
 from agentspec.stores import InMemoryStore
-from agentspec.types import Verdict
+from agentspec.types import Finished, Verdict
 
 KEY = "system: tools ls, cd\nuser: list the files in my home folder"
 
@@ -79,6 +79,9 @@ def test_accepted_tokens_are_credited_to_their_record(memory):
     c.tokens += [10, 11, 99]
     drafter.observe(c, draft, Verdict((0, 1), (10, 11), 99))
     drafter.end(c)
+    assert c.credits == {(drafter.memory, rid): 2}  # the request's credits, for its end
+    assert memory.store.get(rid).accepted_tokens == 0
+    memory.finish(Finished("s", "m", "r", KEY, "", (), remember=False, credits=((rid, 2),)))
     assert memory.store.get(rid).accepted_tokens == 2
 
 
@@ -142,7 +145,8 @@ def test_the_speculator_drafts_from_as_many_neighbours_as_its_config_names(memor
         fingerprint = "m"
 
     spec = object.__new__(Speculator)
-    spec.memory, spec.target, spec.draft_model = memory, Target(), None
+    spec.memory = spec._memory = memory
+    spec.target, spec.draft_model = Target(), None
     spec.config = SpecConfig(memory_neighbours=3, draft_head=False)
     drafters = Speculator._default_drafters(spec)
     assert [d.k for d in drafters if isinstance(d, MemoryDrafter)] == [3]

@@ -127,7 +127,7 @@ class _FakeTarget:
     def start(self, prompt):
         pass
 
-    def score(self, last, draft):
+    def score(self, last, draft, *, keep_hidden=False):
         self.scored.append(draft.num_nodes + 1)
         return torch.zeros(draft.num_nodes + 1, self.vocab_size)
 
