@@ -34,7 +34,7 @@ from agentspec.session import Session, current_session, tool_loop
 from agentspec.stream import Stream
 from agentspec.text import Prompt, TextDeltas, encode_prompt
 from agentspec.turns import Turns
-from agentspec.types import Finished, Generation, GenerationStats
+from agentspec.types import Finished, Generation, GenerationStats, Record
 
 
 @dataclass
@@ -293,12 +293,12 @@ class Speculator:
             credits.setdefault(id(memory), (memory, []))[1].append((record_id, accepted))
         if remember:
             credits.setdefault(id(self._memory), (self._memory, []))  # type: ignore[arg-type]
+        row = Record(scope=request.scope, model=self.target.fingerprint, request_text=request.text,
+                     key_text=request.key_text,
+                     completion_text="" if generation is None else generation.text,
+                     completion_ids=tuple(ids))
         for memory, own in credits.values():
-            done = Finished(scope=request.scope, model=self.target.fingerprint,
-                            request_text=request.text, key_text=request.key_text,
-                            completion_text="" if generation is None else generation.text,
-                            completion_ids=tuple(ids), credits=tuple(own),
-                            remember=remember and memory is self._memory)
+            done = Finished(row, credits=tuple(own), remember=remember and memory is self._memory)
             try:
                 written = memory.finish(done, behind=self.config.write_behind)
             except Exception as e:  # an accelerator's fault: the generation is done and exact

@@ -224,18 +224,12 @@ class Finished:
     (:meth:`agentspec.protocols.Memory.finish`).
 
     Attributes:
-        scope, model, request_text, key_text, completion_text, completion_ids: the completion
-            to remember, as :class:`Record` holds it.
+        record: the request's completion (no id, no embedding yet).
         remember: whether to record it (the call's ``record``; an empty completion is not).
         credits: ``(record id, accepted tokens)``: how many of this request's accepted draft
             tokens each remembered completion drafted (the memory's LRU and statistics).
     """
 
-    scope: str
-    model: str
-    request_text: str
-    key_text: str
-    completion_text: str
-    completion_ids: tuple[int, ...]
+    record: Record
     remember: bool
     credits: tuple[tuple[int, int], ...] = ()

@@ -176,12 +176,13 @@ class CompletionMemory:
         credit = self.credit_behind if behind else self.credit
         for record_id, accepted in done.credits:
             credit(record_id, accepted)
-        if not (done.remember and done.completion_ids):
+        row = done.record
+        if not (done.remember and row.completion_ids):
             return -1
         write = self.record_behind if behind else self.record
-        return write(scope=done.scope, model=done.model, request_text=done.request_text,
-                     key_text=done.key_text, completion_text=done.completion_text,
-                     completion_ids=done.completion_ids)
+        return write(scope=row.scope, model=row.model, request_text=row.request_text,
+                     key_text=row.key_text, completion_text=row.completion_text,
+                     completion_ids=row.completion_ids)
 
     def record_behind(self, *, scope: str, model: str, request_text: str, key_text: str,
                       completion_text: str, completion_ids: Sequence[int]) -> Future[int]:

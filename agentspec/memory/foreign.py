@@ -62,11 +62,12 @@ class ForeignMemory:
             for record_id, accepted in done.credits:
                 self._credit(record_id, accepted)
         write = self._record_behind if behind and self._record_behind is not None else self._record
-        if not (done.remember and done.completion_ids) or write is None:
+        row = done.record
+        if not (done.remember and row.completion_ids) or write is None:
             return -1
-        return write(scope=done.scope, model=done.model, request_text=done.request_text,  # type: ignore[no-any-return]
-                     key_text=done.key_text, completion_text=done.completion_text,
-                     completion_ids=list(done.completion_ids))
+        return write(scope=row.scope, model=row.model, request_text=row.request_text,  # type: ignore[no-any-return]
+                     key_text=row.key_text, completion_text=row.completion_text,
+                     completion_ids=list(row.completion_ids))
 
     def prefetch(self, key_text: str) -> None:
         if self._prefetch is not None:

@@ -10,7 +10,7 @@ from agentspec.memory.completion import CompletionMemory
 from agentspec.memory.embedder import HashEmbedder
 from agentspec.protocols import DraftContext
 from agentspec.stores import InMemoryStore
-from agentspec.types import Finished, Verdict
+from agentspec.types import Finished, Record, Verdict
 
 KEY = "system: tools ls, cd\nuser: list the files in my home folder"
 
@@ -81,7 +81,7 @@ def test_accepted_tokens_are_credited_to_their_record(memory):
     drafter.end(c)
     assert c.credits == {(drafter.memory, rid): 2}  # the request's credits, for its end
     assert memory.store.get(rid).accepted_tokens == 0
-    memory.finish(Finished("s", "m", "r", KEY, "", (), remember=False, credits=((rid, 2),)))
+    memory.finish(Finished(Record("s", "m", "r", KEY, "", ()), remember=False, credits=((rid, 2),)))
     assert memory.store.get(rid).accepted_tokens == 2
 
 

@@ -71,8 +71,8 @@ def test_a_bad_request_is_refused_naming_the_value(prompt, max_new, match):
 
 
 def _done(**kw) -> Finished:
-    base = dict(scope="s", model="m", request_text="r", key_text="k", completion_text="c",
-                completion_ids=(1, 2), remember=True, credits=((7, 3), (9, 1)))
+    base = dict(record=Record("s", "m", "r", "k", "c", (1, 2)), remember=True,
+                credits=((7, 3), (9, 1)))
     return Finished(**{**base, **kw})
 
 
