@@ -88,16 +88,17 @@ def timing(clock: PhaseClock, targets: Sequence[Any] = ()) -> Iterator[PhaseCloc
     from agentspec.drafters.chain import DrafterChain
     from agentspec.grammar.state import GrammarState
     from agentspec.memory.completion import CompletionMemory
+    from agentspec.memory.worker import KeyVectors, Worker
 
     spots: list[tuple[Any, str, str]] = [
         (untrusted, "sanitize", "sanitize"), (decode, "verify", "verify"),
         (GrammarState, "__init__", "grammar.setup"), (GrammarState, "constrain", "grammar.constrain"),
         (GrammarState, "advance", "grammar.advance"),
-        (CompletionMemory, "lookup", "memory.lookup"), (CompletionMemory, "_embed", "memory.embed"),
+        (CompletionMemory, "lookup", "memory.lookup"), (KeyVectors, "get", "memory.embed"),
         (CompletionMemory, "record", "memory.record"), (CompletionMemory, "credit", "memory.credit"),
         (CompletionMemory, "record_behind", "memory.record_behind"),
         (CompletionMemory, "credit_behind", "memory.credit_behind"),
-        (CompletionMemory, "_settle", "memory.settle"),
+        (Worker, "settle", "memory.settle"),
     ]
     spots += [(DrafterChain, m, f"drafting.{m}") for m in ("begin", "propose", "observe", "end")]
     for target in targets:
