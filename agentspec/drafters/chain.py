@@ -131,7 +131,8 @@ class DrafterChain:
         self.acceptance = {d.name: Acceptance(PRIORS.get(d.name, 0.5)) for d in self.drafters}
         # Per source: how often a tree's alternative branch was right where its first was wrong.
         self.alternatives = {d.name: Acceptance(ALTERNATIVE_PRIOR) for d in self.drafters}
-        # Seconds a drafter takes to propose (running mean; lookups ~1e-4, a model ~a forward).
+        # Seconds a drafter takes to propose (running mean: a lookup costs far less than a
+        # model drafter, whose proposal is forwards of its own).
         self.propose_seconds = {d.name: 0.0 for d in self.drafters}
         self._skipped = {d.name: 0 for d in self.drafters}
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Measured on the 2-core CPU with SmolLM2-135M at 1,024 tokens of context (agentspec's own
-# verification forward: buffered KV, GQA attention, weight-first head): forward seconds by
-# tokens scored. Not a line: 2-3 tokens can cost more than 4-8, and the step from 8 to 12
-# tokens is large, so the policy sizes drafts from measured points, not a fitted slope.
+# The fallback curve: forward seconds by tokens scored, as measured for SmolLM2-135M at 1,024
+# tokens of context on a 2-core CPU (BENCHMARKS.md). A curve is not a line (a few tokens can
+# cost more than a few more, and widths step), so the policy sizes drafts from measured
+# points, not a fitted slope; a target's own curve is measured and cached (measure_cost).
 DEFAULT_COST_POINTS = ((1, 0.0724), (2, 0.0788), (3, 0.0920), (4, 0.0747), (6, 0.0784),
                        (8, 0.0817), (12, 0.1225), (16, 0.1247), (24, 0.1556), (32, 0.1850),
                        (48, 0.2354), (64, 0.2657))

@@ -120,8 +120,8 @@ class CompletionMemory:
 
     def warmup(self) -> None:
         """Do the memory's one-time work now rather than in the first lookup: load the embedder
-        and the vector index library (importing faiss alone takes about 0.25 s on a 2-core
-        CPU, which the first request of a fresh process would otherwise pay)."""
+        and the vector index library (importing faiss is slow, and the first request of a
+        fresh process would otherwise pay for it)."""
         warm = getattr(self.embedder, "warmup", None)  # an embedder of the user's may have none
         if callable(warm):
             warm()

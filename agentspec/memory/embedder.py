@@ -46,19 +46,18 @@ class MiniLMEmbedder:
     The model sees the last ``max_chars`` characters of each text: of a conversation key
     (:func:`agentspec.text.conversation_key`), its latest turns. Within a scope every request
     shares the system prompt and tool docs, so the latest turns are what tells requests apart;
-    300 characters are 25-100 word pieces, well inside the model's 256, and embed in 5-12 ms
-    where the 256 word pieces of a 1,000-character head-and-tail cut took 23 ms (and, for
+    300 characters are 25-100 word pieces, well inside the model's 256, and embed several
+    times faster than a head-and-tail cut of 1,000 characters (whose word pieces, for
     JSON-heavy docs, were filled before the request at the end was reached).
 
-    The weights run in float32 whatever the files hold (float16 weights on a CPU took 3-5x
-    as long per text); the same key's vectors on an H100 and on its CPU differed by at most
-    6e-8 in cosine, so machines sharing one memory agree whichever device each embeds on.
+    The weights run in float32 whatever the files hold (float16 weights are slower on a
+    CPU), and the same key's vectors on a GPU and on its CPU agree to float32 rounding, so
+    machines sharing one memory agree whichever device each embeds on (BENCHMARKS.md).
 
     One text (a lookup's key) runs through :class:`agentspec.memory.minilm.OneTextForward`: the same
     weights in a few plain tensor operations, without sentence-transformers' per-call host
-    work (4.1 ms against 5.4 for a 44-word-piece key on a 2-core CPU), and on CUDA as one CUDA
-    graph replay per call (1.2-1.6 ms a key on an H200, where ``encode`` took 5-8 ms). Several
-    texts go through ``encode``. Both give the same vector to float32 rounding.
+    work, and on CUDA as one CUDA graph replay per call (BENCHMARKS.md has the timings).
+    Several texts go through ``encode``. Both give the same vector to float32 rounding.
 
     Args:
         device: torch device for the model; default CUDA where torch sees a GPU, else the
@@ -141,9 +140,9 @@ class MiniLMEmbedder:
 def _pack_linears(model: Any) -> None:
     """On the CPU, run the model's linear layers as oneDNN products on weights packed once
     (the engine's, :func:`agentspec.engine.forward.packed_linear`): PyTorch's default CPU product
-    re-packs a weight on every call, which dominates a one-text embedding (a 10-token key
-    took 9 ms, 5 ms packed; 200 tokens 35 ms, 30 ms). The vectors agree with the default
-    products to ~2e-7; a vector only chooses which remembered completions are drafted."""
+    re-packs a weight on every call, which dominates a one-text embedding. The vectors agree
+    with the default products to float32 rounding; a vector only chooses which remembered
+    completions are drafted."""
     import torch
 
     params = list(model.parameters())

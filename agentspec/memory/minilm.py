@@ -1,10 +1,9 @@
 """One text's MiniLM vector in a few plain tensor operations, replayed as a CUDA graph on a GPU.
 
-sentence-transformers' ``encode`` of one short text costs ~9 ms on an H100 machine whether the
-model sits on the GPU or its CPU: host work (feature dicts, transformers' mask and attention
-dispatch) and ~100 small kernels launched one by one. A memory lookup embeds exactly one key,
-and beside a 7 ms verification step that was the largest cost of a request the memory serves
-(BENCHMARKS, fifteenth and nineteenth sessions). :class:`OneTextForward` runs the same BERT
+sentence-transformers' ``encode`` of one short text pays host work (feature dicts,
+transformers' mask and attention dispatch) and ~100 small kernels launched one by one, on the
+GPU or its CPU alike. A memory lookup embeds exactly one key, and beside a GPU's verification
+step that was the largest cost of a request the memory serves (BENCHMARKS.md). :class:`OneTextForward` runs the same BERT
 (the loaded model's own weights and tokenizer) as embedding, six encoder layers, mean pooling
 and L2 normalisation written out once; on CUDA the input is padded to a bucket of 16-256 word
 pieces (padded keys masked out, padded rows left out of the mean) and each bucket's forward is
