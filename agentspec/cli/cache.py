@@ -301,7 +301,7 @@ def relabel(ctx: typer.Context,
             yes: YesOpt = False) -> None:
     """Give the records of fingerprint OLD the fingerprint NEW, for the same model.
 
-    A model's fingerprint changes when agentspec changes how it computes one (before 2026-11-24 it included the folder the model was loaded from): rows recorded under the old one are then never drafted from. `cache stats` lists the fingerprints in the store (the model's current one once a call has recorded under it; in Python, spec.target.fingerprint). A record that NEW already holds is merged into it.
+    A model's fingerprint changes when agentspec changes how it computes one (earlier releases included the folder the model was loaded from): rows recorded under the old one are then never drafted from. `cache stats` lists the fingerprints in the store (the model's current one once a call has recorded under it; in Python, spec.target.fingerprint). A record that NEW already holds is merged into it.
 
     Example: agentspec cache relabel smollm2-135m-instruct:d6a8aedd513fd07d smollm2-135m-instruct:056b35893f9ba05f --yes
     """
