@@ -383,7 +383,7 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
                   f"token-identical[/]; ran {summary['seconds']:.0f} s (model load "
                   f"{summary['load_seconds']:.0f} s); load average "
                   f"{' '.join(f'{x:.1f}' for x in summary['loadavg'])}")
-    how = "through the grammar" if summary["grammar"] else "free text (--no-grammar)"
+    how = "through the grammar" if summary["grammar"] else "as free text (--no-grammar)"
     console.print(f"tool calls {how}: {summary['malformed_calls']} malformed")
 
 
