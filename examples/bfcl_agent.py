@@ -7,7 +7,7 @@ the warm memory drafts whole completions. Outputs are token-identical (greedy), 
 
 Offline (model and tasks come from installed packages). This is ``agentspec demo`` as a
 library call; run ``python examples/bfcl_agent.py [--tasks 26] [--max-new-tokens 64]
-[--max-turns 1] [--max-calls-per-turn 2]``.
+[--max-turns 1] [--max-calls-per-turn 2] [--no-grammar]``.
 """
 
 from __future__ import annotations
@@ -24,9 +24,12 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-turns", type=int, default=None)
     parser.add_argument("--max-calls-per-turn", type=int, default=2)
+    parser.add_argument("--no-grammar", dest="grammar", action="store_false",
+                        help="free text instead of tool calls through the grammar")
     args = parser.parse_args()
     config = DemoConfig(tuple(args.tasks.split(",")), max_new_tokens=args.max_new_tokens,
-                        max_turns=args.max_turns, max_calls_per_turn=args.max_calls_per_turn)
+                        max_turns=args.max_turns, max_calls_per_turn=args.max_calls_per_turn,
+                        grammar=args.grammar)
     summary = run_demo(config)  # cold pass (empty memory), then warm pass
     print_summary(summary)
     cold, warm = summary["passes"]["cold"], summary["passes"]["warm"]
