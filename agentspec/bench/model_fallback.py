@@ -24,38 +24,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from agentspec.bench.prompts import ALL_PROMPTS
 from agentspec.config import SamplingParams
 from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
-from agentspec.engine.load import load_target, resolve_model_dir
+from agentspec.engine.load import load_layer_skip, load_target
 from agentspec.engine.target import HFTarget
 from agentspec.speculator import Speculator
 
 GREEDY = SamplingParams(temperature=0.0)
 # Prompts sized for the 2-core CPU: grounded and open-ended ones.
 DEFAULT_PROMPTS = (2, 3, 8, 10, 13)
-
-
-def layer_skip_draft(source: str, out_dir: Path, keep: Sequence[int]) -> HFTarget:
-    """A draft model sharing ``source``'s tokenizer: its decoder layers ``keep`` only, saved to
-    ``out_dir`` and loaded back (so every layer index and the config agree)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _, path = resolve_model_dir(source)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    layers = model.model.layers
-    if not keep or max(keep) >= len(layers) or min(keep) < 0:
-        raise ValueError(f"keep must name layers in [0, {len(layers)}), got {list(keep)}")
-    model.model.layers = torch.nn.ModuleList([layers[i] for i in keep])
-    model.config.num_hidden_layers = len(keep)
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = [model.config.layer_types[i] for i in keep]
-    model.save_pretrained(str(out_dir))
-    AutoTokenizer.from_pretrained(str(path)).save_pretrained(str(out_dir))
-    return load_target(str(out_dir))
 
 
 def as_text(prompt: Any) -> str:
@@ -141,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                          [as_text(p) for p in prompts], args.max_new_tokens, print)
     if "same" in args.pairs:
         with tempfile.TemporaryDirectory() as tmp:
-            draft = layer_skip_draft("smollm2-135m-instruct", Path(tmp) / "draft", keep)
+            draft = load_layer_skip("smollm2-135m-instruct", Path(tmp) / "draft", keep)
             rows += run_pair(f"smollm2 <- smollm2 layers {args.keep_layers} (tokens)",
                              systems(smollm, draft), prompts, args.max_new_tokens, print)
     print(table(rows))

@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import json
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,3 +176,27 @@ def give_turn_format(entry: PackagedModel, model: Any, tokenizer: Any) -> None:
     stops = [eos] if isinstance(eos, int) else list(eos or ())
     if isinstance(end, int) and end != tokenizer.unk_token_id and end not in stops:
         model.generation_config.eos_token_id = stops + [end]
+
+
+def load_layer_skip(source: str, out_dir: Path, keep: Sequence[int]) -> HFTarget:
+    """A cheaper model on ``source``'s tokenizer, for a draft model: ``source``'s decoder
+    layers ``keep`` only, saved to ``out_dir`` and loaded back (so every layer index and the
+    config agree). ``source`` as :func:`load_target` takes it.
+
+    Raises:
+        ValueError: ``keep`` is empty or names a layer the model does not have.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, path = resolve_model_dir(source)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    layers = model.model.layers
+    if not keep or max(keep) >= len(layers) or min(keep) < 0:
+        raise ValueError(f"keep must name layers in [0, {len(layers)}), got {list(keep)}")
+    model.model.layers = torch.nn.ModuleList([layers[i] for i in keep])
+    model.config.num_hidden_layers = len(keep)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i] for i in keep]
+    model.save_pretrained(str(out_dir))
+    AutoTokenizer.from_pretrained(str(path)).save_pretrained(str(out_dir))
+    return load_target(str(out_dir))

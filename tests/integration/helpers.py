@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-from agentspec.engine.load import load_target, resolve_model_dir
+from agentspec.engine.load import load_target
 from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
 from agentspec.types import Draft, Verdict
@@ -124,17 +122,3 @@ def tree_equals_chains(target: HFTarget, prompt_ids: list[int], tokens: tuple[in
     return compared
 
 
-def layer_skip_target(source: str, out_dir: Path, keep: Sequence[int]) -> HFTarget:
-    """A cheaper model on ``source``'s tokenizer: its decoder layers ``keep`` only, saved to
-    ``out_dir`` and loaded back (so every layer index and the config agree)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _, path = resolve_model_dir(source)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    model.model.layers = torch.nn.ModuleList([model.model.layers[i] for i in keep])
-    model.config.num_hidden_layers = len(keep)
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = [model.config.layer_types[i] for i in keep]
-    model.save_pretrained(str(out_dir))
-    AutoTokenizer.from_pretrained(str(path)).save_pretrained(str(out_dir))
-    return load_target(str(out_dir))

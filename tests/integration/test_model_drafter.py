@@ -27,13 +27,14 @@ from agentspec.decoding.loop import decode
 from agentspec.decoding.sampling import logits_to_probs
 from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.policy import CostModel
+from agentspec.engine.load import load_layer_skip
 from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
 from agentspec.types import Draft
 from tests.prompts import ALL_PROMPTS
 from tests.stats import p_value
 
-from .helpers import cached_target, layer_skip_target
+from .helpers import cached_target
 
 V, LENGTH, PROMPT, ALPHA = 5, 3, (1, 2, 3), 1e-3
 # Drafting looks free under this cost model, so the chain keeps the model's draft every step
@@ -146,7 +147,7 @@ def test_greedy_drafts_are_point_masses(tiny_pair):
 def skip_layer_draft(tmp_path_factory) -> HFTarget:
     """SmolLM2 with 12 of its 30 layers: the same tokenizer, a different (cheaper) model."""
     out: Path = tmp_path_factory.mktemp("draft") / "smollm2-skip"
-    return layer_skip_target("smollm2-135m-instruct", out, [*range(8), *range(26, 30)])
+    return load_layer_skip("smollm2-135m-instruct", out, [*range(8), *range(26, 30)])
 
 
 @pytest.mark.slow

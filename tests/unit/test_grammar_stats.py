@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from agentspec.config import SamplingParams
 from agentspec.decoding import verify as verify_module
@@ -29,6 +28,7 @@ from agentspec.grammar.state import GrammarState
 from agentspec.protocols import DraftContext
 from agentspec.tree import depths
 from agentspec.types import Draft
+from tests.stats import p_value as chi_square_p
 
 pytest.importorskip("llguidance")
 
@@ -175,18 +175,14 @@ def sample_outputs(verifier: Any, draws: int, monkeypatch: pytest.MonkeyPatch) -
 
 
 def p_value(counts: dict[Any, int], exact: dict[tuple[int, ...], float]) -> float:
+    """The chi-square fit of output ``counts`` to the ``exact`` distribution; 0 where an
+    output of probability zero was drawn."""
     keys = sorted(set(exact) | set(counts), key=str)
-    total = sum(counts.values())
     obs = np.array([counts.get(k, 0) for k in keys], dtype=float)
-    exp = np.array([exact.get(k, 0.0) * total for k in keys])
-    if (obs[exp == 0] > 0).any():  # an output of probability zero: not the target's
+    probs = np.array([exact.get(k, 0.0) for k in keys])
+    if (obs[probs == 0] > 0).any():  # an output of probability zero: not the target's
         return 0.0
-    keep = exp >= 5
-    obs2 = np.append(obs[keep], obs[~keep].sum())
-    exp2 = np.append(exp[keep], exp[~keep].sum())
-    if exp2[-1] == 0:
-        obs2, exp2 = obs2[:-1], exp2[:-1]
-    return float(chisquare(obs2, exp2 * obs2.sum() / exp2.sum()).pvalue)
+    return chi_square_p(obs, probs)
 
 
 @functools.cache
