@@ -1,10 +1,8 @@
 """Run the examples at their own budgets (each loads the packaged model once).
 
-Under ``make test`` (one torch thread per worker): quickstart 18 s and langchain_agent 12 s at
-their defaults (with 8-token budgets, 10 s each standalone: the model load dominates);
-bfcl_agent 57 s on one task at its default budgets (64 tokens, 2 calls per turn, every turn;
-36 s standalone on 2 threads). Its two default tasks take 78 s standalone and check nothing
-more: the other task's agent answers in text.
+quickstart and langchain_agent run at their defaults (the model load dominates either way).
+bfcl_agent runs its default budgets on one task, the one whose agent calls a tool: its other
+default task would double the time and check nothing more (that agent answers in text).
 """
 
 from __future__ import annotations
