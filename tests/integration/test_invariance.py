@@ -159,14 +159,21 @@ def test_no_draft_changes_the_output(dtype_name, tmp_path):
         assert not differing, f"{name} ({dtype_name}) changed prompts {differing}"
 
 
+# Draft tokens verified in one forward: more than 32, where some CPUs' bf16 products change
+# kernels (AMX machines: a row's bits at 33 rows differ from its own; others from 4 rows).
+CHAIN = 40
+
+
 def _rows_alone_and_verified(target_kw: dict, dtype_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     spec = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST)
     prompt = spec.encode(PROMPTS[0])
-    chain = list(_plain_output(dtype_name, 0)[:10])
+    # The plain output, then the prompt's opening again: any tokens serve, each row is
+    # compared with the same row scored alone.
+    chain = [*_plain_output(dtype_name, 0), *prompt][:CHAIN]
     target = _fresh(dtype_name, **target_kw)
     target._widths_checked = True
     target.start(prompt)
-    verified = target.score(prompt[-1], Draft.chain(chain, "ref")).clone()  # [11, vocab_size]
+    verified = target.score(prompt[-1], Draft.chain(chain, "ref")).clone()  # [CHAIN + 1, vocab_size]
     alone = []
     for i in range(len(chain) + 1):
         ids = prompt + chain[:i]
@@ -228,19 +235,22 @@ def _prefill_keys(target: HFTarget, ids: list[int]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
 def test_wide_prefill_chunks_write_the_rows_decode_widths_write(dtype_name):
-    """A prompt prefilled in 256-row chunks and a last one at the narrowest prefill width that
-    holds it has the same KV bits as one prefilled in 64-row chunks (the rows a decode-width
-    forward writes, which a later call may reuse); the model's own one-forward prefill,
-    another reduction order, does not."""
+    """A prompt prefilled in chunks of the widest prefill width the width check kept, and a
+    last one at the narrowest width that holds it, has the same KV bits as one prefilled in
+    the decode widths' chunks (the rows a decode-width forward writes, which a later call may
+    reuse); the model's own one-forward prefill, another reduction order, does not."""
     spec = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST)
     ids = spec.encode(PROMPTS[-1])
-    assert len(ids) > 256 + 64  # a 256 chunk, then the rest in a prefill-width one
     wide = _fresh(dtype_name)
     narrow = _fresh(dtype_name, prefill_widths=())
-    assert wide.check_widths() and wide.prefill_widths == CPU_PREFILL_WIDTHS
+    assert wide.check_widths() and set(wide.prefill_widths) <= set(CPU_PREFILL_WIDTHS)
+    if not wide.prefill_widths:
+        pytest.skip(f"this CPU computes no prefill width's rows in the decode widths' order "
+                    f"in {dtype_name}: prompts are prefilled in decode widths only")
+    widest = wide.prefill_widths[-1]
+    assert len(ids) > widest + 64  # a widest chunk, then the rest in a narrower one
     keys = _prefill_keys(wide, ids)
-    assert 256 in wide._forwards and not any(w > 64 for w in narrow._forwards)
-    assert len(wide._forwards.keys() & set(CPU_PREFILL_WIDTHS)) >= 2  # 256 and the last chunk's
+    assert widest in wide._forwards and not any(w > 64 for w in narrow._forwards)
     ref = _prefill_keys(narrow, ids)
     assert all(torch.equal(a, b) for a, b in zip(keys, ref, strict=True))
     # The deliberately wrong prefill: transformers' own forward over the whole prompt.
