@@ -50,6 +50,7 @@ class _Run:
     text: str = ""
     finish_reason: str = "length"
     cached_tokens: int = 0
+    first_token_seconds: float = 0.0
 
     def count(self, step: Step) -> None:
         self.steps += 1
@@ -66,7 +67,8 @@ class _Run:
                                prompt_tokens=self.prompt_len,
                                seconds=time.perf_counter() - self.started,
                                drafted=dict(self.drafted), accepted=dict(self.accepted),
-                               cached_tokens=self.cached_tokens)
+                               cached_tokens=self.cached_tokens,
+                               first_token_seconds=self.first_token_seconds)
 
 
 class Speculator:
@@ -333,6 +335,7 @@ class Speculator:
             step = next(steps, None)
             if run.steps == 0:
                 run.cached_tokens = self.target.reused_tokens
+                run.first_token_seconds = time.perf_counter() - run.started
             return step
 
     def session(self, name: str, *, scope: str = "default") -> Session:

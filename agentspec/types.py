@@ -117,7 +117,9 @@ class GenerationStats:
     """Counters of one generation (or a sum of several).
 
     ``steps`` counts target forward passes after the prefill; ``drafted``/``accepted`` count
-    draft tokens by source.
+    draft tokens by source; ``first_token_seconds`` is the time from the call's start to its
+    first committed token (the prompt's prefill and the first step; summed, like ``seconds``,
+    over calls).
     """
 
     steps: int = 0
@@ -129,6 +131,7 @@ class GenerationStats:
     # Prompt tokens whose KV rows were not computed by this call: the prefix shared with the
     # target's last call, or restored from its prefix cache.
     cached_tokens: int = 0
+    first_token_seconds: float = 0.0
 
     @property
     def tokens_per_step(self) -> float:
@@ -158,6 +161,7 @@ class GenerationStats:
             drafted=merge(self.drafted, other.drafted),
             accepted=merge(self.accepted, other.accepted),
             cached_tokens=self.cached_tokens + other.cached_tokens,
+            first_token_seconds=self.first_token_seconds + other.first_token_seconds,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -167,6 +171,7 @@ class GenerationStats:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "seconds": self.seconds,
+            "first_token_seconds": self.first_token_seconds,
             "tokens_per_step": self.tokens_per_step,
             "tokens_per_second": self.tokens_per_second,
             "drafted_by_source": dict(self.drafted),

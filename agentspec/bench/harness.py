@@ -81,9 +81,11 @@ class SpecSystem:
         gen = self.spec.generate(prompt_of(item), max_new_tokens, **kwargs)
         seconds = time.perf_counter() - started
         stats = gen.stats
+        # The generation's own clock starts after the prompt is encoded; the bench's before.
+        first = stats.first_token_seconds + (seconds - stats.seconds)
         return Outcome(cut_at_stop(gen.token_ids, self.spec.stop_token_ids)[0], seconds,
                        stats.steps, dict(stats.drafted_by_source), dict(stats.accepted_by_source),
-                       gen.text, stats.cached_tokens)
+                       gen.text, stats.cached_tokens, first)
 
 
 def build_systems(target: Any, config: BenchConfig, db_url: str,

@@ -38,7 +38,15 @@ class HFSystem:
         self.prompt_lookup = prompt_lookup
 
     def run(self, item: WorkloadItem, max_new_tokens: int, seed: int | None) -> Outcome:
-        kwargs = self._kwargs(max_new_tokens, seed)
+        new, seconds = self._call(item, self._kwargs(max_new_tokens, seed))
+        # Time to first token: the same call cut to one token, timed apart (a streamer inside
+        # the measured call would add a host sync per token to transformers' loop).
+        _, first = self._call(item, self._kwargs(1, seed))
+        return Outcome(cut_at_stop(new, self.spec.stop_token_ids)[0], seconds,
+                       first_token_seconds=first)
+
+    def _call(self, item: WorkloadItem, kwargs: dict[str, Any]) -> tuple[list[int], float]:
+        """One timed call: tokenisation and ``generate``; the new ids and its seconds."""
         started = time.perf_counter()
         ids = self.spec.encode(prompt_of(item))
         grammar = grammar_of(item)
@@ -49,8 +57,7 @@ class HFSystem:
                 grammar, self.spec.tokenizer, vocab_size=self.spec.target.vocab_size,
                 eos_ids=sorted(self.spec.stop_token_ids), prompt_len=len(ids))]
         new = self._generate(ids, kwargs)
-        seconds = time.perf_counter() - started
-        return Outcome(cut_at_stop(new, self.spec.stop_token_ids)[0], seconds)
+        return new, time.perf_counter() - started
 
     def _kwargs(self, max_new_tokens: int, seed: int | None) -> dict[str, Any]:
         import torch

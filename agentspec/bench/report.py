@@ -4,7 +4,10 @@ and a plot.
 ``speedup`` is a system's tokens/s over ``hf-greedy``'s tokens/s on the same requests;
 ``median_speedup`` is the median over requests of the same ratio per request. With
 temperature 0, ``exact_match`` is the fraction of requests whose output (token ids cut before
-the first stop token) equals ``hf-greedy``'s. With temperature > 0 outputs are random, so a
+the first stop token) equals ``hf-greedy``'s. ``first_token_ms`` (the table's ``TTFT ms``) is the median
+over requests of the time to a call's first new token: tokenisation, the prompt's prefill and
+the first step (transformers' systems: the same call cut to one token, timed apart; an
+agentspec system's prefill skips what its KV or prefix cache holds, as a user's call does). With temperature > 0 outputs are random, so a
 distribution check stands in for it (see :func:`distribution_check`).
 """
 
@@ -59,6 +62,10 @@ def system_totals(requests: tuple[RequestResult, ...], name: str) -> dict[str, A
         "median_speedup": round(statistics.median(request_speedup(r, name) for r in requests), 3)
         if requests else None,
     }
+    firsts = [o.first_token_seconds for o in outs if o.first_token_seconds is not None]
+    # Time to first token: tokenisation, the prompt's prefill (less what the KV held) and
+    # the first step; the median over requests, in milliseconds.
+    row["first_token_ms"] = round(1000 * statistics.median(firsts), 1) if firsts else None
     if outs and outs[0].steps is not None:
         steps = sum(o.steps or 0 for o in outs)
         row["steps"] = steps
@@ -258,7 +265,7 @@ def write_json(summary: dict[str, Any], path: Path) -> None:
 
 
 # --- rendering -------------------------------------------------------------------------------
-_COLUMNS = ("system", "tokens", "seconds", "tok/s", "speedup", "median", "tok/step",
+_COLUMNS = ("system", "tokens", "seconds", "tok/s", "speedup", "median", "TTFT ms", "tok/step",
             "accepted (pl/mem/sfx)", "exact", "= plain")
 
 
@@ -272,6 +279,7 @@ def table_rows(summary: dict[str, Any]) -> list[list[str]]:
         rows.append([
             name, str(s["new_tokens"]), f"{s['seconds']:.1f}", f"{s['tokens_per_second']:.1f}",
             f"{s['speedup']:.2f}x", f"{s['median_speedup']:.2f}x",
+            f"{s['first_token_ms']:.0f}" if s.get("first_token_ms") is not None else "-",
             f"{s['tokens_per_step']:.2f}" if s.get("tokens_per_step") else "-",
             "/".join(str(acc.get(k, 0)) for k in SOURCES) if acc else "-",
             f"{exact:.2f}" if exact is not None else

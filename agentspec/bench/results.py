@@ -78,6 +78,8 @@ class Outcome:
         text: the output text (agentspec only).
         cached_tokens: prompt tokens whose KV rows the call did not compute (held from the
             call before or restored from the prefix cache; agentspec only).
+        first_token_seconds: from the call's start to its first new token (tokenisation,
+            prefill, the first step); None where the system does not say.
     """
 
     token_ids: tuple[int, ...]
@@ -87,6 +89,7 @@ class Outcome:
     accepted: dict[str, int] = field(default_factory=dict)
     text: str | None = None
     cached_tokens: int = 0
+    first_token_seconds: float | None = None
 
 
 class System(Protocol):

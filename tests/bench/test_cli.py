@@ -202,8 +202,11 @@ def test_end_to_end_on_a_tiny_workload(tmp_path: Path) -> None:
     assert summary["exact_match"] == {n: 1.0 for n in bench_cli.SYSTEMS[1:]}
     for name, s in summary["systems"].items():
         assert s["new_tokens"] > 0 and s["tokens_per_second"] > 0, name
+        # time to first token: some of a call (6 tokens here), never more than all of it
+        per_call_ms = 1000 * s["seconds"] / summary["measured_requests"]
+        assert 0 < s["first_token_ms"] < 2 * per_call_ms, name
     assert summary["systems"]["hf-greedy"]["speedup"] == 1.0
     assert set(summary["systems"]["agentspec"]["accepted_by_source"]) >= {"memory", "prompt_lookup"}
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "agentspec-plain" in md.read_text()
-    assert "exact" in res.stdout  # the rich table
+    assert "exact" in res.stdout and "TTFT ms" in res.stdout  # the rich table

@@ -112,6 +112,7 @@ def test_a_call_ends_in_one_exit_credits_then_record_and_an_abandoned_one_credit
     assert list(out.token_ids) == references[0]
     accepted = out.stats.accepted.get("memory", 0)
     assert accepted > 0
+    assert 0 < out.stats.first_token_seconds < out.stats.seconds  # the first step of several
     assert listening.heard == [("credit", 7, accepted), ("record", tuple(references[0]))]
     listening.heard.clear()
     stream = speculator.stream(PROMPTS[0], MAX_NEW)

@@ -108,3 +108,11 @@ def test_record_into_a_real_completion_memory() -> None:
     api_model([{"role": "user", "content": "one"}])
     (rec, _score), = memory.lookup("user: one", scope="warm", model="m:1")
     assert rec.completion_text == "SELECT 1;" and rec.completion_ids == tuple(ord(c) for c in "SELECT 1;")
+
+
+def test_first_token_seconds_add_up_like_seconds():
+    from agentspec.types import GenerationStats
+
+    a = GenerationStats(steps=2, new_tokens=4, seconds=1.0, first_token_seconds=0.25)
+    b = GenerationStats(steps=1, new_tokens=1, seconds=0.5, first_token_seconds=0.5)
+    assert (a + b).first_token_seconds == 0.75 and (a + b).as_dict()["first_token_seconds"] == 0.75
