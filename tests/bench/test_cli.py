@@ -209,4 +209,4 @@ def test_end_to_end_on_a_tiny_workload(tmp_path: Path) -> None:
     assert set(summary["systems"]["agentspec"]["accepted_by_source"]) >= {"memory", "prompt_lookup"}
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "agentspec-plain" in md.read_text()
-    assert "exact" in res.stdout and "TTFT ms" in res.stdout  # the rich table
+    assert "exact" in res.stdout and "TTFT" in res.stdout  # the rich table (headers may wrap)
