@@ -290,16 +290,16 @@ class Speculator:
         call: the generation is done and exact, a memory is an accelerator."""
         ids = () if generation is None else generation.token_ids
         remember = request.record and bool(ids) and self._memory is not None
-        credits: dict[int, tuple[Memory, list[tuple[int, int]]]] = {}
+        credits: dict[Memory, list[tuple[int, int]]] = {}  # each memory's own, by record id
         for (memory, record_id), accepted in sorted(context.credits.items(), key=lambda c: c[0][1]):
-            credits.setdefault(id(memory), (memory, []))[1].append((record_id, accepted))
-        if remember:
-            credits.setdefault(id(self._memory), (self._memory, []))  # type: ignore[arg-type]
+            credits.setdefault(memory, []).append((record_id, accepted))
+        if remember and self._memory is not None:
+            credits.setdefault(self._memory, [])
         row = Record(scope=request.scope, model=self.target.fingerprint, request_text=request.text,
                      key_text=request.key_text,
                      completion_text="" if generation is None else generation.text,
                      completion_ids=tuple(ids))
-        for memory, own in credits.values():
+        for memory, own in credits.items():
             done = Finished(row, credits=tuple(own), remember=remember and memory is self._memory)
             try:
                 written = memory.finish(done, behind=self.config.write_behind)

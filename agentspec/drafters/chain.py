@@ -171,11 +171,10 @@ class DrafterChain:
                 continue
             self._skipped[drafter.name] = 0
             started = time.perf_counter()
-            proposal = drafter.propose(context, max_tokens=max_tokens)
+            draft = drafter.propose(context, max_tokens=max_tokens)  # sanitised by the guard
             spent = self._timed(req, drafter.name, time.perf_counter() - started)
-            if proposal.num_nodes == 0:  # sanitized by the guard: a well-formed tree
+            if draft.num_nodes == 0:
                 continue
-            draft = proposal
             # A drafter may name a finer acceptance class for this proposal (the memory: a
             # candidate that has matched every generated token so far); the chain refines it
             # per node (:meth:`_node_keys`).
