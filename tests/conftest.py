@@ -8,6 +8,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from agentspec.engine.fused import interpret_without_gpu
+
+# Without CUDA the fused forward's Triton kernels run in Triton's interpreter, which must be
+# chosen before Triton is first imported (transformers' models import it through torch).
+interpret_without_gpu()
+
 PG_HINT = ("PostgreSQL tests need AGENTSPEC_TEST_PG_URL; to run them: "
            "AGENTSPEC_TEST_PG_URL=$(bash .ci/postgres.sh) make test")
 

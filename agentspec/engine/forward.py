@@ -20,12 +20,15 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from agentspec.engine.kv import FixedKV, live_keys, verifying_attention
+
+if TYPE_CHECKING:
+    from agentspec.engine.fused.llama import FusedLlama
 
 _PACKED: weakref.WeakKeyDictionary[Any, list[tuple[torch.nn.Module, Callable[..., Any]]]] = (
     weakref.WeakKeyDictionary())
@@ -150,11 +153,15 @@ class FixedForward:
         width: rows per forward.
         sliding_window: the model's window, when it has sliding-window layers (their mask
             also hides keys more than ``sliding_window - 1`` positions behind a query).
+        fused: run this fused forward (:mod:`agentspec.engine.fused`) instead of the model's
+            modules.
     """
 
     def __init__(self, model: Any, kv: FixedKV, width: int, *,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, fused: FusedLlama | None = None) -> None:
         self.model, self.kv, self.width, self.window = model, kv, width, sliding_window
+        self.fused = fused
+        self._scratch: tuple[torch.Tensor, ...] | None = None
         device = next(model.parameters()).device
         # Host staging (pinned on CUDA: faster copies to the device).
         pin = device.type == "cuda"
@@ -213,6 +220,12 @@ class FixedForward:
         """The forward on the staged inputs, eagerly, over the whole KV: what a CUDA graph
         records (:meth:`capture`; the bench counts its operations). Sets :attr:`logits`."""
         w = self.width
+        if self.fused is not None:
+            if self._scratch is None:
+                self._scratch = self.fused.scratch(w, self.kv.capacity)
+            self.logits = self.fused.forward(self._ins, self._anc, w, self.kv, self._scratch,
+                                             logits_to_keep)
+            return
         ids, depth, kv_len = self._ins[:w], self._ins[w : 2 * w], self._ins[2 * w]
         positions = kv_len + depth  # [width]
         self._slots.copy_(kv_len + self._rows)

@@ -35,6 +35,11 @@ CPU_WIDTHS = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 # call adds a tail (a user turn, a tool's result) to a prompt whose prefix is in the KV; the
 # widths between 96 and 256 keep a short tail from paying for a whole 256-row chunk.
 CPU_PREFILL_WIDTHS = (96, 128, 160, 192, 256)
+# The fused forward's widths (agentspec.engine.fused): its products are fixed tiles of 16 rows,
+# so every multiple of 16 computes a row's bits alike, and prompt chunks can be far wider than
+# steps. A graph is captured per width.
+FUSED_WIDTHS = (16, 32, 64)
+FUSED_PREFILL_WIDTHS = (128, 256, 512)
 
 
 def ordered_widths(widths: Sequence[int], name: str = "widths", shown: str | None = None) -> tuple[int, ...]:
@@ -102,6 +107,12 @@ class HFTarget:
             same bits as the widest of ``widths`` (:meth:`check_widths`). Default on the CPU
             :data:`CPU_PREFILL_WIDTHS` (a wide chunk costs far less per token than a 64-row
             one); none on CUDA, where a captured 64-row graph is cheap.
+        fused: the fused forward (:mod:`agentspec.engine.fused`: a Llama-family model in six
+            Triton kernels a layer instead of its modules): ``None`` (default) on CUDA where
+            the model is covered, falling back to the modules (with a warning) if its kernels
+            fail; ``True``: required (a clear error where the model is not covered; on the
+            CPU only under Triton's interpreter, for tests); ``False``: the modules. Its
+            default widths are :data:`FUSED_WIDTHS` and :data:`FUSED_PREFILL_WIDTHS`.
         prefix_cache_bytes: the budget of the prefix cache (:mod:`agentspec.engine.prefix`): rows
             of earlier calls that a new prompt would overwrite are kept, in blocks of 64
             tokens, and a later prompt that starts with them gets them back instead of
@@ -114,7 +125,7 @@ class HFTarget:
                  reuse_prefix: bool = True, widths: tuple[int, ...] | None = None,
                  cuda_graphs: bool = True,
                  prefill_widths: tuple[int, ...] | None = None,
-                 prefix_cache_bytes: int | None = None) -> None:
+                 prefix_cache_bytes: int | None = None, fused: bool | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.name = name
@@ -123,9 +134,23 @@ class HFTarget:
         cuda = self.device.type == "cuda"
         if not cuda:  # the engine's large CPU temporaries: reused, not mapped anew (engine.malloc)
             malloc.tune()
-        self.widths = ordered_widths(widths or ((64,) if cuda else CPU_WIDTHS))
+        self.fused = _fused_forward(model, fused, cuda)
+        default: tuple[int, ...]
+        default_wide: tuple[int, ...]
+        if self.fused is not None:
+            default, default_wide = FUSED_WIDTHS, FUSED_PREFILL_WIDTHS
+        else:
+            default, default_wide = ((64,), ()) if cuda else (CPU_WIDTHS, CPU_PREFILL_WIDTHS)
+        self.widths = ordered_widths(widths or default)
+        if self.fused is not None:
+            from agentspec.engine.fused import kernels
+
+            odd = [w for w in (*self.widths, *(prefill_widths or ())) if w % kernels.BLOCK_M]
+            if odd:
+                raise ValueError(f"the fused forward takes widths in multiples of "
+                                 f"{kernels.BLOCK_M}, got {odd}")
         self.cuda_graphs = cuda_graphs and cuda
-        wide = (() if cuda else CPU_PREFILL_WIDTHS) if prefill_widths is None else tuple(prefill_widths)
+        wide = default_wide if prefill_widths is None else tuple(prefill_widths)
         self.prefill_widths = ordered_widths([w for w in wide if w > self.widths[-1]],
                                              "prefill_widths", str(prefill_widths))
         self._kv_ids: list[int] = []  # the token ids whose rows the KV holds, in order
@@ -139,6 +164,8 @@ class HFTarget:
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self._fingerprint: str | None = None
+        self._fused_optional = fused is None
+        self._fused_ran = False
         self._kv: FixedKV | None = None
         self._kv_len = 0
         self._forwards: dict[int, FixedForward] = {}
@@ -156,7 +183,7 @@ class HFTarget:
         # numbers, so other attention paths verify chains);
         # sliding-window models also need a mask per layer type.
         attention = getattr(model.config, "_attn_implementation", None)
-        self.supports_trees = attention == "sdpa"
+        self.supports_trees = attention == "sdpa" or self.fused is not None
         if not self.supports_trees:
             warn_once(f"{name}: {attention} attention cannot take a tree mask; verifying chains only")
         if self.supports_trees and self.sliding_window is not None and not _takes_mask_dict(model):
@@ -227,6 +254,8 @@ class HFTarget:
             n = self.widths[0]
             ids = torch.randint(0, self.vocab_size, (n,), generator=gen).tolist()
             anc = np.tril(np.ones((n, n), dtype=bool))
+            if self.fused is not None:  # its first forward: one that fails falls back here
+                self._forward_rows(ids, list(range(n)), anc)
             rows = {w: self._forward_rows(ids, list(range(n)), anc, width=w) for w in self.widths}
             same = tuple(w for w in self.widths if torch.equal(rows[w], rows[self.widths[-1]]))
             if same != self.widths:
@@ -265,16 +294,40 @@ class HFTarget:
         forward = self._forwards.get(width)
         if forward is None:
             assert self._kv is not None
-            forward = FixedForward(self.model, self._kv, width, sliding_window=self.sliding_window)
+            forward = FixedForward(self.model, self._kv, width, sliding_window=self.sliding_window,
+                                   fused=self.fused)
             self._forwards[width] = forward
         forward.load(ids, depth, anc, self._kv_len)
-        if self.cuda_graphs and not forward.captured:
-            try:
-                forward.capture()
-            except RuntimeError as exc:  # the same forward still runs eagerly, just slower
-                warn_once(f"{self.name}: CUDA graph capture failed ({exc}); running eagerly")
-                self.cuda_graphs = False
-        return forward.run(logits=logits)[:n]
+        try:
+            if self.cuda_graphs and not forward.captured:
+                try:
+                    forward.capture()
+                except RuntimeError as exc:  # the same forward still runs eagerly, just slower
+                    if self.fused is not None and not self._fused_ran:
+                        raise
+                    warn_once(f"{self.name}: CUDA graph capture failed ({exc}); running eagerly")
+                    self.cuda_graphs = False
+            out = forward.run(logits=logits)[:n]
+        except Exception as exc:  # noqa: BLE001 - a kernel that fails before it ever ran
+            if self.fused is None or self._fused_ran or not self._fused_optional:
+                raise
+            warn_once(f"{self.name}: the fused forward failed ({type(exc).__name__}: {exc}); "
+                      "running the model's modules")
+            self._unfuse()
+            return self._forward_rows(ids, depth, anc, logits=logits)
+        self._fused_ran = self.fused is not None
+        return out
+
+    def _unfuse(self) -> None:
+        """Back to the module path, with its widths (the fused forward's first run failed:
+        nothing it wrote is committed)."""
+        self.fused = None
+        self._forwards.clear()
+        if self.device.type == "cuda":
+            self.widths, self.prefill_widths = (64,), ()
+        else:
+            self.widths, self.prefill_widths = CPU_WIDTHS, CPU_PREFILL_WIDTHS
+            self._widths_checked = False
 
     def _reserve(self, rows: int) -> None:
         """Grow the KV to hold ``rows`` rows (the committed rows are copied over). The rows of
@@ -341,7 +394,8 @@ class HFTarget:
         twin = HFTarget(self.model, self.tokenizer, name=self.name, reuse_prefix=self.reuse_prefix,
                         widths=self.widths, cuda_graphs=self.cuda_graphs,
                         prefill_widths=self.prefill_widths,
-                        prefix_cache_bytes=self.prefix_cache.max_bytes if self.prefix_cache else 0)
+                        prefix_cache_bytes=self.prefix_cache.max_bytes if self.prefix_cache else 0,
+                        fused=self.fused is not None)
         twin._widths_checked = self._widths_checked
         return twin
 
@@ -418,6 +472,21 @@ class HFTarget:
     @property
     def kv_len(self) -> int:
         return self._kv_len
+
+
+def _fused_forward(model: Any, wanted: bool | None, cuda: bool) -> Any:
+    """The fused forward for ``model`` when ``wanted`` (None: on CUDA where covered).
+
+    Raises:
+        ValueError: ``wanted`` is True and the model is not covered (the message says why).
+    """
+    if wanted is False or (wanted is None and not cuda):
+        return None
+    from agentspec.engine.fused.llama import fused_model, unsupported
+
+    if wanted is None and unsupported(model) is not None:
+        return None
+    return fused_model(model)
 
 
 def _takes_mask_dict(model: Any) -> bool:
