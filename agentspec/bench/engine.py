@@ -1,13 +1,16 @@
 """``python -m agentspec.bench.engine``: the engine on one device, in two figures.
 
 1. The cost of one verification forward per draft size, eager and (on CUDA) as a CUDA graph,
-   at ``--context`` tokens of KV: the median of ``--repeats`` timed forwards.
+   at ``--context`` tokens of KV: the median of ``--repeats`` timed forwards; on CUDA the
+   graph once more on the model's modules instead of the fused forward.
 2. Draft invariance: greedy outputs of plain decoding (no prefix reuse) against prompt-lookup
    speculation with prefix reuse, and eager against graphed forwards, on the core prompts.
 3. With ``--ops 1024,2048,4096``: the operations of one 64-row forward that reads the whole
    KV of each capacity, as a CUDA graph holds it (each is a kernel there, and a graph's replay
    costs about its kernel count), in all and inside attention; views and casts to the dtype a
-   tensor already has are not counted. Any device: on the CPU the count is the figure.
+   tensor already has are not counted. Once for the model's modules, once for the fused
+   forward (:mod:`agentspec.engine.fused`; a Triton kernel counts one). Any device: on the
+   CPU the count is the figure.
 
 Writes a JSON file with ``--json``. A figure, not a test: GPU tests live in ``tests/gpu``.
 """
@@ -21,9 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from agentspec.engine.fused import interpret_without_gpu
 
-from agentspec.bench.prompts import ALL_PROMPTS
+interpret_without_gpu()  # before transformers imports Triton: the fused forward on the CPU
+
+import torch  # noqa: E402
+
+from agentspec.bench.prompts import ALL_PROMPTS  # noqa: E402
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.engine.load import load_target
 from agentspec.engine.target import HFTarget
@@ -61,8 +68,9 @@ _VIEWS = frozenset({
 
 
 def forward_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) -> dict[str, dict[str, int]]:
-    """Operations of one ``width``-row forward over a KV of each capacity, read whole (the
-    graph's forward; an eager CPU forward reads only the blocks up to its last row)."""
+    """Operations of one ``width``-row forward of the model's modules over a KV of each
+    capacity, read whole (the graph's forward; an eager CPU forward reads only the blocks up
+    to its last row)."""
     import numpy as np
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import AttentionInterface
@@ -116,6 +124,63 @@ def forward_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) ->
     return out
 
 
+_ALLOCATIONS = frozenset({"aten.empty.memory_format", "aten.empty_like.default",
+                          "aten.empty_strided.default"})
+
+
+def fused_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) -> dict[str, dict[str, int]]:
+    """Kernels of one ``width``-row fused forward (:mod:`agentspec.engine.fused`) over a KV of
+    each capacity: each Triton launch counts one, and so does every tensor operation outside
+    them that is no view or allocation (the embedding). The kernels are counted, not run
+    (outputs only allocated: the count is structural, and the CPU's interpreter is slow). A
+    float32 model is counted on a bf16 copy, the dtype the fused forward runs."""
+    import copy
+
+    import numpy as np
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from agentspec.engine import kv
+    from agentspec.engine.forward import FixedForward
+    from agentspec.engine.fused import kernels
+    from agentspec.engine.fused.llama import FusedLlama, unsupported
+
+    model = base.model
+    if next(model.parameters()).dtype == torch.float32:
+        model = copy.deepcopy(model).to(torch.bfloat16)
+    reason = unsupported(model)
+    if reason is not None:
+        return {"unsupported": {reason: 0}}
+    fused = FusedLlama(model)
+
+    class Count(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kernels = self.other = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = str(func)
+            if name not in _VIEWS and name not in _ALLOCATIONS and not kernels.inside_launch():
+                self.other += 1
+            return func(*args, **(kwargs or {}))
+
+    out: dict[str, dict[str, int]] = {}
+    for capacity in capacities:
+        forward = FixedForward(model, kv.FixedKV(capacity), width, fused=fused)
+        fused.allocate(forward.kv)  # the KV's buffers: allocated once, not per forward
+        forward.load([7] * width, list(range(width)), np.tril(np.ones((width, width), bool)),
+                     capacity - 2 * width)
+        count = Count()
+
+        def launched(name: str, count: Count = count) -> None:
+            count.kernels += 1
+
+        with torch.inference_mode(), kernels.launches_seen(launched, run=False), count:
+            forward.compute()
+        out[str(capacity)] = {"operations": count.kernels + count.other,
+                              "Triton kernels": count.kernels}
+    return out
+
+
 def invariance(base: HFTarget, max_new: int) -> dict[str, Any]:
     """Identical outputs out of ``len(ALL_PROMPTS)``, against plain decoding without reuse."""
     def twin(**kw: Any) -> HFTarget:
@@ -126,6 +191,9 @@ def invariance(base: HFTarget, max_new: int) -> dict[str, Any]:
     if base.device.type == "cuda":
         runs["plain, eager forwards"] = Speculator(twin(cuda_graphs=False, reuse_prefix=False),
                                                    speculate=False, cost=DEFAULT_COST)
+        # Not an invariance: the modules' kernels round otherwise (within bf16 rounding).
+        runs["plain on the modules (not the fused forward)"] = Speculator(
+            twin(fused=False, reuse_prefix=False), speculate=False, cost=DEFAULT_COST)
     refs = [plain.generate(p, max_new).token_ids for p in ALL_PROMPTS]
     result: dict[str, Any] = {"prompts": len(ALL_PROMPTS)}
     for name, spec in runs.items():
@@ -163,7 +231,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     base = load_target(args.model, device=args.device, dtype=DTYPES[dtype])
     if capacities:
         result_ops: dict[str, Any] = {"model": args.model, "device": args.device, "dtype": dtype,
-                                      "forward_rows": 64, "ops": forward_ops(base, capacities)}
+                                      "forward_rows": 64,
+                                      "ops": forward_ops(base, capacities),
+                                      "fused ops": fused_ops(base, capacities)}
         _emit(result_ops, args.json)
         return result_ops
     sizes = (0, 3, 7, 15, 31, 63)
@@ -174,8 +244,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "forward_ms_eager": forward_ms(HFTarget(base.model, base.tokenizer, cuda_graphs=False),
                                        sizes, args.context, args.repeats)}
     if base.device.type == "cuda":
+        result["fused"] = base.fused is not None
         result["forward_ms_graph"] = forward_ms(HFTarget(base.model, base.tokenizer), sizes,
                                                 args.context, args.repeats)
+        result["forward_ms_graph_modules"] = forward_ms(
+            HFTarget(base.model, base.tokenizer, fused=False), sizes, args.context, args.repeats)
     result["invariance"] = invariance(base, args.max_new_tokens)
     _emit(result, args.json)
     return result

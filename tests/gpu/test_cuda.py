@@ -120,3 +120,57 @@ def test_a_worker_embedding_on_the_gpu_leaves_the_engines_captures_alone(gpu_spe
         worker.join()
     assert not errors and target.cuda_graphs  # every capture held
     assert got == want
+
+
+def test_the_fused_forward_is_on_by_default_and_within_bf16_rounding_of_the_modules(gpu_spec):
+    from agentspec.engine.target import HFTarget
+    from agentspec.types import Draft
+
+    base = gpu_spec.target
+    assert base.fused is not None
+    prompt = gpu_spec.encode(GROUNDED[1])
+    rows = []
+    for fused in (True, False):
+        target = HFTarget(base.model, base.tokenizer, fused=fused)
+        target.start(prompt)
+        rows.append(target.score(prompt[-1], Draft.chain(prompt[-12:], "x")).float())
+    scale = rows[1].abs().max().item()
+    assert (rows[0] - rows[1]).abs().max().item() <= 0.05 * scale
+    assert (rows[0].argmax(-1) == rows[1].argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_fused_rows_are_the_same_bits_at_any_width_and_capacity_on_cuda(gpu_spec):
+    # A prompt written in 512-row chunks, in 64-row chunks, and after a long call that grew the
+    # KV: the chain's logits and the prompt's KV rows are the same bits.
+    from agentspec.engine.target import HFTarget
+    from agentspec.types import Draft
+    from tests.prompts import ALL_PROMPTS
+
+    base = gpu_spec.target
+    prompt = gpu_spec.encode(ALL_PROMPTS[0])
+    long = [t for p in ALL_PROMPTS for t in gpu_spec.encode(p)] * 2
+    chain = Draft.chain(prompt[-6:], "x")
+    out = []
+    for n, kw in enumerate([dict(prefill_widths=(512,)), dict(prefill_widths=()),
+                            dict(widths=(64,))]):
+        target = HFTarget(base.model, base.tokenizer, reuse_prefix=False, **kw)
+        if n == 2:
+            target.start(long[:3000])  # the KV grows past 3,000 slots: more attention splits
+        target.start(prompt)
+        logits = target.score(prompt[-1], chain).clone()
+        k = target._kv.keys[-1][0, :, : len(prompt) - 1].clone()
+        out.append((logits, k))
+    for logits, k in out[1:]:
+        assert torch.equal(logits, out[0][0]) and torch.equal(k, out[0][1])
+
+
+def test_drafts_leave_outputs_unchanged_on_the_modules_too(gpu_spec):
+    from agentspec.engine.target import HFTarget
+    from tests.prompts import ALL_PROMPTS
+
+    base = gpu_spec.target
+    plain = Speculator(HFTarget(base.model, base.tokenizer, reuse_prefix=False, fused=False),
+                       speculate=False)
+    spec = Speculator(HFTarget(base.model, base.tokenizer, fused=False), memory=None)
+    for prompt in ALL_PROMPTS[:6]:
+        assert spec.generate(prompt, 48).token_ids == plain.generate(prompt, 48).token_ids

@@ -64,13 +64,18 @@ _INSIDE = threading.local()
 
 
 @contextmanager
-def launches_seen(listener: Callable[[str], None]) -> Iterator[None]:
-    """Call ``listener(kernel name)`` at every launch inside (the operation counter's hook)."""
+def launches_seen(listener: Callable[[str], None], *, run: bool = True) -> Iterator[None]:
+    """Call ``listener(kernel name)`` at every launch inside (the operation counter's hook).
+    ``run=False``: launch nothing (outputs are allocated, never written): the kernels of a
+    forward counted without running them, which the interpreter does slowly."""
     _LISTENERS.append(listener)
+    dry = getattr(_INSIDE, "dry", False)
+    _INSIDE.dry = dry or not run
     try:
         yield
     finally:
         _LISTENERS.remove(listener)
+        _INSIDE.dry = dry
 
 
 def inside_launch() -> bool:
@@ -82,6 +87,8 @@ def inside_launch() -> bool:
 def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
     for listener in list(_LISTENERS):
         listener(getattr(kernel, "__name__", str(kernel)))
+    if getattr(_INSIDE, "dry", False):
+        return
     _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
     try:
         kernel[grid](*args, **meta, F32_DOT=INTERPRETED)
@@ -121,8 +128,8 @@ if AVAILABLE:
 
     @triton.jit
     def _qkv_rope(x_ptr, norm_ptr, eps, w_ptr, bias_ptr, ins_ptr, cos_ptr, sin_ptr,
-                  q_ptr, k_ptr, v_ptr, W: tl.constexpr, K: tl.constexpr, H: tl.constexpr,
-                  KVH: tl.constexpr, D: tl.constexpr, CAP: tl.constexpr, BM: tl.constexpr,
+                  q_ptr, k_ptr, v_ptr, W, CAP, K: tl.constexpr, H: tl.constexpr,
+                  KVH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                   BK: tl.constexpr, HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr):
         # Program (row tile, head): RMSNorm of the rows, their product with the head's
         # weights (its two halves apart, for the rotation), rotary embedding at the rows'
@@ -170,8 +177,8 @@ if AVAILABLE:
 
     @triton.jit
     def _attention_split(q_ptr, k_ptr, v_ptr, anc_ptr, ins_ptr, m_ptr, l_ptr, acc_ptr, scale,
-                         W: tl.constexpr, H: tl.constexpr, GROUPS: tl.constexpr,
-                         D: tl.constexpr, CAP: tl.constexpr, BM: tl.constexpr,
+                         W, CAP, H: tl.constexpr, GROUPS: tl.constexpr,
+                         D: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, SPLIT_N: tl.constexpr, F32_DOT: tl.constexpr):
         # Program (head, row tile, split): the online softmax of BM query rows over the keys
         # of one split, block by block from the split's first slot. A block where a row sees
@@ -219,7 +226,7 @@ if AVAILABLE:
         tl.store(acc_ptr + at[:, None] * D + dims[None, :], acc)
 
     @triton.jit
-    def _attention_combine(m_ptr, l_ptr, acc_ptr, out_ptr, ins_ptr, W: tl.constexpr,
+    def _attention_combine(m_ptr, l_ptr, acc_ptr, out_ptr, ins_ptr, W,
                            H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
                            SPLIT_N: tl.constexpr, BM: tl.constexpr, F32_DOT: tl.constexpr):
         # Program (row tile, head): the splits' partial states added in slot order. A split a
@@ -338,8 +345,8 @@ def qkv_rope(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tens
     dim = cos.shape[-1]
     q = torch.empty((width, heads * dim), dtype=x.dtype, device=x.device)
     _launch(_qkv_rope, (width // BLOCK_M, heads + 2 * kv_heads), x, norm, eps, weight,
-            bias if bias is not None else weight, ins, cos, sin, q, keys, values, W=width,
-            K=hidden, H=heads, KVH=kv_heads, D=dim, CAP=keys.shape[-2], BM=BLOCK_M, BK=BLOCK_K,
+            bias if bias is not None else weight, ins, cos, sin, q, keys, values, width,
+            keys.shape[-2], K=hidden, H=heads, KVH=kv_heads, D=dim, BM=BLOCK_M, BK=BLOCK_K,
             HAS_BIAS=bias is not None)
     return q
 
@@ -356,10 +363,10 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, anc: to
     m, total, acc = scratch
     splits = m.shape[0]
     _launch(_attention_split, (heads, width // BLOCK_M, splits), q, keys, values, anc, ins,
-            m, total, acc, scale, W=width, H=heads, GROUPS=heads // kv_heads, D=dim,
-            CAP=capacity, BM=BLOCK_M, BN=BLOCK_N, SPLIT_N=SPLIT)
+            m, total, acc, scale, width, capacity, H=heads, GROUPS=heads // kv_heads, D=dim,
+            BM=BLOCK_M, BN=BLOCK_N, SPLIT_N=SPLIT)
     out = torch.empty_like(q)
-    _launch(_attention_combine, (width // BLOCK_M, heads), m, total, acc, out, ins, W=width,
+    _launch(_attention_combine, (width // BLOCK_M, heads), m, total, acc, out, ins, width,
             H=heads, D=dim, SPLITS=splits, SPLIT_N=SPLIT, BM=BLOCK_M)
     return out
 
