@@ -24,13 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentspec.engine.fused import interpret_without_gpu
+import torch
 
-interpret_without_gpu()  # before transformers imports Triton: the fused forward on the CPU
-
-import torch  # noqa: E402
-
-from agentspec.bench.prompts import ALL_PROMPTS  # noqa: E402
+from agentspec.bench.prompts import ALL_PROMPTS
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.engine.load import load_target
 from agentspec.engine.target import HFTarget

@@ -134,7 +134,11 @@ class HFTarget:
         cuda = self.device.type == "cuda"
         if not cuda:  # the engine's large CPU temporaries: reused, not mapped anew (engine.malloc)
             malloc.tune()
-        self.fused = _fused_forward(model, fused, cuda)
+        self.fused = None
+        if fused or (fused is None and cuda):
+            from agentspec.engine.fused.llama import select
+
+            self.fused = select(model, required=bool(fused))
         default: tuple[int, ...]
         default_wide: tuple[int, ...]
         if self.fused is not None:
@@ -250,12 +254,13 @@ class HFTarget:
             if asked in known:  # probed already on another HFTarget of this model
                 self.widths, self.prefill_widths = known[asked]
                 return self.widths
+            if self.fused is not None:  # its first forward: one that fails falls back here
+                n = self.widths[0]
+                self._forward_rows([0] * n, list(range(n)), np.tril(np.ones((n, n), dtype=bool)))
             gen = torch.Generator().manual_seed(0)
             n = self.widths[0]
             ids = torch.randint(0, self.vocab_size, (n,), generator=gen).tolist()
             anc = np.tril(np.ones((n, n), dtype=bool))
-            if self.fused is not None:  # its first forward: one that fails falls back here
-                self._forward_rows(ids, list(range(n)), anc)
             rows = {w: self._forward_rows(ids, list(range(n)), anc, width=w) for w in self.widths}
             same = tuple(w for w in self.widths if torch.equal(rows[w], rows[self.widths[-1]]))
             if same != self.widths:
@@ -472,21 +477,6 @@ class HFTarget:
     @property
     def kv_len(self) -> int:
         return self._kv_len
-
-
-def _fused_forward(model: Any, wanted: bool | None, cuda: bool) -> Any:
-    """The fused forward for ``model`` when ``wanted`` (None: on CUDA where covered).
-
-    Raises:
-        ValueError: ``wanted`` is True and the model is not covered (the message says why).
-    """
-    if wanted is False or (wanted is None and not cuda):
-        return None
-    from agentspec.engine.fused.llama import fused_model, unsupported
-
-    if wanted is None and unsupported(model) is not None:
-        return None
-    return fused_model(model)
 
 
 def _takes_mask_dict(model: Any) -> bool:

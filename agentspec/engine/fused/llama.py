@@ -88,6 +88,17 @@ def fused_model(model: Any) -> FusedLlama:
     return fused
 
 
+def select(model: Any, *, required: bool) -> FusedLlama | None:
+    """The fused forward for ``model``, or None where it is not covered and not ``required``.
+
+    Raises:
+        ValueError: ``required`` and the model is not covered (the message says why).
+    """
+    if not required and unsupported(model) is not None:
+        return None
+    return fused_model(model)
+
+
 def _concat(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The modules' weights (and biases) concatenated by output row; each module's weight
     becomes a view into the concatenation (the same values: the module path is unchanged)."""
