@@ -15,9 +15,9 @@ than the bench). Prints, per system, each phase's milliseconds per request and p
 ``--json`` writes them. Nested phases overlap: a chain's ``begin`` holds the memory's lookup,
 which holds its embedding.
 
-On an H100 (BENCHMARKS.md, fifteenth session) it showed the memory's ~18 ms per request
-(the lookup with its key's embedding, the record, the credit) beside 7 ms steps: the bench's
-totals said the full system was slower than its best single drafter, not where.
+Host milliseconds per step: a request's time less its prefill and its forwards
+(``target.start`` and ``target.score``), per step: what the host adds to every step (drafting,
+verification, the commit, bookkeeping), the part a faster forward does not shrink.
 """
 
 from __future__ import annotations
@@ -150,7 +150,9 @@ def profile(workload: str, systems: Sequence[str], *, model: str = "smollm2-135m
                     steps += outcome.steps or 0
                     seconds += outcome.seconds
                 clock.on = False
+            device = clock.seconds["target.start"] + clock.seconds["target.score"]
             out[name] = {"requests": len(lines), "steps": steps, "seconds": seconds,
+                         "host_ms_per_step": round(1e3 * (seconds - device) / max(steps, 1), 3),
                          "phases": {k: [clock.seconds[k], clock.calls[k]] for k in clock.seconds}}
             if on_system:
                 on_system(name, out[name])
@@ -163,7 +165,9 @@ def format_system(name: str, result: dict[str, Any]) -> str:
     n, steps = max(result["requests"], 1), max(result["steps"], 1)
     lines = [f"{name}: {result['requests']} requests, {result['steps']} steps, "
              f"{result['seconds'] * 1e3 / n:.1f} ms per request, "
-             f"{result['seconds'] * 1e3 / steps:.2f} ms per step",
+             f"{result['seconds'] * 1e3 / steps:.2f} ms per step, of which "
+             f"{result.get('host_ms_per_step', 0.0):.2f} ms on the host (neither prefill nor "
+             "forward)",
              f"  {'phase':22s} {'ms/request':>10s} {'ms/call':>9s} {'calls':>7s}"]
     for label, (sec, calls) in sorted(result["phases"].items(), key=lambda kv: -kv[1][0]):
         lines.append(f"  {label:22s} {sec * 1e3 / n:10.2f} {sec * 1e3 / max(calls, 1):9.3f} "

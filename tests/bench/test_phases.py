@@ -56,10 +56,12 @@ def test_only_the_calls_own_thread_is_timed():
 
 
 def test_format_lists_the_dearest_phase_first():
-    text = format_system("agentspec", {"requests": 2, "steps": 10, "seconds": 0.5, "phases": {
+    text = format_system("agentspec", {"requests": 2, "steps": 10, "seconds": 0.5,
+                                       "host_ms_per_step": 10.0, "phases": {
         "verify": [0.01, 10], "target.score": [0.4, 10]}})
     lines = text.splitlines()
     assert "250.0 ms per request" in lines[0] and "50.00 ms per step" in lines[0]
+    assert "10.00 ms on the host" in lines[0]
     assert lines[2].split()[0] == "target.score" and lines[3].split()[0] == "verify"
 
 
@@ -77,3 +79,8 @@ def test_a_real_run_times_each_forward_once():
     assert phases["target.score"][1] == result["steps"]
     assert 0 < phases["target.score"][0] < result["seconds"]
     assert phases["drafting.propose"][1] >= result["steps"] - 1
+    # the host's share: the request's time less its prefill and forwards, per step
+    device = phases["target.start"][0] + phases["target.score"][0]
+    assert result["host_ms_per_step"] == pytest.approx(
+        1e3 * (result["seconds"] - device) / result["steps"], abs=1e-3)
+    assert 0 < result["host_ms_per_step"] < 1e3 * result["seconds"] / result["steps"]
