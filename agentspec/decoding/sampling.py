@@ -56,6 +56,18 @@ def greedy_tokens(logits: torch.Tensor, allowed: Mask = None) -> torch.Tensor:
     return top
 
 
+def greedy_host(logits: torch.Tensor, allowed: Mask = None) -> list[int]:
+    """:func:`greedy_tokens` as a host list, in one device-to-host copy: with masks on demand
+    the rows' argmax come over once and only a row whose argmax the grammar forbids is
+    masked and copied again (where :func:`greedy_tokens` copies all rows twice)."""
+    if allowed is None or isinstance(allowed, torch.Tensor):
+        return greedy_tokens(logits, allowed).tolist()
+    top = logits.argmax(dim=-1).tolist()
+    for row, mask in allowed.forbidding(top).items():
+        top[row] = int(logits[row].masked_fill(~mask, float("-inf")).argmax())
+    return top
+
+
 def logits_to_probs(logits: torch.Tensor, sampling: SamplingParams,
                     allowed: Mask = None) -> torch.Tensor:
     """Processed target distribution, row by row.

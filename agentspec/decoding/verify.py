@@ -32,6 +32,7 @@ import torch
 from agentspec.config import SamplingParams
 from agentspec.decoding.sampling import (
     Mask,
+    greedy_host,
     greedy_tokens,
     logits_to_probs,
     sample,
@@ -88,7 +89,10 @@ def verify_point_mass(draft: Draft, logits: torch.Tensor, sampling: SamplingPara
                       uniforms: torch.Tensor | None = None,
                       allowed: Mask = None) -> Verdict:
     """Exact acceptance of a point-mass draft (chain or tree); see the module docstring."""
-    samples = target_samples(logits, sampling, generator, uniforms, allowed).tolist()  # one host sync
+    if sampling.greedy:  # one host sync
+        samples = greedy_host(logits, allowed)
+    else:
+        samples = target_samples(logits, sampling, generator, uniforms, allowed).tolist()
     return walk(draft, samples)
 
 

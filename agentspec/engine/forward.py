@@ -163,12 +163,17 @@ class FixedForward:
         self.fused = fused
         self._scratch: tuple[torch.Tensor, ...] | None = None
         device = next(model.parameters()).device
-        # Host staging (pinned on CUDA: faster copies to the device).
+        # Host staging (pinned on CUDA: faster copies to the device): the ids, depths and
+        # kv_len (int64) and the ancestor matrix (bool) share one byte buffer, so a forward's
+        # inputs reach the device in one copy.
         pin = device.type == "cuda"
-        self._host = torch.zeros(2 * width + 1, dtype=torch.long, pin_memory=pin)
-        self._host_anc = torch.zeros((width, width), dtype=torch.bool, pin_memory=pin)
-        self._ins = torch.zeros(2 * width + 1, dtype=torch.long, device=device)  # ids, depth, kv_len
-        self._anc = torch.zeros((width, width), dtype=torch.bool, device=device)
+        ints = 8 * (2 * width + 1)
+        self._host_bytes = torch.zeros(ints + width * width, dtype=torch.uint8, pin_memory=pin)
+        self._bytes = torch.zeros(ints + width * width, dtype=torch.uint8, device=device)
+        self._host = self._host_bytes[:ints].view(torch.long)
+        self._host_anc = self._host_bytes[ints:].view(torch.bool).view(width, width)
+        self._ins = self._bytes[:ints].view(torch.long)  # ids, depth, kv_len
+        self._anc = self._bytes[ints:].view(torch.bool).view(width, width)
         self._rows = torch.arange(width, device=device)
         self._slots = torch.zeros(width, dtype=torch.long, device=device)
         self._cols = torch.arange(kv.capacity, device=device)
@@ -190,10 +195,9 @@ class FixedForward:
         full[:] = False
         full[:n, :n] = anc
         full[np.arange(n, w), np.arange(n, w)] = True  # padding rows see only themselves
-        # Blocking copies: the staging buffers are written again by the next ``load`` (a
+        # A blocking copy: the staging buffer is written again by the next ``load`` (a
         # prefill's next chunk comes before any host sync), so the copy must be done first.
-        self._ins.copy_(self._host)
-        self._anc.copy_(self._host_anc)
+        self._bytes.copy_(self._host_bytes)
 
     def run(self, *, logits: bool = True) -> torch.Tensor:
         """The forward on the staged inputs (a graph replay once captured). ``logits=False``

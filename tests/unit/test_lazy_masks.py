@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("llguidance")
 
-from agentspec.decoding.sampling import greedy_tokens  # noqa: E402
+from agentspec.decoding.sampling import greedy_host, greedy_tokens  # noqa: E402
 from agentspec.grammar import state as g  # noqa: E402
 from agentspec.types import Draft  # noqa: E402
 
@@ -113,6 +113,7 @@ def test_lazy_masks_keep_the_same_drafts_and_the_same_greedy_tokens(tok, choice:
         logits = _logits(rng, out_l, lazy.walk, vocab, forbidden)
         want = greedy_tokens(logits, full)
         assert torch.equal(greedy_tokens(logits, lazy), want)
+        assert greedy_host(logits, lazy) == want.tolist()  # the verifier's one-copy path
         assert torch.equal(lazy.full(), full)
         mismatches += not torch.equal(logits.argmax(dim=-1), want)
     assert mismatches > 10  # the trials did put forbidden tokens on top
