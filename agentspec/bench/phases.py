@@ -150,9 +150,9 @@ def profile(workload: str, systems: Sequence[str], *, model: str = "smollm2-135m
                     steps += outcome.steps or 0
                     seconds += outcome.seconds
                 clock.on = False
-            device = clock.seconds["target.start"] + clock.seconds["target.score"]
+            forwards = clock.seconds["target.start"] + clock.seconds["target.score"]
             out[name] = {"requests": len(lines), "steps": steps, "seconds": seconds,
-                         "host_ms_per_step": round(1e3 * (seconds - device) / max(steps, 1), 3),
+                         "host_ms_per_step": round(1e3 * (seconds - forwards) / max(steps, 1), 3),
                          "phases": {k: [clock.seconds[k], clock.calls[k]] for k in clock.seconds}}
             if on_system:
                 on_system(name, out[name])
