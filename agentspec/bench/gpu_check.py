@@ -2,9 +2,10 @@
 under its own timeout.
 
 A session lent a GPU has minutes of device time, so the measurements run as one prepared
-command, in priority order: the GPU tests, the engine's figures (a verification forward's
-cost as a CUDA graph, draft invariance; then the operation counts), then bfcl-live, bfcl and the
-core prompts against transformers' plain and compiled decoding. Each step is a process of
+command, in priority order: the engine's figures (a verification forward's cost as a CUDA
+graph, fused and on the modules, draft invariance), the GPU tests, then bfcl-live, the core
+prompts and bfcl against transformers' plain and compiled decoding, and last the operation
+counts (which the CPU counts as well). Each step is a process of
 its own under a timeout cut to what is left of ``--budget-s``, its output kept in
 ``DIR/<step>.log``; after every step ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` are
 written again, so a step that runs long, fails or is killed still leaves the others' results.
@@ -26,12 +27,12 @@ from typing import Any
 BENCH_SYSTEMS = "hf-greedy,hf-static,agentspec-plain,agentspec-pld,agentspec-suffix,agentspec"
 # The steps' order, each one's longest run in seconds (cut to the budget left) and what it is.
 STEPS: dict[str, tuple[int, str]] = {
-    "tests": (120, "pytest tests/gpu"),
-    "engine": (100, "python -m agentspec.bench.engine: forward ms as a graph, invariance"),
+    "engine": (90, "python -m agentspec.bench.engine: forward ms as a graph, invariance"),
+    "tests": (90, "pytest tests/gpu"),
+    "bfcl-live": (160, "agentspec bench on bfcl-live"),
+    "prompts": (110, "agentspec bench on the core prompts, 64 tokens"),
+    "bfcl": (110, "agentspec bench on bfcl"),
     "ops": (40, "python -m agentspec.bench.engine --ops: operations of a 64-row forward"),
-    "bfcl-live": (150, "agentspec bench on bfcl-live"),
-    "bfcl": (90, "agentspec bench on bfcl"),
-    "prompts": (90, "agentspec bench on the core prompts, 64 tokens"),
 }
 
 

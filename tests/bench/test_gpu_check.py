@@ -70,18 +70,18 @@ def test_steps_past_the_budget_are_skipped_and_the_last_timeout_is_cut(tmp_path:
 
 def test_the_real_steps_name_commands_and_systems_that_exist(tmp_path: Path) -> None:
     steps = steps_for(list(STEPS), tmp_path)
-    assert [s.name for s in steps] == ["tests", "engine", "ops", "bfcl-live", "bfcl", "prompts"]
+    assert [s.name for s in steps] == ["engine", "tests", "bfcl-live", "prompts", "bfcl", "ops"]
     for step in steps:
         module = step.argv[step.argv.index("-m") + 1]
         assert importlib.util.find_spec(module) is not None, module
         assert step.results is None or step.results.parent == tmp_path
-    assert "--import-mode=append" in steps[0].argv and steps[0].argv[-1] == "tests/gpu"
+    assert "--import-mode=append" in steps[1].argv and steps[1].argv[-1] == "tests/gpu"
     assert set(BENCH_SYSTEMS.split(",")) <= set(SYSTEMS)
     assert sum(timeout for timeout, _ in STEPS.values()) <= 600
 
 
 def test_an_unknown_step_is_refused_naming_it(tmp_path: Path, capsys) -> None:
-    with pytest.raises(ValueError, match="unknown step.s. gpu: expected some of tests, engine"):
+    with pytest.raises(ValueError, match="unknown step.s. gpu: expected some of engine, tests"):
         steps_for(["tests", "gpu"], tmp_path)
     with pytest.raises(SystemExit) as exit_:
         main(["--out", str(tmp_path), "--steps", "engine,nope"])
