@@ -37,6 +37,7 @@ from agentspec.cli.head import head_app
 
 app = typer.Typer(
     name="agentspec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # every command inherits -h
     help="Exact speculative decoding for LLM agents, with a completion memory.\n\n"
          "Example: agentspec cache stats",
 )
@@ -44,10 +45,24 @@ app.add_typer(cache_app, name="cache")
 app.add_typer(head_app, name="head")
 
 
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"agentspec {version('agentspec')}")
+        except PackageNotFoundError:  # a source tree that was never installed
+            typer.echo("agentspec (not installed: no version)")
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(ctx: typer.Context,
           db: Annotated[str | None, db_option(envvar="AGENTSPEC_DB", show_envvar=True)] = None,
-          json_out: JsonOpt = False) -> None:
+          json_out: JsonOpt = False,
+          _show_version: Annotated[bool, typer.Option(
+              "--version", callback=_version, is_eager=True,
+              help="Print agentspec's version and exit.")] = False) -> None:
     ctx.obj = Options(db=db, json=json_out)
 
 

@@ -20,6 +20,7 @@ from agentspec.cli.common import EXIT_USAGE, console, err_console, fail, handles
 
 bench_app = typer.Typer(
     name="bench", add_completion=False, pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="Measure agentspec against transformers, interleaved request by request.\n\n"
          "Example: agentspec bench --workload prompts --json out/core.json",
 )

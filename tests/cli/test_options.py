@@ -105,3 +105,15 @@ def test_db_and_json_are_defined_once() -> None:
     sources = "".join(p.read_text() for p in Path(cli.__file__).parent.glob("*.py")
                       if p.name != "bench.py")
     assert sources.count('"--db"') == 1 and sources.count('"--json"') == 1
+
+
+def test_version_and_short_help_everywhere() -> None:
+    from importlib.metadata import version
+
+    res = run("--version")
+    assert res.exit_code == 0 and res.stdout.strip() == f"agentspec {version('agentspec')}"
+    for args in ((), ("cache",), ("cache", "stats"), ("head",), ("generate",), ("bench",),
+                 ("demo",)):
+        short, long = run(*args, "-h"), run(*args, "--help")
+        assert short.exit_code == 0, (args, short.output)
+        assert short.stdout == long.stdout and "usage" in short.stdout.lower(), args
