@@ -5,7 +5,8 @@ The package: this module (the Typer app, ``generate``, ``demo``, ``bench``), ``c
 delete commands), ``cache_io`` (export, import), ``verify`` (reindex, verify) and ``common``
 (options, errors, output). The ``bench`` command mounts :mod:`agentspec.cli.bench`.
 
-Exit codes: 0 success, 1 failure, 2 usage or bad input (one line on stderr, no traceback).
+Exit codes: 0 success, 1 failure, 2 usage or bad input, 3 not found (one line on stderr, no
+traceback; under ``--json`` the error as JSON on stdout too).
 ``--db URL`` and ``--json`` go before the command or after any ``cache`` command
 (``agentspec cache stats --db URL --json``); ``--db`` defaults to ``$AGENTSPEC_DB``, else the
 SQLite file under ``$AGENTSPEC_HOME``.

@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from agentspec.cli.common import (
+    EXIT_NOT_FOUND,
     EXIT_USAGE,
     DbOpt,
     JsonOpt,
@@ -19,9 +20,11 @@ from agentspec.cli.common import (
     cache_command,
     confirm,
     console,
+    db_url,
     embedder_by_name,
     err_console,
     fail,
+    fresh_home,
     index_files,
     open_store,
     parse_duration,
@@ -74,13 +77,28 @@ def stats(ctx: typer.Context) -> None:
 
     Example: agentspec cache stats --json
     """
-    with open_store(ctx) as store:
-        out = store.stats()
-        out["database"] = store.url
-        out["index"] = _index_health(store)
+    if fresh_home(ctx):  # nothing recorded yet: zeros (an empty store's) and a hint
+        from agentspec.stores.sql import SQLStore
+
+        empty = SQLStore("sqlite://")
+        try:
+            out = empty.stats()
+        finally:
+            empty.close()
+        out["database"] = db_url(ctx)
+        out["index"] = {"status": "none yet", "files": []}
+        out["hint"] = ("nothing recorded yet: calls record their completions here "
+                       "(Speculator.from_pretrained, the LangChain model, agentspec demo)")
+    else:
+        with open_store(ctx) as store:
+            out = store.stats()
+            out["database"] = store.url
+            out["index"] = _index_health(store)
     if want_json(ctx):
         print_json(out)
         return
+    if "hint" in out:
+        err_console.print(out["hint"], markup=False)
     console.print(f"[bold]{out['database']}[/]: {out['rows']:,} rows, {out['tokens']:,} tokens, "
                   f"{out['bytes']:,} bytes, {out['hits']:,} hits, "
                   f"{out['accepted_tokens']:,} accepted tokens")
@@ -148,7 +166,7 @@ def show(ctx: typer.Context, record_id: Annotated[int, typer.Argument(metavar="I
     with open_store(ctx) as store:
         r = store.get(record_id)
     if r is None:
-        fail(f"no record with id {record_id}", EXIT_USAGE)
+        fail(f"no record with id {record_id}", EXIT_NOT_FOUND)
     if want_json(ctx):
         print_json(record_json(r))
         return
@@ -233,7 +251,7 @@ def rm(ctx: typer.Context, ids: Annotated[list[int], typer.Argument(metavar="ID.
         missing = [i for i in ids if i not in found]
         if missing:
             fail(f"no record with id {missing[0]}" + (f" (and {len(missing) - 1} more)"
-                                                      if len(missing) > 1 else ""), EXIT_USAGE)
+                                                      if len(missing) > 1 else ""), EXIT_NOT_FOUND)
         confirm(f"Delete {len(found)} record(s) from {store.url}?", yes)
         n = store.delete(sorted(found))
     report(ctx, {"deleted": n, "ids": sorted(found)}, f"deleted {n} record(s)")
@@ -274,7 +292,7 @@ def _count_or_fail(store: Any, message: str, group: str, **where: str) -> int:
     n = store.count(**where)
     if n == 0:
         known = ", ".join(sorted(store.stats()[group])[:10]) or "none"
-        fail(f"{message} ({group}: {known})", EXIT_USAGE)
+        fail(f"{message} ({group}: {known})", EXIT_NOT_FOUND)
     return int(n)
 
 

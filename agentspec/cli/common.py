@@ -26,8 +26,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from agentspec.errors import AgentSpecError
 from agentspec.terminal import output_width
 
+# Exit codes, the same for every command (README, "The CLI"): 0 done, 1 failed, 2 bad input
+# (usage, a value out of range, an unreadable file given), 3 not found (a record id, a scope,
+# a model, a memory database that is not there).
 EXIT_FAIL = 1
 EXIT_USAGE = 2
+EXIT_NOT_FOUND = 3
 F = TypeVar("F", bound=Callable[..., Any])
 
 # Rich lays a pipe's output out wide (agentspec.terminal: the bench's tables whole in a log).
@@ -65,9 +69,17 @@ def handles_errors(fn: F) -> F:
         # one line: SQLAlchemy appends "(Background on this error at: ...)" on a second line
         first = message.strip().splitlines()[0] if message.strip() else type(fn).__name__
         err_console.print(f"error: {first}", markup=False, soft_wrap=True)
+        if _json_asked(args, kwargs):  # --json means JSON on stdout, an error's too
+            print_json({"error": first, "exit_code": code})
         raise typer.Exit(code)
 
     return wrapper  # type: ignore[return-value]
+
+
+def _json_asked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether the failed command was asked for --json (its context is among its arguments)."""
+    ctx = kwargs.get("ctx") or next((a for a in args if hasattr(a, "find_root")), None)
+    return ctx is not None and hasattr(ctx, "find_root") and options(ctx).json
 
 
 @dataclass
@@ -135,6 +147,17 @@ def db_url(ctx: typer.Context) -> str:
     return options(ctx).db or default_db_url()
 
 
+def fresh_home(ctx: typer.Context) -> bool:
+    """Whether the memory is the default one under ``$AGENTSPEC_HOME`` and nothing was ever
+    recorded there (no --db, no AGENTSPEC_DB, no database file yet)."""
+    from agentspec.home import default_db_url
+
+    url = db_url(ctx)
+    path = sqlite_path(url)
+    return url == default_db_url() and options(ctx).db is None and (
+        path is not None and not path.exists())
+
+
 def want_json(ctx: typer.Context) -> bool:
     return options(ctx).json
 
@@ -163,7 +186,7 @@ def open_store(ctx: typer.Context, *, create: bool = False) -> Iterator[Any]:
     path = sqlite_path(url)
     if path is not None and not create and not path.is_file():
         fail(f"no memory database at {path} (nothing recorded yet, or a wrong --db / "
-             f"AGENTSPEC_DB)")
+             f"AGENTSPEC_DB)", EXIT_NOT_FOUND)
     store = SQLStore(url)
     try:
         yield store

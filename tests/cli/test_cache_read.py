@@ -64,7 +64,10 @@ def test_show(cli: Invoke) -> None:
 
 def test_show_unknown_id(cli: Invoke) -> None:
     res = cli("cache", "show", "9999")
-    assert res.exit_code == 2 and res.stderr.strip() == "error: no record with id 9999"
+    assert res.exit_code == 3 and res.stderr.strip() == "error: no record with id 9999"
+    as_json = cli("cache", "show", "9999", "--json")  # --json: the error as JSON on stdout too
+    assert as_json.exit_code == 3
+    assert json.loads(as_json.stdout) == {"error": "no record with id 9999", "exit_code": 3}
 
 
 def test_search_uses_the_rows_embedder(cli: Invoke) -> None:
@@ -85,7 +88,7 @@ def test_missing_sqlite_file_is_an_error_not_created(tmp_path: Path) -> None:
     for args in (["cache", "stats"], ["cache", "ls"], ["cache", "show", "1"],
                  ["cache", "verify"], ["cache", "export", str(tmp_path / "x.jsonl")]):
         res = make_invoke(f"sqlite:///{path}")(*args)
-        assert res.exit_code == 1, (args, res.output)
+        assert res.exit_code == 3, (args, res.output)  # not found
         assert res.stderr.startswith("error: no memory database at") and str(path) in res.stderr
     assert not path.exists() and not path.parent.exists()
 
@@ -95,10 +98,18 @@ def test_default_db_under_home(home: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
     from agentspec.cli import app
 
+    # A fresh home: stats answers zeros and a hint; the commands that read rows say not found.
     res = CliRunner().invoke(app, ["cache", "stats"])
-    assert res.exit_code == 1 and str(home / "memory.db") in res.stderr
+    assert res.exit_code == 0 and "0 rows" in res.stdout and "nothing recorded yet" in res.stderr
+    as_json = json.loads(CliRunner().invoke(app, ["cache", "stats", "--json"]).stdout)
+    assert as_json["rows"] == 0 and as_json["scopes"] == {} and str(home / "memory.db") in as_json["database"]
+    assert not (home / "memory.db").exists()  # nothing created
+    listed = CliRunner().invoke(app, ["cache", "ls"])
+    assert listed.exit_code == 3 and str(home / "memory.db") in listed.stderr
+    # A database named by AGENTSPEC_DB (or --db) that is not there is not a fresh home.
     monkeypatch.setenv("AGENTSPEC_DB", "sqlite:////nonexistent-dir/x.db")
-    assert "/nonexistent-dir/x.db" in CliRunner().invoke(app, ["cache", "stats"]).stderr
+    named = CliRunner().invoke(app, ["cache", "stats"])
+    assert named.exit_code == 3 and "/nonexistent-dir/x.db" in named.stderr
 
 
 def test_corrupt_database_file(tmp_path: Path) -> None:

@@ -26,8 +26,8 @@ def test_rm(cli: Invoke, url: str) -> None:
 
 def test_rm_unknown_id_deletes_nothing(cli: Invoke) -> None:
     res = cli("cache", "rm", "3", "4242", "--yes")
-    assert res.exit_code == 2 and "4242" in res.stderr and _rows(cli) == 30
-    assert cli("cache", "rm", "x", "--yes").exit_code == 2
+    assert res.exit_code == 3 and "4242" in res.stderr and _rows(cli) == 30  # not found
+    assert cli("cache", "rm", "x", "--yes").exit_code == 2  # bad input
 
 
 def test_confirm_on_a_terminal(cli: Invoke, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -75,7 +75,7 @@ def test_prune_scope_and_max_tokens(cli: Invoke) -> None:
 
 def test_drop_scope(cli: Invoke) -> None:
     unknown = cli("cache", "drop-scope", "zzz", "--yes")
-    assert unknown.exit_code == 2 and "'zzz'" in unknown.stderr
+    assert unknown.exit_code == 3 and "'zzz'" in unknown.stderr
     assert cli("cache", "drop-scope", "a").exit_code == 2
     res = cli("cache", "drop-scope", "a", "--yes")
     assert res.exit_code == 0 and "deleted 15" in res.stdout
@@ -94,6 +94,6 @@ def test_relabel(cli: Invoke, url: str) -> None:
     after = json.loads(cli("cache", "stats", "--json").stdout)
     assert set(after["models"]) == {"m2"} and after["rows"] == 30
     unknown = cli("cache", "relabel", "m1", "m2", "--yes")
-    assert unknown.exit_code == 2 and "no records of model 'm1'" in unknown.stderr
+    assert unknown.exit_code == 3 and "no records of model 'm1'" in unknown.stderr
     other = cli("cache", "relabel", "gemma:1", "smol:2", "--yes")
     assert other.exit_code == 2 and "different models" in other.stderr

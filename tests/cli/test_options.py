@@ -83,7 +83,7 @@ def test_the_last_db_given_wins(url: str, tmp_path: Path) -> None:
     assert run("--db", missing, "cache", "--db", url, "stats").exit_code == 0
     assert run("cache", "--db", missing, "stats", "--db", url).exit_code == 0
     wrong = run("--db", url, "cache", "stats", "--db", missing)
-    assert wrong.exit_code == 1 and "nothing-here.db" in wrong.stderr
+    assert wrong.exit_code == 3 and "nothing-here.db" in wrong.stderr
     # AGENTSPEC_DB is the fallback of the global option only: it never overrides a --db
     assert run("cache", "stats", "--db", url, env={"AGENTSPEC_DB": missing}).exit_code == 0
     assert run("cache", "stats", env={"AGENTSPEC_DB": url}).exit_code == 0

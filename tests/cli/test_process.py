@@ -53,9 +53,12 @@ def test_console_script(tmp_path: Path) -> None:
     env.pop("AGENTSPEC_DB", None)
     ok = subprocess.run([str(exe), "--help"], capture_output=True, text=True, env=env, timeout=60)
     assert ok.returncode == 0 and "cache" in ok.stdout
-    missing = subprocess.run([str(exe), "cache", "stats"], capture_output=True, text=True,
+    fresh = subprocess.run([str(exe), "cache", "stats"], capture_output=True, text=True,
+                           env=env, timeout=60)
+    assert fresh.returncode == 0 and "0 rows" in fresh.stdout  # a fresh home: zeros, a hint
+    missing = subprocess.run([str(exe), "cache", "ls"], capture_output=True, text=True,
                              env=env, timeout=60)
-    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert missing.returncode == 3 and "Traceback" not in missing.stderr
     assert missing.stderr.startswith("error: no memory database at")
     bad = subprocess.run([str(exe), "cache", "ls", "--limit", "many"], capture_output=True,
                          text=True, env=env, timeout=60)
