@@ -33,6 +33,8 @@ from agentspec.cli.common import (
     db_url,
     fail,
     handles_errors,
+    print_json,
+    want_json,
 )
 from agentspec.cli.head import head_app
 
@@ -108,7 +110,8 @@ def generate(ctx: typer.Context, prompt: str,
              regex: Annotated[str | None, typer.Option(
                  "--regex", help="The output matches this regular expression in full.")] = None,
              ) -> None:
-    """Generate a completion: text on stdout, a speed/acceptance summary on stderr.
+    """Generate a completion: text on stdout, a speed/acceptance summary on stderr (with
+    --json before the command: one JSON value on stdout, the text, its token ids and figures).
 
     The summary gives the load (model conversion or loading, the memory) and the warmup
     (forward cost calibration, the embedder) apart from the generation time and speed.
@@ -128,7 +131,17 @@ def generate(ctx: typer.Context, prompt: str,
     warmed = time.perf_counter()
     print(f"load {loaded - started:.2f} s, warmup {warmed - loaded:.2f} s (not counted in the "
           f"generation time below)", file=sys.stderr, flush=True)
-    if no_stream:
+    if want_json(ctx):  # one JSON value on stdout: the text, its token ids and the figures
+        gen = spec.generate(request, max_new_tokens, sampling=sampling, scope=scope)
+        st = gen.stats
+        print_json({"text": gen.text, "token_ids": list(gen.token_ids), "stats": {
+            "new_tokens": st.new_tokens, "prompt_tokens": st.prompt_tokens,
+            "cached_tokens": st.cached_tokens, "steps": st.steps, "seconds": st.seconds,
+            "first_token_seconds": st.first_token_seconds,
+            "tokens_per_second": st.tokens_per_second, "tokens_per_step": st.tokens_per_step,
+            "drafted": dict(st.drafted), "accepted": dict(st.accepted)}})
+        stats = st
+    elif no_stream:
         gen = spec.generate(request, max_new_tokens, sampling=sampling, scope=scope)
         sys.stdout.write(gen.text + "\n")
         stats = gen.stats

@@ -127,6 +127,17 @@ def test_generate_reports_load_and_warmup_apart(monkeypatch: pytest.MonkeyPatch)
     assert res.stdout == "hello\n"
 
 
+def test_generate_json_is_one_json_value_on_stdout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--json`` before ``generate`` used to be ignored silently."""
+    events: list[str] = []
+    monkeypatch.setattr("agentspec.cli._load", lambda model, url: _SlowToStart(events))
+    res = CliRunner().invoke(app, ["--json", "generate", "hi"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["text"] == "hello" and out["token_ids"] == [1, 2, 3, 4]
+    assert out["stats"]["steps"] == 2 and out["stats"]["accepted"] == {"memory": 2}
+
+
 @pytest.mark.slow
 def test_generate_real_model(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from agentspec.home import model_dir
