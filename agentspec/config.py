@@ -100,6 +100,9 @@ class SpecConfig:
             every call still drafts from every completion recorded before it
             (:meth:`~agentspec.memory.completion.CompletionMemory.record_behind`). False writes them
             before the call returns.
+        record: whether a call records its completion into the memory when the call does not
+            say (``generate``/``stream``'s ``record=``); ``AGENTSPEC_RECORD=0`` in the
+            environment turns recording off above both.
     """
 
     max_draft_tokens: int = 64
@@ -114,6 +117,7 @@ class SpecConfig:
     head_rows: bool = False
     prefetch_key: bool | None = None
     write_behind: bool = True
+    record: bool = True
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
@@ -131,3 +135,5 @@ class SpecConfig:
             raise ValueError(f"prefetch_key must be True, False or None, got {self.prefetch_key!r}")
         if self.write_behind not in (True, False):
             raise ValueError(f"write_behind must be True or False, got {self.write_behind!r}")
+        if self.record not in (True, False):
+            raise ValueError(f"record must be True or False, got {self.record!r}")

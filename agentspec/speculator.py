@@ -26,7 +26,7 @@ from agentspec.drafters.policy import CostModel, measure_cost
 from agentspec.engine.load import load_target
 from agentspec.engine.target import HFTarget
 from agentspec.errors import warn_once
-from agentspec.home import agentspec_home
+from agentspec.home import agentspec_home, recording_allowed
 from agentspec.memory.foreign import REQUIRED, as_memory
 from agentspec.protocols import DraftContext, Drafter, Memory
 from agentspec.request import Request
@@ -184,7 +184,7 @@ class Speculator:
 
     def generate(self, prompt: Prompt, max_new_tokens: int = 128, *,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = (),
-                 scope: str | None = None, record: bool = True) -> Generation:
+                 scope: str | None = None, record: bool | None = None) -> Generation:
         """Generate a completion; greedy output is token-identical to plain decoding.
 
         Args:
@@ -195,7 +195,9 @@ class Speculator:
             stop: stop strings; the text is cut before the first one.
             scope: the memory scope (tenant / agent role) of this call; default the current
                 session's scope, else ``"default"``.
-            record: add the completion to the memory (when there is one).
+            record: add the completion to the memory (when there is one); ``None``: as
+                ``SpecConfig.record`` says (default yes). ``AGENTSPEC_RECORD=0`` in the
+                environment records nothing, whatever this says.
         """
         stream = self.stream(prompt, max_new_tokens, sampling=sampling, stop=stop, scope=scope,
                              record=record)
@@ -209,7 +211,7 @@ class Speculator:
 
     def stream(self, prompt: Prompt, max_new_tokens: int = 128, *,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (),
-               scope: str | None = None, record: bool = True) -> Stream:
+               scope: str | None = None, record: bool | None = None) -> Stream:
         """Like :meth:`generate`, yielding text deltas as steps commit them.
 
         Returns:
@@ -218,8 +220,9 @@ class Speculator:
             raise here, before the first delta is asked for; the call belongs to the session
             active here.
         """
+        remember = (self.config.record if record is None else bool(record)) and recording_allowed()
         request = Request.build(self.tokenizer, prompt, max_new_tokens, sampling=sampling,
-                                stop=stop, scope=scope, record=record,
+                                stop=stop, scope=scope, record=remember,
                                 session=current_session(self), keyed=self._memory is not None,
                                 on_key=self._prefetch)
         self.target.check_length(len(request.prompt_ids) + max_new_tokens)
