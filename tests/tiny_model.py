@@ -13,16 +13,28 @@ V = 12
 
 
 class TinyTokenizer:
-    eos_token_id = V - 1
+    """Token ids written as numbers ("1 2 3"); a vocabulary of ``vocab`` ids, the last the
+    end of sequence."""
+
+    def __init__(self, vocab: int = V) -> None:
+        self.vocab = vocab
+        self.eos_token_id = vocab - 1
 
     def get_vocab(self) -> dict[str, int]:
-        return {f"t{i}": i for i in range(V)}
+        return {f"t{i}": i for i in range(self.vocab)}
 
     def __len__(self) -> int:
-        return V
+        return self.vocab
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": [int(t) for t in text.split()]}
+
+
+class DecodingTokenizer(TinyTokenizer):
+    """A :class:`TinyTokenizer` that decodes (a completion's text: " 8 6")."""
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:  # noqa: ANN001
+        return "".join(f" {int(i)}" for i in ids)
 
 
 def tiny_target(seed: int = 0) -> HFTarget:

@@ -138,15 +138,14 @@ def fused_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) -> d
     from agentspec.engine import kv
     from agentspec.engine.forward import FixedForward
     from agentspec.engine.fused import kernels
-    from agentspec.engine.fused.llama import FusedLlama, unsupported
+    from agentspec.engine.fused.llama import select, unsupported
 
     model = base.model
     if next(model.parameters()).dtype == torch.float32:
         model = copy.deepcopy(model).to(torch.bfloat16)
-    reason = unsupported(model)
-    if reason is not None:
-        return {"unsupported": {reason: 0}}
-    fused = FusedLlama(model)
+    fused = select(model, required=False)  # the model's own, where a target built it already
+    if fused is None:
+        return {"unsupported": {str(unsupported(model)): 0}}
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:

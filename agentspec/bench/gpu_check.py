@@ -89,9 +89,8 @@ def steps_for(names: Sequence[str], out: Path, python: str = sys.executable,
         "prompts": (*bench, "--workload", "prompts", "--max-new-tokens", "64", "--systems",
                     BENCH_SYSTEMS, "--json", str(out / "prompts.json")),
     }
-    results = {"engine": "engine.json", "ops": "ops.json", "bfcl-live": "bfcl-live.json",
-               "bfcl": "bfcl.json", "prompts": "prompts.json"}
-    return [Step(n, argv[n], STEPS[n][0], out / results[n] if n in results else None)
+    # every step but the tests writes its results to <step>.json
+    return [Step(n, argv[n], STEPS[n][0], None if n == "tests" else out / f"{n}.json")
             for n in names]
 
 

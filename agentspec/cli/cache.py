@@ -88,7 +88,7 @@ def stats(ctx: typer.Context) -> None:
         out["database"] = db_url(ctx)
         out["index"] = {"status": "none yet", "files": []}
         out["hint"] = ("nothing recorded yet: calls record their completions here "
-                       "(Speculator.from_pretrained, the LangChain model, agentspec demo)")
+                       "(Speculator.from_pretrained, ChatAgentSpec.from_pretrained, agentspec generate)")
     else:
         with open_store(ctx) as store:
             out = store.stats()

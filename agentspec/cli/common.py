@@ -150,12 +150,10 @@ def db_url(ctx: typer.Context) -> str:
 def fresh_home(ctx: typer.Context) -> bool:
     """Whether the memory is the default one under ``$AGENTSPEC_HOME`` and nothing was ever
     recorded there (no --db, no AGENTSPEC_DB, no database file yet)."""
-    from agentspec.home import default_db_url
-
-    url = db_url(ctx)
-    path = sqlite_path(url)
-    return url == default_db_url() and options(ctx).db is None and (
-        path is not None and not path.exists())
+    if options(ctx).db is not None:  # --db, or AGENTSPEC_DB through the root option
+        return False
+    path = sqlite_path(db_url(ctx))
+    return path is not None and not path.exists()
 
 
 def want_json(ctx: typer.Context) -> bool:

@@ -49,17 +49,13 @@ def greedy_tokens(logits: torch.Tensor, allowed: Mask = None) -> torch.Tensor:
     also the first maximum among the allowed tokens, so the result is the same."""
     if allowed is None or isinstance(allowed, torch.Tensor):
         return apply_mask(logits, allowed).argmax(dim=-1)
-    top = logits.argmax(dim=-1)
-    fixes = allowed.forbidding(top.tolist())
-    for row, mask in fixes.items():
-        top[row] = logits[row].masked_fill(~mask, float("-inf")).argmax()
-    return top
+    return torch.tensor(greedy_host(logits, allowed), device=logits.device)
 
 
 def greedy_host(logits: torch.Tensor, allowed: Mask = None) -> list[int]:
     """:func:`greedy_tokens` as a host list, in one device-to-host copy: with masks on demand
     the rows' argmax come over once and only a row whose argmax the grammar forbids is
-    masked and copied again (where :func:`greedy_tokens` copies all rows twice)."""
+    masked and copied again (the verifier's path: it walks the draft on the host)."""
     if allowed is None or isinstance(allowed, torch.Tensor):
         return greedy_tokens(logits, allowed).tolist()
     top = logits.argmax(dim=-1).tolist()

@@ -42,6 +42,14 @@ FUSED_WIDTHS = (16, 32, 64)
 FUSED_PREFILL_WIDTHS = (128, 256, 512)
 
 
+def _default_widths(fused: bool, cuda: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The default forward and prefill widths of the fused forward, or of the modules on
+    CUDA (one width) or on the CPU."""
+    if fused:
+        return FUSED_WIDTHS, FUSED_PREFILL_WIDTHS
+    return ((64,), ()) if cuda else (CPU_WIDTHS, CPU_PREFILL_WIDTHS)
+
+
 def ordered_widths(widths: Sequence[int], name: str = "widths", shown: str | None = None) -> tuple[int, ...]:
     """``widths`` as a tuple, checked: distinct positive integers, smallest first (or none).
 
@@ -139,12 +147,7 @@ class HFTarget:
             from agentspec.engine.fused.llama import select
 
             self.fused = select(model, required=bool(fused))
-        default: tuple[int, ...]
-        default_wide: tuple[int, ...]
-        if self.fused is not None:
-            default, default_wide = FUSED_WIDTHS, FUSED_PREFILL_WIDTHS
-        else:
-            default, default_wide = ((64,), ()) if cuda else (CPU_WIDTHS, CPU_PREFILL_WIDTHS)
+        default, default_wide = _default_widths(self.fused is not None, cuda)
         self.widths = ordered_widths(widths or default)
         if self.fused is not None:
             from agentspec.engine.fused import kernels
@@ -328,10 +331,9 @@ class HFTarget:
         nothing it wrote is committed)."""
         self.fused = None
         self._forwards.clear()
-        if self.device.type == "cuda":
-            self.widths, self.prefill_widths = (64,), ()
-        else:
-            self.widths, self.prefill_widths = CPU_WIDTHS, CPU_PREFILL_WIDTHS
+        cuda = self.device.type == "cuda"
+        self.widths, self.prefill_widths = _default_widths(False, cuda)
+        if not cuda:  # the CPU's widths are probed again (check_widths)
             self._widths_checked = False
 
     def _reserve(self, rows: int) -> None:

@@ -33,17 +33,20 @@ def test_greedy_speculation_matches_plain_decoding_on_cuda(gpu_spec):
         assert gpu_spec.generate(prompt, 64).token_ids == plain.generate(prompt, 64).token_ids
 
 
-def test_cuda_graph_replays_bitwise_as_the_eager_forward(gpu_spec):
+def _scored(spec, prompt, tail: int, **target_kw) -> torch.Tensor:
+    """The logits of a chain of the prompt's last ``tail`` tokens, scored after the prompt by a
+    fresh target on ``spec``'s model (``target_kw``: HFTarget's options)."""
     from agentspec.engine.target import HFTarget
     from agentspec.types import Draft
 
-    base = gpu_spec.target
+    target = HFTarget(spec.target.model, spec.target.tokenizer, **target_kw)
+    target.start(prompt)
+    return target.score(prompt[-1], Draft.chain(prompt[-tail:], "x")).clone()
+
+
+def test_cuda_graph_replays_bitwise_as_the_eager_forward(gpu_spec):
     prompt = gpu_spec.encode(GROUNDED[0])
-    rows = []
-    for graphs in (True, False):
-        target = HFTarget(base.model, base.tokenizer, cuda_graphs=graphs)
-        target.start(prompt)
-        rows.append(target.score(prompt[-1], Draft.chain(prompt[-8:], "x")).clone())
+    rows = [_scored(gpu_spec, prompt, 8, cuda_graphs=graphs) for graphs in (True, False)]
     assert torch.equal(rows[0], rows[1])
 
 
@@ -123,17 +126,9 @@ def test_a_worker_embedding_on_the_gpu_leaves_the_engines_captures_alone(gpu_spe
 
 
 def test_the_fused_forward_is_on_by_default_and_within_bf16_rounding_of_the_modules(gpu_spec):
-    from agentspec.engine.target import HFTarget
-    from agentspec.types import Draft
-
-    base = gpu_spec.target
-    assert base.fused is not None
+    assert gpu_spec.target.fused is not None
     prompt = gpu_spec.encode(GROUNDED[1])
-    rows = []
-    for fused in (True, False):
-        target = HFTarget(base.model, base.tokenizer, fused=fused)
-        target.start(prompt)
-        rows.append(target.score(prompt[-1], Draft.chain(prompt[-12:], "x")).float())
+    rows = [_scored(gpu_spec, prompt, 12, fused=fused).float() for fused in (True, False)]
     scale = rows[1].abs().max().item()
     assert (rows[0] - rows[1]).abs().max().item() <= 0.05 * scale
     assert (rows[0].argmax(-1) == rows[1].argmax(-1)).float().mean().item() >= 0.9

@@ -20,22 +20,13 @@ from agentspec.engine.fused import kernels
 from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
 from agentspec.types import Draft
+from tests.tiny_model import TinyTokenizer
 
 pytestmark = pytest.mark.skipif(
     not kernels.AVAILABLE or not (torch.cuda.is_available() or kernels.INTERPRETED),
     reason="needs Triton (on CUDA or in its interpreter)")
 
 V = 256
-
-
-class Tokenizer:
-    eos_token_id = V - 1
-
-    def get_vocab(self) -> dict[str, int]:
-        return {f"t{i}": i for i in range(V)}
-
-    def __len__(self) -> int:
-        return V
 
 
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.bfloat16):
@@ -60,7 +51,7 @@ def target(model, **kw) -> HFTarget:
     if kw["fused"]:
         kw.setdefault("widths", (16,))
         kw.setdefault("prefill_widths", (32,))
-    return HFTarget(model, Tokenizer(), name="tiny", reuse_prefix=False, **kw)
+    return HFTarget(model, TinyTokenizer(V), name="tiny", reuse_prefix=False, **kw)
 
 
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(1, V - 1, 70)]

@@ -14,12 +14,7 @@ from agentspec.engine.target import HFTarget
 from agentspec.memory.completion import CompletionMemory
 from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import InMemoryStore
-from tests.tiny_model import TinyTokenizer, tiny_target
-
-
-class DecodingTokenizer(TinyTokenizer):
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:  # noqa: ANN001
-        return "".join(f" {int(i)}" for i in ids)
+from tests.tiny_model import DecodingTokenizer, tiny_target
 
 
 def _speculator(target: HFTarget, **config) -> Speculator:  # noqa: ANN003

@@ -12,12 +12,7 @@ from agentspec.home import recording_allowed
 from agentspec.memory.completion import CompletionMemory
 from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import InMemoryStore
-from tests.tiny_model import TinyTokenizer, tiny_target
-
-
-class DecodingTokenizer(TinyTokenizer):
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:  # noqa: ANN001
-        return "".join(f" {int(i)}" for i in ids)
+from tests.tiny_model import DecodingTokenizer, tiny_target
 
 
 @pytest.fixture(scope="module")

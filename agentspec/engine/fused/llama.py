@@ -49,12 +49,6 @@ def unsupported(model: Any) -> str | None:
     scaling = getattr(config, "rope_scaling", None) or {}
     if scaling.get("rope_type", scaling.get("type", "default")) in ("dynamic", "longrope"):
         return f"rope scaling {scaling.get('rope_type', scaling.get('type'))!r} depends on the length"
-    for layer in getattr(getattr(model, "model", None), "layers", None) or []:
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if any(getattr(getattr(parent, name, None), "bias", None) is not None
-               for parent, name in ((attn, "o_proj"), (mlp, "gate_proj"), (mlp, "up_proj"),
-                                    (mlp, "down_proj"))):
-            return "a bias on the output or MLP products"
     param = next(model.parameters())
     if param.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {param.dtype} (the fused kernels run bf16 and fp16)"
@@ -68,35 +62,31 @@ def unsupported(model: Any) -> str | None:
                 hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or not all(
                 hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             return "a decoder layer unlike Llama's"
+        if any(m.bias is not None for m in (attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                                             mlp.down_proj)):
+            return "a bias on the output or MLP products"
     if param.device.type != "cuda" and not kernels.INTERPRETED:
         return "Triton kernels need CUDA (or TRITON_INTERPRET=1)"
     return None
 
 
-def fused_model(model: Any) -> FusedLlama:
-    """The fused forward of ``model`` (built once per model; forks share it).
+def select(model: Any, *, required: bool) -> FusedLlama | None:
+    """The fused forward of ``model`` (built once per model; forks share it), or None where
+    the model is not covered and the forward is not ``required``.
 
     Raises:
-        ValueError: the model cannot run it; the message says why (:func:`unsupported`).
+        ValueError: ``required`` and the model is not covered (the message says why,
+            :func:`unsupported`).
     """
     reason = unsupported(model)
     if reason is not None:
-        raise ValueError(f"no fused forward for this model: {reason}")
+        if required:
+            raise ValueError(f"no fused forward for this model: {reason}")
+        return None
     fused = _FUSED.get(model)
     if fused is None:
         fused = _FUSED[model] = FusedLlama(model)
     return fused
-
-
-def select(model: Any, *, required: bool) -> FusedLlama | None:
-    """The fused forward for ``model``, or None where it is not covered and not ``required``.
-
-    Raises:
-        ValueError: ``required`` and the model is not covered (the message says why).
-    """
-    if not required and unsupported(model) is not None:
-        return None
-    return fused_model(model)
 
 
 def _concat(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -136,7 +126,6 @@ class FusedLlama:
     def __init__(self, model: Any) -> None:
         config = model.config
         base = model.model
-        self.model = model
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         attn0 = base.layers[0].self_attn
