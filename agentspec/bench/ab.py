@@ -14,7 +14,7 @@ warmup line runs through
 both, then every measured line, the order alternating from line to line, so a slow spell of a
 shared machine falls on both alike. Prints each setting's seconds and tokens/s, B over A in
 aggregate speed and the median of the per-line ratios, and whether the outputs were the same
-(they must be at temperature 0: no setting may change an output). ``--json`` writes it all.
+(they must be at temperature 0: no setting may change an output). ``--out FILE`` writes it all.
 
 A change of a few percent needs this rather than two bench runs: on the 2-core CPU two runs of
 one system differ by ~3 %. The sixteenth session's write-behind (1.001x on bfcl) and a
@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--measure", type=int, default=None,
                         help="only the first N measured lines")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA if any)")
-    parser.add_argument("--json", type=Path, default=None, help="write the result here")
+    parser.add_argument("--out", type=Path, default=None, help="write the result here")
     args = parser.parse_args(argv)
     try:
         a, b = parse_settings(args.a), parse_settings(args.b)
@@ -199,8 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     print(format_result(result), flush=True)
-    if args.json:
-        write_json(result, args.json)
+    if args.out:
+        write_json(result, args.out)
     return 0 if result["same_outputs"] else 1
 
 

@@ -14,13 +14,13 @@ reply is a JSON list of calls of the task's tools, valid under their schemas, or
 
 Exit codes: 0 every output matched, 1 an output differed (or a failure), 2 bad input.
 
-Example: agentspec demo --tasks multi_turn_base_26 --max-new-tokens 64 --json out/demo.json
+The command is :mod:`agentspec.cli.demo`.
+
+Example: agentspec demo --tasks multi_turn_base_26 --max-new-tokens 64 --out out/demo.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -387,51 +387,8 @@ def print_summary(summary: dict[str, Any], console: Console | None = None) -> No
     console.print(f"tool calls {how}: {summary['malformed_calls']} malformed")
 
 
-# --- the command ------------------------------------------------------------------------------
-def _task_ids(text: str) -> tuple[str, ...]:
+# --- the command's input ----------------------------------------------------------------------
+def task_ids(text: str) -> tuple[str, ...]:
     """``"29,multi_turn_base_26"`` -> full ids (a bare number is a multi_turn_base task)."""
     ids = [t.strip() for t in text.split(",") if t.strip()]
     return tuple(f"multi_turn_base_{t}" if t.isdigit() else t for t in ids)
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="agentspec demo", description=__doc__.splitlines()[0].strip("`: "),
-        epilog="Example: agentspec demo --tasks 26 --max-new-tokens 64 --json out/demo.json")
-    parser.add_argument("--tasks", default=",".join(DEFAULT_TASK_IDS),
-                        help="comma-separated BFCL multi-turn task ids (or their numbers); "
-                             "default %(default)s")
-    parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    parser.add_argument("--max-turns", type=int, default=None,
-                        help="user turns per task at most (default all)")
-    parser.add_argument("--max-calls-per-turn", type=int, default=DEFAULT_MAX_CALLS_PER_TURN)
-    parser.add_argument("--db", metavar="URL", default=None,
-                        help="memory database (SQLAlchemy URL); default a fresh SQLite file in "
-                             "a temporary folder (a --db that holds rows makes the cold pass warm)")
-    parser.add_argument("--no-grammar", dest="grammar", action="store_false",
-                        help="let the agent write free text instead of calling its tools "
-                             "through the tool-call grammar (to see the malformed calls it saves)")
-    parser.add_argument("--json", metavar="OUT", type=Path, default=None,
-                        help="write the summary (and every call) as JSON")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``agentspec demo [options]``; returns the exit code."""
-    args = _parser().parse_args(argv)
-    err = Console(stderr=True, highlight=False, soft_wrap=True)
-    try:
-        config = DemoConfig(_task_ids(args.tasks), max_new_tokens=args.max_new_tokens,
-                            max_turns=args.max_turns, max_calls_per_turn=args.max_calls_per_turn,
-                            db=args.db, grammar=args.grammar)
-        bfcl.load_tasks(list(config.task_ids))  # bad ids fail before the model loads
-    except (ValueError, KeyError) as e:
-        err.print(f"error: {e.args[0]}", markup=False)
-        return 2
-    console = Console(highlight=False, width=output_width(sys.stdout))
-    summary = run_demo(config, console=console)
-    print_summary(summary, console)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    return 0 if summary["exact_match"]["matched"] == summary["exact_match"]["calls"] else 1

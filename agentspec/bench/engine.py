@@ -12,7 +12,7 @@
    forward (:mod:`agentspec.engine.fused`; a Triton kernel counts one). Any device: on the
    CPU the count is the figure.
 
-Writes a JSON file with ``--json``. A figure, not a test: GPU tests live in ``tests/gpu``.
+Writes a JSON file with ``--out FILE``. A figure, not a test: GPU tests live in ``tests/gpu``.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--ops", default=None, metavar="CAPACITIES",
                         help="comma-separated KV capacities: count one 64-row forward's "
                              "operations at each, and do nothing else")
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                       "forward_rows": 64,
                                       "ops": forward_ops(base, capacities),
                                       "fused ops": fused_ops(base, capacities)}
-        _emit(result_ops, args.json)
+        _emit(result_ops, args.out)
         return result_ops
     sizes = (0, 3, 7, 15, 31, 63)
     result: dict[str, Any] = {
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         result["forward_ms_graph_modules"] = forward_ms(
             HFTarget(base.model, base.tokenizer, fused=False), sizes, args.context, args.repeats)
     result["invariance"] = invariance(base, args.max_new_tokens)
-    _emit(result, args.json)
+    _emit(result, args.out)
     return result
 
 

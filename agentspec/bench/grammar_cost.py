@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--limit", type=int, default=None, help="at most this many live calls")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--steps", action="store_true",
                         help="also tokens per step on required calls, forced drafts on vs off")
     parser.add_argument("--decode", type=Path, nargs="?", const=data_dir() / "bfcl-live.jsonl",
@@ -397,9 +397,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"  {name.replace('_', ' '):10s}: p50 {row['p50_us']:6.1f} us, p99 "
                   f"{row['p99_us']:6.1f} us, mean {row['mean_us']:6.1f} us ({row['n']} rows); per "
                   f"step p50 {step['p50_us']:6.1f} us, p99 {step['p99_us']:6.1f} us ({step['n']} steps)")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
     return result
 
 

@@ -12,7 +12,7 @@ its hand-over, ``memory.record_behind``, and as the wait of a later read for it,
 ``memory.settle``). On CUDA each timed call is bracketed by a device synchronisation, so a
 phase holds its own kernels and not the next one's wait (and the whole runs a little slower
 than the bench). Prints, per system, each phase's milliseconds per request and per call;
-``--json`` writes them. Nested phases overlap: a chain's ``begin`` holds the memory's lookup,
+``--out FILE`` writes them. Nested phases overlap: a chain's ``begin`` holds the memory's lookup,
 which holds its embedding.
 
 Host milliseconds per step: a request's time less its prefill and its forwards
@@ -185,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--measure", type=int, default=None,
                         help="time only the first N measured lines")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: CUDA if any)")
-    parser.add_argument("--json", type=Path, default=None, help="write the phases here")
+    parser.add_argument("--out", type=Path, default=None, help="write the phases here")
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     try:
@@ -194,8 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          on_system=lambda name, r: print(format_system(name, r), flush=True))
     except ValueError as e:
         parser.error(str(e))
-    if args.json:
-        write_json(result, args.json)
+    if args.out:
+        write_json(result, args.out)
     return 0
 
 

@@ -227,7 +227,7 @@ def _row(request: RequestResult, names: list[str]) -> dict[str, Any]:
 
 
 def summarize(result: BenchResult) -> dict[str, Any]:
-    """The JSON document of ``agentspec bench --json`` (see the module docstring)."""
+    """The JSON document of ``agentspec bench --out`` and ``--json`` (see the module docstring)."""
     names, reqs, config = list(result.config.systems), result.requests, result.config
     systems = {name: system_totals(reqs, name) for name in names}
     others = [n for n in names if n != REFERENCE]

@@ -26,7 +26,9 @@ import typer
 
 from agentspec.cli.cache import cache_app
 from agentspec.cli.common import (
+    APP_SETTINGS,
     EXIT_USAGE,
+    JSON_FLAG,
     JsonOpt,
     Options,
     db_option,
@@ -36,11 +38,11 @@ from agentspec.cli.common import (
     print_json,
     want_json,
 )
+from agentspec.cli.demo import demo
 from agentspec.cli.head import head_app
 
 app = typer.Typer(
-    name="agentspec", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},  # every command inherits -h
+    name="agentspec", no_args_is_help=True, **APP_SETTINGS,
     help="Exact speculative decoding for LLM agents, with a completion memory.\n\n"
          "Example: agentspec cache stats",
 )
@@ -189,23 +191,7 @@ def _grammar(json_schema: Path | None, tools: Path | None, regex: str | None) ->
 _PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True}
 
 
-@app.command("demo", context_settings=_PASS_THROUGH, add_help_option=False)
-@handles_errors
-def demo(ctx: typer.Context) -> None:
-    """The BFCL agent demo, plain versus agentspec, cold and warm; see: agentspec demo --help.
-
-    Example: agentspec demo
-    """
-    try:
-        from agentspec.bench.demo import main as demo_main
-    except ModuleNotFoundError as e:
-        if e.name not in ("agentspec.bench.demo",):
-            raise
-        fail("the demo is not available: agentspec.bench.demo is not installed in this build")
-    takes_args = bool(inspect.signature(demo_main).parameters)
-    code = demo_main(list(ctx.args)) if takes_args else demo_main()
-    if isinstance(code, int) and code:
-        raise typer.Exit(code)
+app.command("demo")(demo)
 
 
 @app.command("bench", context_settings=_PASS_THROUGH, add_help_option=False)
@@ -220,7 +206,10 @@ def bench_command(ctx: typer.Context) -> None:
     from agentspec.cli.bench import bench_app
 
     command = typer.main.get_command(bench_app)
-    code = command.main(args=list(ctx.args), prog_name="agentspec bench", standalone_mode=False)
+    args = list(ctx.args)
+    if want_json(ctx):  # `agentspec --json bench ...`: the bench's own --json
+        args.insert(0, JSON_FLAG)
+    code = command.main(args=args, prog_name="agentspec bench", standalone_mode=False)
     if isinstance(code, int) and code:
         raise typer.Exit(code)
 

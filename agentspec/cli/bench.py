@@ -16,13 +16,21 @@ from typing import Annotated, Any
 
 import typer
 
-from agentspec.cli.common import EXIT_USAGE, console, err_console, fail, handles_errors, progress
+from agentspec.cli.common import (
+    APP_SETTINGS,
+    EXIT_USAGE,
+    console,
+    err_console,
+    fail,
+    handles_errors,
+    print_json,
+    progress,
+)
 
 bench_app = typer.Typer(
-    name="bench", add_completion=False, pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
+    name="bench", **APP_SETTINGS,
     help="Measure agentspec against transformers, interleaved request by request.\n\n"
-         "Example: agentspec bench --workload prompts --json out/core.json",
+         "Example: agentspec bench --workload prompts --out out/core.json",
 )
 
 SYSTEMS = ("hf-greedy", "hf-pld", "hf-static", "agentspec-plain", "agentspec-pld", "agentspec",
@@ -118,7 +126,11 @@ def bench(
     dtype: Annotated[str | None, typer.Option(
         "--dtype", help="The target's weights, for every system: bf16, fp16, fp32. Default "
                         "bf16 on CUDA, fp32 on the CPU.")] = None,
-    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as JSON.")] = None,
+    json_out: Annotated[bool, typer.Option(
+        "--json", help="The results as one JSON value on stdout (the table goes to "
+                       "stderr).")] = False,
+    out: Annotated[Path | None, typer.Option(
+        "--out", metavar="FILE", help="Write the results as JSON.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of the results.")] = None,
     report: Annotated[Path | None, typer.Option("--report", help="Write a markdown report.")] = None,
     lines: Annotated[Path | None, typer.Option(
@@ -166,10 +178,10 @@ def bench(
                          dtype=dtype, lines_out=lines,
                          prefix_cache_bytes=None if prefix_cache_mb is None
                          else int(prefix_cache_mb * 2**20))
-    _run_and_report(loaded, model, config, json_out=json_out, plot=plot, report=report)
+    _run_and_report(loaded, model, config, json_out=json_out, out=out, plot=plot, report=report)
 
 
-def _run_and_report(loaded: Any, model: str, config: Any, *, json_out: Path | None,
+def _run_and_report(loaded: Any, model: str, config: Any, *, json_out: bool, out: Path | None,
                     plot: Path | None, report: Path | None) -> None:
     """Run the bench with a progress bar, print the table and notes, write the outputs."""
     from agentspec.bench import harness
@@ -187,13 +199,15 @@ def _run_and_report(loaded: Any, model: str, config: Any, *, json_out: Path | No
     summary = report_mod.summarize(result)
     for note in summary["notes"]:
         err_console.print(f"note: {note}", markup=False)
-    console.print(report_mod.rich_table(summary), width=max(console.width, 150))
-    if report_mod.versus_line(summary):
-        console.print(report_mod.versus_line(summary), markup=False)
-    if report_mod.cached_line(summary):
-        console.print(report_mod.cached_line(summary), markup=False)
-    if json_out is not None:
-        report_mod.write_json(summary, json_out)
+    shown = err_console if json_out else console  # --json: stdout holds the JSON alone
+    shown.print(report_mod.rich_table(summary), width=max(console.width, 150))
+    for line in (report_mod.versus_line(summary), report_mod.cached_line(summary)):
+        if line:
+            shown.print(line, markup=False)
+    if out is not None:
+        report_mod.write_json(summary, out)
+    if json_out:
+        print_json(summary)
     if plot is not None:
         report_mod.plot(summary, plot)
     if report is not None:

@@ -12,6 +12,7 @@ import typer
 from rich.table import Table
 
 from agentspec.cli.common import (
+    APP_SETTINGS,
     EXIT_NOT_FOUND,
     EXIT_USAGE,
     DbOpt,
@@ -35,7 +36,7 @@ from agentspec.cli.common import (
     want_json,
 )
 
-cache_app = typer.Typer(help="Inspect and maintain the completion memory.", no_args_is_help=True)
+cache_app = typer.Typer(**APP_SETTINGS, help="Inspect and maintain the completion memory.", no_args_is_help=True)
 
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
 ScopeOpt = Annotated[str | None, typer.Option("--scope", help="Only this scope.")]

@@ -34,6 +34,13 @@ EXIT_USAGE = 2
 EXIT_NOT_FOUND = 3
 F = TypeVar("F", bound=Callable[..., Any])
 
+# Every Typer app of the CLI: -h beside --help, and click's plain help layout (Typer's rich
+# panels wrap docstrings mid-paragraph and give every flag a "<bool>" placeholder).
+APP_SETTINGS: dict[str, Any] = {
+    "rich_markup_mode": None, "add_completion": False, "pretty_exceptions_enable": False,
+    "context_settings": {"help_option_names": ["-h", "--help"]},
+}
+
 # Rich lays a pipe's output out wide (agentspec.terminal: the bench's tables whole in a log).
 console = Console(highlight=False, width=output_width(sys.stdout))
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -108,7 +115,8 @@ def db_option(**extra: Any) -> Any:
 
 
 DbOpt = Annotated[str | None, db_option()]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Machine-readable JSON on stdout.")]
+JSON_FLAG = "--json"
+JsonOpt = Annotated[bool, typer.Option(JSON_FLAG, help="Machine-readable JSON on stdout.")]
 
 
 def set_options(ctx: typer.Context, db: str | None, json_out: bool) -> None:

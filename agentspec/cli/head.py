@@ -18,6 +18,7 @@ import typer
 from rich.table import Table
 
 from agentspec.cli.common import (
+    APP_SETTINGS,
     cache_command,
     console,
     fail,
@@ -28,7 +29,7 @@ from agentspec.cli.common import (
     want_json,
 )
 
-head_app = typer.Typer(help="Train and inspect the recurrent draft head.", no_args_is_help=True)
+head_app = typer.Typer(**APP_SETTINGS, help="Train and inspect the recurrent draft head.", no_args_is_help=True)
 
 ModelOpt = Annotated[str, typer.Option("--model", help="Packaged name, model folder or .gguf file.")]
 

@@ -134,7 +134,7 @@ def test_a_mismatch_fails_the_run_and_is_in_the_json(tmp_path: Path, monkeypatch
     monkeypatch.setattr(harness, "run_bench", _fake_result)
     out = tmp_path / "r.json"
     res = invoke("--workload", "prompts", "--systems", "hf-greedy,agentspec-pld,agentspec-plain",
-                 "--json", str(out))
+                 "--out", str(out))
     assert res.exit_code == 1 and "agentspec-pld" in res.stderr
     summary = json.loads(out.read_text())
     assert summary["exact_match"] == {"agentspec-pld": 0.0, "agentspec-plain": 1.0}
@@ -144,7 +144,7 @@ def test_a_baseline_mismatch_is_a_finding_not_a_failure(tmp_path: Path, monkeypa
     monkeypatch.setattr(harness, "run_bench", _fake_result)
     out, md = tmp_path / "r.json", tmp_path / "r.md"
     res = invoke("--workload", "prompts", "--systems", "hf-greedy,hf-static,agentspec-plain",
-                 "--json", str(out), "--report", str(md))
+                 "--out", str(out), "--report", str(md))
     assert res.exit_code == 0, res.output
     assert "warning: outputs differ from hf-greedy" in res.stderr and "hf-static" in res.stderr
     assert res.stderr.count("note: hf-static: torch.compile failed") == 1
@@ -189,10 +189,11 @@ def test_end_to_end_on_a_tiny_workload(tmp_path: Path) -> None:
     workload.write_text("".join(json.dumps(line) + "\n" for line in TINY))
     out, png, md = tmp_path / "o.json", tmp_path / "o.png", tmp_path / "o.md"
     res = invoke("--workload", str(workload), "--max-new-tokens", "6",
-                 "--systems", ",".join(bench_cli.SYSTEMS), "--json", str(out),
-                 "--plot", str(png), "--report", str(md))
+                 "--systems", ",".join(bench_cli.SYSTEMS), "--out", str(out),
+                 "--plot", str(png), "--report", str(md), "--json")
     assert res.exit_code == 0, res.output
     summary = json.loads(out.read_text())
+    assert json.loads(res.stdout) == summary  # --json: stdout holds the JSON alone
     assert summary["measured_requests"] == 2 and summary["warmup_requests"] == 1
     assert summary["device"] == "cpu" and summary["model"] == "smollm2-135m-instruct"
     assert (summary["dtype"], summary["gpu_name"]) == ("fp32", None)
@@ -209,4 +210,4 @@ def test_end_to_end_on_a_tiny_workload(tmp_path: Path) -> None:
     assert set(summary["systems"]["agentspec"]["accepted_by_source"]) >= {"memory", "prompt_lookup"}
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "agentspec-plain" in md.read_text()
-    assert "exact" in res.stdout and "TTFT" in res.stdout  # the rich table (headers may wrap)
+    assert "exact" in res.stderr and "TTFT" in res.stderr  # the table, on stderr under --json

@@ -97,14 +97,16 @@ def test_json_before_or_after(url: str) -> None:
 
 
 def test_db_and_json_are_defined_once() -> None:
-    """One shared definition, no copy per command. ``agentspec bench`` (cli/bench.py) has
-    options of its own under these names: the benched system's memory database (default a
-    fresh file, not $AGENTSPEC_DB) and a results file."""
+    """One shared definition, no copy per command. ``agentspec bench`` (cli/bench.py) and
+    ``agentspec demo`` (cli/demo.py) have a ``--db`` of their own: the benched system's memory
+    database, default a fresh file, not $AGENTSPEC_DB."""
     import agentspec.cli as cli
 
-    sources = "".join(p.read_text() for p in Path(cli.__file__).parent.glob("*.py")
-                      if p.name != "bench.py")
+    files = list(Path(cli.__file__).parent.glob("*.py"))
+    sources = "".join(p.read_text() for p in files if p.name not in ("bench.py", "demo.py"))
     assert sources.count('"--db"') == 1 and sources.count('"--json"') == 1
+    own = "".join(p.read_text() for p in files if p.name == "demo.py")
+    assert own.count('"--json"') == 0  # the demo's --json is the shared one
 
 
 def test_version_and_short_help_everywhere() -> None:
