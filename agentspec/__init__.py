@@ -16,6 +16,7 @@ from agentspec.errors import (
     ModelNotAvailableError,
     StoreError,
     UnsupportedModelError,
+    UnsupportedVersionError,
 )
 from agentspec.types import Draft, Generation, GenerationStats, Record, Verdict
 
@@ -52,6 +53,7 @@ __all__ = [
     "StoreError",
     "Stream",
     "UnsupportedModelError",
+    "UnsupportedVersionError",
     "Verdict",
     "load_target",
     "record",

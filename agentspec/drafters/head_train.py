@@ -125,7 +125,7 @@ def replay(model: Any, tokenizer: Any, records: Sequence[Record], vocab: torch.T
     ``rows_of``: the decode loop's own hidden rows of a record where they were kept
     (:mod:`agentspec.drafters.head_rows`): such a record needs no forward (see
     :func:`from_rows`)."""
-    from transformers import DynamicCache
+    from agentspec.engine import compat
 
     if max_context is None:
         max_context = int(getattr(model.config, "max_position_embeddings", 2048))
@@ -167,10 +167,10 @@ def replay(model: Any, tokenizer: Any, records: Sequence[Record], vocab: torch.T
         while shared < min(len(held), first) and held[shared] == ids[shared]:
             shared += 1
         if cache is None or shared == 0:
-            cache, shared = DynamicCache(), 0
+            cache, shared = compat.new_dynamic_cache(), 0
         else:
-            cache.crop(shared - cache.get_seq_length())  # transformers 5: tokens to remove, < 0
-        hidden = model.model(input_ids=torch.tensor([ids[shared:]]), past_key_values=cache,
+            compat.crop_cache(cache, shared)
+        hidden = compat.base_model(model)(input_ids=torch.tensor([ids[shared:]]), past_key_values=cache,
                              use_cache=True).last_hidden_state[0, first - shared :]  # [L + 1, hidden]
         held = ids
         # after the last prompt token, ..., after the last completion token

@@ -1,4 +1,4 @@
-"""Everything that touches transformers' KV-cache and attention internals (pinned: transformers 5.23).
+"""The engine's KV cache and attention (transformers' side of them: :mod:`agentspec.engine.compat`).
 
 Two pieces:
 
@@ -30,6 +30,8 @@ from contextvars import ContextVar
 from typing import Any
 
 import torch
+
+from agentspec.engine import compat
 
 
 class FixedKV:
@@ -134,14 +136,12 @@ def agentspec_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     the fixed-capacity KV). Any other call (no boolean mask, dropout, softcap, ...) takes
     transformers' own sdpa path.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     plain = (dropout == 0.0 and kwargs.get("softcap") is None
              and kwargs.get("position_bias") is None and kwargs.get("cache") is None
              and not kwargs.get("output_attentions", False))
     if not (plain and isinstance(attention_mask, torch.Tensor)
             and attention_mask.dtype == torch.bool and key.shape[-1] == value.shape[-1]):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+        return compat.sdpa_attention(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
     batch, heads, width, dim = query.shape
     kv_heads = key.shape[1]
@@ -237,26 +237,11 @@ def _forbidden(mask: torch.Tensor, groups: int, length: int,
     return out, span
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    AttentionInterface.register(ATTENTION, agentspec_sdpa)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION, sdpa_mask)
-
-
-_register()
+compat.register_attention(ATTENTION, agentspec_sdpa)
 
 
 @contextmanager
 def verifying_attention(model: Any) -> Iterator[None]:
     """Run the forwards inside on ``agentspec_sdpa`` when the model is on ``sdpa``."""
-    config = model.config
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    with compat.attention_switched(model, ATTENTION, when="sdpa"):
         yield
-        return
-    config._attn_implementation = ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = "sdpa"

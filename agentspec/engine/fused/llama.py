@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
+from agentspec.engine import compat
 from agentspec.engine.fused import kernels
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = tuple(a.model_type for a in compat.ARCHITECTURES.values() if a.fused)
 """The ``model_type`` values the fused forward covers (the Llama layer: pre-norm RMSNorm,
 rotary attention with grouped key/value heads, a SiLU-gated MLP)."""
 
@@ -52,7 +53,7 @@ def unsupported(model: Any) -> str | None:
     param = next(model.parameters())
     if param.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {param.dtype} (the fused kernels run bf16 and fp16)"
-    base = getattr(model, "model", None)
+    base = getattr(model, "model", None)  # compat.base_model, without its fallback
     layers = getattr(base, "layers", None)
     if layers is None or not hasattr(base, "rotary_emb"):
         return "no decoder layers where a Llama keeps them"
@@ -125,7 +126,7 @@ class FusedLlama:
 
     def __init__(self, model: Any) -> None:
         config = model.config
-        base = model.model
+        base = compat.base_model(model)
         self.heads = int(config.num_attention_heads)
         self.kv_heads = int(getattr(config, "num_key_value_heads", None) or self.heads)
         attn0 = base.layers[0].self_attn

@@ -1,0 +1,266 @@
+"""The one module that touches transformers' internals, and the versions and architectures
+the engine was tested on.
+
+Importing it checks the installed torch and transformers against :data:`SUPPORTED` (the
+range ``pyproject.toml`` pins and ``make test-compat`` tests the low end of) and raises
+:class:`~agentspec.errors.UnsupportedVersionError` outside it; ``AGENTSPEC_ALLOW_UNTESTED=1``
+turns that (and the architecture check, :func:`check_architecture`) into a warning.
+
+What the engine relies on, all here:
+
+- the attention registry (``AttentionInterface``, ``ALL_MASK_ATTENTION_FUNCTIONS``) and the
+  sdpa attention function the engine's attention falls back to;
+- ``config._attn_implementation`` (read, and switched for one forward);
+- a decoder layer calling ``past_key_values.update(key, value, layer_idx)`` on the cache it is
+  given (:class:`~agentspec.engine.kv.FixedKV` duck-types it), with explicit position ids and
+  a 4-D boolean mask (a ``{layer_type: mask}`` dict for sliding-window models);
+- ``model.model`` and its ``layers`` (the fused forward's weights, the layer-skip draft);
+- ``generation_config`` (the stop tokens, a static cache);
+- ``DynamicCache`` and its ``crop`` (the draft head's training replay);
+- ``AutoModelForCausalLM`` / ``AutoTokenizer`` / ``AutoConfig.from_pretrained`` with ``dtype``,
+  ``gguf_file`` and the hub's cache (and the GGUF quantizer dropped after dequantising).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from agentspec.errors import UnsupportedModelError, UnsupportedVersionError
+
+SUPPORTED: dict[str, tuple[str, str]] = {
+    "torch": ("2.11", "2.14"),
+    "transformers": ("5.17", "5.24"),
+}
+"""Tested releases ``[lowest, below)`` per package: the low end is what ``make test-compat``
+runs (the GPU machines' CUDA torch 2.11 and transformers 5.17), the high end what
+``make test`` runs (torch 2.13, transformers 5.23). ``pyproject.toml`` pins the same."""
+
+ALLOW_UNTESTED = "AGENTSPEC_ALLOW_UNTESTED"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """A model family the engine loads (by ``config.model_type``)."""
+
+    model_type: str
+    family: str  # as the README lists it
+    tested: str  # the checkpoint the test suite runs it on ("" when none)
+    fused: bool  # covered by the fused CUDA forward (agentspec.engine.fused)
+
+
+ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
+    Architecture("llama", "Llama (Llama 2/3, SmolLM/SmolLM2, TinyLlama)",
+                 "SmolLM2-135M-Instruct", fused=True),
+    Architecture("gemma3_text", "Gemma 3 text (sliding-window layers)", "Gemma-3-270M",
+                 fused=False),
+    Architecture("mistral", "Mistral", "", fused=True),
+    Architecture("qwen2", "Qwen2, Qwen2.5", "", fused=True),
+)}
+"""What :func:`~agentspec.engine.load.load_target` loads: decoder-only causal LMs whose layers
+write their KV through the cache's ``update`` and take the engine's masks. Llama and Gemma 3
+run the whole test suite; Mistral and Qwen2 are Llama's layer in transformers (the same
+modules, generated from Llama's) and the fused forward covers them, but no checkpoint of theirs
+runs in the tests."""
+
+
+def _release(text: str) -> tuple[int, ...]:
+    from packaging.version import Version
+
+    return Version(text).release
+
+
+def _untested_allowed() -> bool:
+    return os.environ.get(ALLOW_UNTESTED, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def version_problems(installed: dict[str, str] | None = None) -> list[str]:
+    """What is outside :data:`SUPPORTED` among ``installed`` (default: the installed
+    releases), one sentence each naming the installed and the supported versions."""
+    if installed is None:
+        installed = {}
+        for package in SUPPORTED:
+            try:
+                installed[package] = version(package)
+            except PackageNotFoundError:
+                installed[package] = "not installed"
+    problems = []
+    for package, (low, high) in SUPPORTED.items():
+        got = installed.get(package, "not installed")
+        if got == "not installed":
+            problems.append(f"{package} is not installed (agentspec supports {package}>={low},<{high})")
+            continue
+        release = _release(got)[:2]
+        if not _release(low) <= release < _release(high):
+            problems.append(f"{package} {got} is installed; agentspec supports "
+                            f"{package}>={low},<{high}")
+    return problems
+
+
+def check_versions(installed: dict[str, str] | None = None) -> None:
+    """Refuse a torch or transformers outside :data:`SUPPORTED` (the engine reads
+    transformers' internals, which change between releases).
+
+    Raises:
+        UnsupportedVersionError: one is outside; the message names the installed and the
+            supported versions and the way out (a warning under ``AGENTSPEC_ALLOW_UNTESTED=1``).
+    """
+    problems = version_problems(installed)
+    if not problems:
+        return
+    message = ("; ".join(problems) + ". Install a supported release (pip install "
+               + " ".join(f"'{p}>={lo},<{hi}'" for p, (lo, hi) in SUPPORTED.items())
+               + f"), or set {ALLOW_UNTESTED}=1 to run untested")
+    if _untested_allowed():
+        warnings.warn(message, stacklevel=2)
+        return
+    raise UnsupportedVersionError(message)
+
+
+check_versions()
+
+
+def check_architecture(config: Any, source: str) -> Architecture | None:
+    """The table's entry for a model's config, or a clear error for a family not in it.
+
+    Raises:
+        UnsupportedModelError: ``config.model_type`` is not in :data:`ARCHITECTURES` (not
+            under ``AGENTSPEC_ALLOW_UNTESTED=1``: a warning, and None); the message names it
+            and the supported ones.
+    """
+    kind = getattr(config, "model_type", None)
+    entry = ARCHITECTURES.get(str(kind))
+    if entry is not None:
+        return entry
+    names = ", ".join(getattr(config, "architectures", None) or []) or "no architectures entry"
+    message = (f"{source}: model type {kind!r} ({names}) is not supported; agentspec loads "
+               f"{', '.join(sorted(ARCHITECTURES))} (see the README's supported architectures); "
+               f"set {ALLOW_UNTESTED}=1 to try it untested")
+    if _untested_allowed():
+        warnings.warn(message, stacklevel=2)
+        return None
+    raise UnsupportedModelError(message)
+
+
+# -- loading --------------------------------------------------------------------------------
+
+def load_config(source: str, **kwargs: Any) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(source, **kwargs)
+
+
+def load_causal_lm(source: str, dtype: Any, **kwargs: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+
+
+def load_tokenizer(source: str, **kwargs: Any) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source, **kwargs)
+
+
+def drop_quantizer(model: Any) -> None:
+    """A model dequantised from a GGUF: drop the quantizer so its plain weights can be saved."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+# -- the model's structure ------------------------------------------------------------------
+
+def base_model(model: Any) -> Any:
+    """The decoder under a causal LM's head (``model.model``; the model itself if none)."""
+    return getattr(model, "model", model)
+
+
+def decoder_layers(model: Any) -> Any:
+    """The decoder layers (a ``ModuleList``) of a causal LM."""
+    return base_model(model).layers
+
+
+def set_decoder_layers(model: Any, layers: Any) -> None:
+    base_model(model).layers = layers
+
+
+def eos_token_ids(model: Any) -> Any:
+    """``generation_config.eos_token_id``: an int, a list of them or None."""
+    return model.generation_config.eos_token_id
+
+
+def set_eos_token_ids(model: Any, ids: Any) -> None:
+    model.generation_config.eos_token_id = ids
+
+
+def static_cache(model: Any) -> bool:
+    """Whether the model's generation config asks for a static KV (which cannot roll back)."""
+    return getattr(model.generation_config, "cache_implementation", None) == "static"
+
+
+def takes_mask_dict(model: Any) -> bool:
+    """Whether the model's forward takes ``{layer_type: mask}`` as its attention mask (the
+    transformers models with sliding-window layers do, e.g. gemma3)."""
+    try:
+        source = inspect.getsource(type(base_model(model)).forward)
+    except (OSError, TypeError):
+        return False
+    return "attention_mask, dict)" in source
+
+
+# -- attention ------------------------------------------------------------------------------
+
+def attention_implementation(model: Any) -> str | None:
+    return getattr(model.config, "_attn_implementation", None)
+
+
+@contextmanager
+def attention_switched(model: Any, name: str, when: str = "sdpa") -> Iterator[None]:
+    """Run the forwards inside on the registered attention ``name`` where the model is on
+    ``when``, and back after."""
+    config = model.config
+    if getattr(config, "_attn_implementation", None) != when:
+        yield
+        return
+    config._attn_implementation = name
+    try:
+        yield
+    finally:
+        config._attn_implementation = when
+
+
+def register_attention(name: str, function: Any) -> None:
+    """Register ``function`` as attention ``name``, with sdpa's mask builder."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(name, function)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+
+
+def sdpa_attention(*args: Any, **kwargs: Any) -> Any:
+    """transformers' own sdpa attention function (the engine's attention's fallback)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(*args, **kwargs)
+
+
+# -- the draft head's training replay -------------------------------------------------------
+
+def new_dynamic_cache() -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def crop_cache(cache: Any, keep: int) -> None:
+    """Keep a ``DynamicCache``'s first ``keep`` tokens (transformers 5's ``crop`` takes a
+    negative count of tokens to remove)."""
+    cache.crop(keep - cache.get_seq_length())
