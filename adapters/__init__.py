@@ -1,5 +1,8 @@
 """Integrations: LangChain chat/LLM models (``agentspec.adapters.langchain``, needs
-``langchain-core``) and agent-loop decorators (``agentspec.adapters.decorators``).
+``langchain-core``), an OpenAI-compatible HTTP server (``agentspec.adapters.openai_server``,
+needs ``agentspec[serve]``; ``agentspec serve``) and agent-loop decorators
+(``agentspec.adapters.decorators``). ``agentspec.adapters.chat`` is what the LangChain models
+and the server share.
 
 Nothing is imported here, so ``import agentspec.adapters`` stays light.
 """

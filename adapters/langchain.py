@@ -11,17 +11,14 @@ Every call with tools bound is grammar-constrained (:mod:`agentspec.grammar`): a
 ``tool_choice`` ("any"/"required"/a name) admits only a valid call of a bound tool, "auto" a
 valid call or plain text, and JSON mode / structured output a value of the schema. The
 grammar's forced tokens are drafted for free; outputs stay exact (the masked target's).
+The prompt, the grammars and the parse of tool calls live in :mod:`agentspec.adapters.chat`,
+shared with the OpenAI-compatible server, so both ask the Speculator the same thing.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextvars
-import json
-import threading
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 try:
     from langchain_core.language_models import BaseChatModel, BaseLLM, LanguageModelInput
@@ -41,61 +38,36 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("agentspec.adapters.langchain needs: pip install 'agentspec[langchain]'") from exc
 
+from agentspec.adapters.chat import (
+    CallHoldback,
+    build_prompt,
+    call_grammar,
+    calls_text,
+    deltas_then_generation,
+    in_thread,
+    parse_tool_calls,
+    schema_grammar,
+    tool_choice_mode,
+)
 from agentspec.config import SamplingParams
-from agentspec.grammar import Grammar, compiled
+from agentspec.grammar import Grammar
 from agentspec.types import Generation as SpecGeneration
 
-T = TypeVar("T")
+# Re-exported: the prompt, grammar and parsing live in agentspec.adapters.chat, shared with
+# the OpenAI server.
+__all__ = ["AgentSpecLLM", "ChatAgentSpec", "build_prompt", "call_grammar", "parse_tool_calls",
+           "to_chat_messages", "tool_choice_mode"]
+
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool"}
-_TOOL_BLOCK = ("You can call these tools (JSON schemas):\n{tools}\n\nTo call a tool, reply with "
-               'only a JSON object: {{"name": "<tool name>", "arguments": {{<argument>: <value>}}}}. '
-               "Otherwise answer normally.")
 
-
-# -- the one place the Speculator is called ------------------------------------------------
 
 def _speculate(spec: Any, prompt: Any, max_new_tokens: int, *, sampling: SamplingParams,
                stop: Sequence[str], scope: str | None) -> Iterator[str | SpecGeneration]:
-    """Text deltas of one call, then its finished Generation as the last item."""
-    stream = spec.stream(prompt, max_new_tokens, sampling=sampling, stop=list(stop), scope=scope)
-    yield from stream
-    if stream.generation is None:
-        raise RuntimeError("the Speculator's stream ended without its Generation")
-    yield stream.generation
+    """Text deltas of one call, then its finished Generation as the last item (the one place
+    the Speculator is called)."""
+    yield from deltas_then_generation(
+        spec.stream(prompt, max_new_tokens, sampling=sampling, stop=list(stop), scope=scope))
 
-
-async def _in_thread(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Iterate a sync iterator in one worker thread (this context copied), items as they come."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
-    cancelled = threading.Event()
-
-    def pump() -> None:
-        try:
-            for item in make():
-                loop.call_soon_threadsafe(queue.put_nowait, (False, item))
-                if cancelled.is_set():
-                    break
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-            loop.call_soon_threadsafe(queue.put_nowait, (True, exc))
-        else:
-            loop.call_soon_threadsafe(queue.put_nowait, (True, None))
-
-    worker = loop.run_in_executor(None, contextvars.copy_context().run, pump)
-    try:
-        while True:
-            done, item = await queue.get()
-            if done:
-                if item is not None:
-                    raise item
-                return
-            yield item
-    finally:
-        cancelled.set()
-        await worker
-
-
-# -- messages and tools ----------------------------------------------------------------------
 
 def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     """LangChain messages as ``{"role", "content"}`` dicts; tool calls rendered as their JSON."""
@@ -106,127 +78,11 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
             raise ValueError(f"message {i} has unsupported type {msg.type!r}; expected one of {sorted(_ROLES)}")
         text = str(msg.text)
         if isinstance(msg, AIMessage) and msg.tool_calls:
-            text = "\n".join(filter(None, [text, *(json.dumps(
-                {"name": c["name"], "arguments": c["args"]}, ensure_ascii=False) for c in msg.tool_calls)]))
+            text = calls_text(text, [(c["name"], c["args"]) for c in msg.tool_calls])
         if isinstance(msg, ToolMessage) and msg.status == "error":
             text = f"Error: {text}" if not text.startswith("Error") else text
         out.append({"role": role, "content": text})
     return out
-
-
-def build_prompt(tokenizer: Any, messages: list[dict[str, str]], *,
-                 tools: Sequence[dict[str, Any]] = (), system: str = "") -> list[dict[str, str]] | str:
-    """The prompt for one call: the messages, or the rendered text when the chat template
-    renders the tools itself."""
-    native = "tools" in (getattr(tokenizer, "chat_template", None) or "")
-    if tools and not native:
-        # One compact line per tool (its name, description and parameters): a third of the
-        # tokens of an indented dump, paid in prefill on every call, and SmolLM2-135M follows
-        # it better (under an indented dump its greedy Joke punchline loops to max_tokens).
-        block = _TOOL_BLOCK.format(tools="\n".join(
-            json.dumps(t.get("function", t), ensure_ascii=False) for t in tools))
-        system = "\n\n".join(filter(None, [system, block]))
-    if system:
-        if messages and messages[0]["role"] == "system":
-            messages = [{"role": "system", "content": f"{messages[0]['content']}\n\n{system}"},
-                        *messages[1:]]
-        else:
-            messages = [{"role": "system", "content": system}, *messages]
-    if not (tools and native):
-        return messages
-    text = tokenizer.apply_chat_template(messages, tools=list(tools) or None, tokenize=False,
-                                         add_generation_prompt=True)
-    bos = getattr(tokenizer, "bos_token", None)
-    # A str prompt is tokenized with special tokens added: do not let the BOS appear twice.
-    if bos and text.startswith(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]:
-        text = text[len(bos):]
-    return text
-
-
-def _looks_like_call(text: str) -> bool:
-    head = text.lstrip()
-    return head.startswith(("{", "```", "<tool_call>", "[")) or not head
-
-
-def parse_tool_calls(text: str) -> tuple[str, list[Any], list[Any]]:
-    """Split model output into ``(content, tool_calls, invalid_tool_calls)``; never raises.
-
-    Every JSON object with a ``"name"`` (and ``"arguments"``, ``"parameters"`` or ``"args"``)
-    is a call; when the output starts like a call but no object parses (malformed, or cut off
-    by ``max_tokens``), the text becomes one invalid call carrying the raw text and the error.
-    """
-    decoder, calls, spans, pos = json.JSONDecoder(), [], [], 0
-    while (start := text.find("{", pos)) >= 0:
-        try:
-            obj, end = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
-            pos = start + 1
-            continue
-        found = [o for o in (obj if isinstance(obj, list) else [obj])
-                 if isinstance(o, dict) and isinstance(o.get("name"), str)]
-        if found:
-            calls.extend(found)
-            spans.append((start, end))
-        pos = end
-    valid, invalid = [], []
-    for call in calls:
-        args: Any = next((call[k] for k in ("arguments", "parameters", "args") if k in call), {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args or "{}")
-            except json.JSONDecodeError as exc:
-                invalid.append(_invalid(call["name"], args, f"arguments are not JSON: {exc}"))
-                continue
-        if not isinstance(args, dict):
-            invalid.append(_invalid(call["name"], json.dumps(args), f"arguments must be an object, got {args!r}"))
-            continue
-        valid.append({"name": call["name"], "args": args, "id": _call_id(), "type": "tool_call"})
-    if not calls and _looks_like_call(text) and text.strip():
-        return "", [], [_invalid(None, text, "no parseable tool call JSON in the output")]
-    content = text
-    for start, end in reversed(spans):
-        content = content[:start] + content[end:]
-    for junk in ("```json", "```", "<tool_call>", "</tool_call>"):
-        content = content.replace(junk, "")
-    content = content.strip() if calls else text
-    return content, valid, invalid
-
-
-def _invalid(name: str | None, args: str, error: str) -> dict[str, Any]:
-    return {"name": name, "args": args, "id": _call_id(), "error": error, "type": "invalid_tool_call"}
-
-
-def _call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def tool_choice_mode(tools: Sequence[dict[str, Any]], tool_choice: Any) -> str | None:
-    """LangChain's ``tool_choice`` as a grammar's ``choice``: ``"auto"``, ``"required"``, a
-    tool's name, or None (no tools, or ``"none"``: unconstrained text).
-
-    Raises:
-        ValueError: ``tool_choice`` names no bound tool.
-    """
-    if not tools or tool_choice in ("none", False):
-        return None
-    if tool_choice in (None, "auto"):
-        return "auto"
-    if tool_choice in ("any", "required", True):
-        return "required"
-    if isinstance(tool_choice, dict):
-        tool_choice = tool_choice.get("function", tool_choice).get("name", "required")
-    names = [t["function"]["name"] for t in tools]
-    if tool_choice not in names:
-        raise ValueError(f"tool_choice {tool_choice!r} names no bound tool; bound: {names}")
-    return str(tool_choice)
-
-
-def call_grammar(tools: Sequence[dict[str, Any]], tool_choice: Any) -> Grammar | None:
-    """The grammar of one call's answer with ``tools`` bound (None: unconstrained)."""
-    mode = tool_choice_mode(tools, tool_choice)
-    if mode is None:
-        return None
-    return compiled({"type": "tool_calls", "tools": list(tools), "choice": mode})
 
 
 # -- the models --------------------------------------------------------------------------------
@@ -249,11 +105,16 @@ class _SpecParams(BaseModel):
     streaming: bool = False
 
     @classmethod
-    def from_pretrained(cls, name: str = "smollm2-135m-instruct", **fields: Any) -> Any:
-        """Load ``name`` into a new Speculator (offline) and wrap it; ``fields`` as the constructor's."""
+    def from_pretrained(cls, name: str = "smollm2-135m-instruct", *, device: Any = None,
+                        dtype: Any = None, memory: Any = "default", **fields: Any) -> Any:
+        """Load ``name`` into a new Speculator and wrap it: ``name``, ``device``, ``dtype`` and
+        ``memory`` as :meth:`agentspec.Speculator.from_pretrained` takes them (a packaged
+        model, a model folder, a ``.gguf`` file or a hub id; ``memory=None``: no memory);
+        ``fields`` as the constructor's (``max_tokens=64``, ``temperature=0.0``, ...)."""
         from agentspec.speculator import Speculator
 
-        return cls(speculator=Speculator.from_pretrained(name), **fields)
+        spec = Speculator.from_pretrained(name, device=device, dtype=dtype, memory=memory)
+        return cls(speculator=spec, **fields)
 
     def _label(self) -> str:
         target = getattr(self.speculator, "target", None)
@@ -342,26 +203,23 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
         json_mode = kwargs.get("response_format")
         grammar: Grammar | None
         if json_mode:
-            schema = json_mode.get("schema") or {"type": "object"}
-            grammar = compiled({"type": "json_schema", "schema": schema})
-            system = f"Reply with only a JSON object matching this schema: {json.dumps(schema)}"
+            grammar, system = schema_grammar(json_mode.get("schema"))
         else:
             grammar, system = call_grammar(tools, kwargs.get("tool_choice")), ""
         prompt = build_prompt(self._spec().tokenizer, to_chat_messages(messages), tools=tools,
                               system=system)
-        held = ""  # output that may still turn out to be a tool call is held back
+        holdback = CallHoldback(active=bool(tools))  # output that may still be a tool call
         for item in self._steps(prompt, stop, kwargs.get("max_tokens"), grammar):
             if isinstance(item, str):
-                if tools and (held or _looks_like_call(item)) and _looks_like_call(held + item):
-                    held += item
+                text = holdback.push(item)
+                if not text:
                     continue
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=held + item))
-                held = ""
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=text))
                 if run_manager:
                     run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
             else:
-                yield self._last_chunk(held, item, parse=bool(tools))
+                yield self._last_chunk(holdback.held, item, parse=bool(tools))
 
     def _last_chunk(self, held: str, gen: SpecGeneration, *, parse: bool) -> ChatGenerationChunk:
         content, calls, invalid = parse_tool_calls(held) if parse and held else (held, [], [])
@@ -387,7 +245,7 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: Any = None, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         sync_manager = run_manager.get_sync() if run_manager else None
-        async for chunk in _in_thread(lambda: self._stream(messages, stop, sync_manager, **kwargs)):
+        async for chunk in in_thread(lambda: self._stream(messages, stop, sync_manager, **kwargs)):
             yield chunk
 
 
@@ -425,5 +283,5 @@ class AgentSpecLLM(_SpecParams, BaseLLM):
     async def _astream(self, prompt: str, stop: list[str] | None = None, run_manager: Any = None,
                        **kwargs: Any) -> AsyncIterator[GenerationChunk]:
         sync_manager = run_manager.get_sync() if run_manager else None
-        async for chunk in _in_thread(lambda: self._stream(prompt, stop, sync_manager, **kwargs)):
+        async for chunk in in_thread(lambda: self._stream(prompt, stop, sync_manager, **kwargs)):
             yield chunk

@@ -175,12 +175,23 @@ class TextDeltas:
         """Add committed tokens; returns ``(text safe to emit now, a stop string was hit)``."""
         if self.stopped:
             return "", True
+        before = len(self.tokens)
         self.tokens.extend(new_tokens)
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        cut = self.stops.find(text, max(0, self.emitted - max((len(s) for s in self.stops.stops), default=0)))
+        start = max(0, self.emitted - max((len(s) for s in self.stops.stops), default=0))
+        cut = self.stops.find(text, start)
         if cut >= 0:
+            # Keep the tokens up to the first that completes a stop string, and cut there:
+            # what one token a step keeps, however many this step committed (a draft must
+            # not change a generation's token ids).
+            for kept in range(before + 1, len(self.tokens) + 1):
+                head = self.tokenizer.decode(self.tokens[:kept], skip_special_tokens=True)
+                at = self.stops.find(head, start)
+                if at >= 0:
+                    text, cut = head, at
+                    break
             self.text, self.stopped = text[:cut], True
-            self.kept_tokens = len(self.tokens)
+            self.kept_tokens = kept
             return self._take(len(self.text)), True
         self.text = text
         self.kept_tokens = len(self.tokens)

@@ -43,6 +43,7 @@ from agentspec.cli.common import (
 from agentspec.cli.demo import demo
 from agentspec.cli.head import head_app
 from agentspec.cli.models import models_app
+from agentspec.cli.serve import serve
 
 app = typer.Typer(
     name="agentspec", no_args_is_help=True, **APP_SETTINGS,
@@ -51,6 +52,7 @@ app = typer.Typer(
 )
 app.add_typer(cache_app, name="cache")
 app.add_typer(head_app, name="head")
+app.command("serve")(serve)
 app.add_typer(models_app, name="models")
 
 

@@ -23,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from agentspec.errors import AgentSpecError
+from agentspec.errors import AgentSpecError, ModelNotAvailableError, NotFoundError
 from agentspec.terminal import output_width
 
 # Exit codes, the same for every command (README, "The CLI"): 0 done, 1 failed, 2 bad input
@@ -59,7 +59,8 @@ def fail(message: str, code: int = EXIT_FAIL) -> NoReturn:
 
 
 def handles_errors(fn: F) -> F:
-    """Turn CliError, AgentSpecError (exit 1) and ValueError (exit 2) into one-line errors."""
+    """Turn CliError (its code), NotFoundError and ModelNotAvailableError (exit 3), any other
+    AgentSpecError (exit 1) and ValueError (exit 2) into one-line errors."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -67,6 +68,8 @@ def handles_errors(fn: F) -> F:
             return fn(*args, **kwargs)
         except CliError as e:
             code, message = e.code, str(e)
+        except (NotFoundError, ModelNotAvailableError) as e:
+            code, message = EXIT_NOT_FOUND, str(e)
         except AgentSpecError as e:
             code, message = EXIT_FAIL, str(e)
         except ValueError as e:
@@ -164,6 +167,16 @@ def fresh_home(ctx: typer.Context) -> bool:
     return path is not None and not path.exists()
 
 
+def read_json_file(path: Path, option: str) -> Any:
+    """The JSON value in the file ``option`` names; an unreadable or non-JSON file exits 2."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        fail(f"cannot read {option} file {str(path)!r}: {e.strerror}", EXIT_USAGE)
+    except json.JSONDecodeError as e:
+        fail(f"{option} file {str(path)!r} is not JSON: {e.msg} at line {e.lineno}", EXIT_USAGE)
+
+
 def want_json(ctx: typer.Context) -> bool:
     return options(ctx).json
 
@@ -183,12 +196,23 @@ def sqlite_path(url: str) -> Path | None:
     return None if database.startswith("file:") else Path(database)
 
 
+# What a fresh home's read commands say beside their empty answer.
+FRESH_HINT = ("nothing recorded yet: calls record their completions here "
+              "(Speculator.from_pretrained, ChatAgentSpec.from_pretrained, agentspec generate)")
+
+
 @contextmanager
-def open_store(ctx: typer.Context, *, create: bool = False) -> Iterator[Any]:
-    """The SQLStore of ``--db``; a missing SQLite file is an error unless ``create``."""
+def open_store(ctx: typer.Context, *, create: bool = False,
+               fresh_empty: bool = False) -> Iterator[Any]:
+    """The SQLStore of ``--db``; a missing SQLite file is an error unless ``create``, or, with
+    ``fresh_empty`` on a fresh home (:func:`fresh_home`), an empty store and the hint on
+    stderr: a listing of nothing recorded yet is empty, not an error."""
     from agentspec.stores.sql import SQLStore
 
     url = db_url(ctx)
+    if fresh_empty and fresh_home(ctx):
+        err_console.print(FRESH_HINT, markup=False)
+        url = "sqlite://"
     path = sqlite_path(url)
     if path is not None and not create and not path.is_file():
         fail(f"no memory database at {path} (nothing recorded yet, or a wrong --db / "

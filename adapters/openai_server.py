@@ -1,0 +1,339 @@
+"""An OpenAI-compatible HTTP server over one Speculator: ``agentspec serve``.
+
+``POST /v1/chat/completions`` (plain or streamed as server-sent events), ``GET /v1/models``
+and ``GET /health``, on Starlette. Needs ``pip install 'agentspec[serve]'``.
+
+What a request means and what an answer looks like is :mod:`.openai_protocol`'s business;
+this module moves bytes, guards the door and runs generations:
+
+- Access: with keys configured (``ServerConfig.api_keys``, ``key_scopes``) every ``/v1``
+  request needs ``Authorization: Bearer <key>`` (401 without a known one). A request's memory
+  scope is the ``X-Agentspec-Scope`` header, else its ``user`` field, else its key's first
+  scope, else the server's default; a key with scopes may use only those, any other key only
+  the allow-list (``scopes``) when there is one (403 otherwise). The scope is all a request
+  reads from or writes to the completion memory, so tenants never see each other's drafts.
+- Limits: a body over ``max_body_bytes`` is refused (413) before it is read whole; a
+  ``max_tokens`` over the server's bound is a 400; every malformed request gets a 4xx in
+  OpenAI's error shape and the server goes on.
+- Generations run in worker threads. A streamed one takes a turn on the model per step
+  (:meth:`Speculator.stream`), its text reaching the event loop as it is committed; a client
+  that disconnects stops it before its next step, and nobody waits on it. One not streamed
+  is :meth:`Speculator.generate`: one turn for the whole call, so its KV stays in place
+  between its steps (more tokens per second when many requests share the model; a client
+  that leaves costs at most its ``max_tokens`` of generation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+try:
+    import anyio
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+    from starlette.types import Receive, Scope, Send
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError("the OpenAI server needs: pip install 'agentspec[serve]'") from exc
+
+from agentspec.adapters.chat import CallHoldback, deltas_then_generation, in_thread
+from agentspec.adapters.openai_protocol import (
+    SSE_DONE,
+    ApiError,
+    ChatRequest,
+    Rendered,
+    chunk_body,
+    completion_body,
+    extension,
+    finish_reason,
+    openai_calls,
+    parse_chat_request,
+    render,
+    sse,
+    stream_calls,
+    usage_body,
+)
+from agentspec.adapters.openai_protocol import check_scope as scope_name
+from agentspec.types import Generation
+
+logger = logging.getLogger("agentspec.serve")
+SCOPE_HEADER = "x-agentspec-scope"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How a server answers.
+
+    Attributes:
+        models: the names a request's ``model`` may give (the first is listed first).
+        max_tokens: the most tokens one request may ask for (and what it gets by default).
+        max_body_bytes: the largest request body read.
+        api_keys: keys that may use any allowed scope; with these or ``key_scopes`` given,
+            a request without a known key is refused.
+        key_scopes: key -> the scopes it may use, its default first.
+        scopes: the allow-list of scopes for ``api_keys`` and keyless servers; None: any.
+        default_scope: the scope of a request that names none.
+        record: whether completions are recorded (None: the Speculator's setting).
+        workers: generations running at once; more requests wait for a worker.
+    """
+
+    models: tuple[str, ...]
+    max_tokens: int = 1024
+    max_body_bytes: int = 1 << 20
+    api_keys: frozenset[str] = frozenset()
+    key_scopes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    scopes: frozenset[str] | None = None
+    default_scope: str = "default"
+    record: bool | None = None
+    workers: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.models or not all(isinstance(m, str) and m for m in self.models):
+            raise ValueError(f"models must name at least one model, got {self.models!r}")
+        for name, value in (("max_tokens", self.max_tokens),
+                            ("max_body_bytes", self.max_body_bytes), ("workers", self.workers)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for scope in [self.default_scope, *(self.scopes or ()),
+                      *(s for scopes in self.key_scopes.values() for s in scopes)]:
+            _valid_scope(scope)
+        if any(not scopes for scopes in self.key_scopes.values()):
+            raise ValueError("every key in key_scopes needs at least one scope")
+        if self.scopes is not None and self.default_scope not in self.scopes:
+            raise ValueError(f"the default scope {self.default_scope!r} is not in the allowed "
+                             f"scopes {sorted(self.scopes)}")
+        if any(not k for k in [*self.api_keys, *self.key_scopes]):
+            raise ValueError("an API key may not be empty")
+
+    @property
+    def needs_key(self) -> bool:
+        return bool(self.api_keys or self.key_scopes)
+
+
+def _valid_scope(name: str) -> str:
+    try:
+        return scope_name(name, "scope")
+    except ApiError as e:
+        raise ValueError(e.message) from None
+
+
+def resolve_scope(config: ServerConfig, key: str | None, header: str | None,
+                  user: str | None) -> str:
+    """The memory scope of a request (see the module docstring).
+
+    Raises:
+        ApiError: 400 for a badly formed scope name, 403 for a scope the key may not use.
+    """
+    asked = (scope_name(header, "X-Agentspec-Scope header") if header is not None
+             else scope_name(user, "user") if user is not None else None)
+    if key is not None and key in config.key_scopes:
+        allowed: frozenset[str] | None = frozenset(config.key_scopes[key])
+        default = config.key_scopes[key][0]
+    else:
+        allowed, default = config.scopes, config.default_scope
+    scope = asked or default
+    if allowed is not None and scope not in allowed:
+        raise ApiError(403, f"scope {scope!r} is not allowed for this key", type="permission_error",
+                       param=SCOPE_HEADER if header is not None else "user", code="scope_not_allowed")
+    return scope
+
+
+def authenticate(config: ServerConfig, authorization: str | None) -> str | None:
+    """The request's key (None on a keyless server).
+
+    Raises:
+        ApiError: 401 without ``Authorization: Bearer <a known key>``.
+    """
+    if not config.needs_key:
+        return None
+    scheme, _, key = (authorization or "").partition(" ")
+    key = key.strip()
+    known = False
+    for candidate in [*config.api_keys, *config.key_scopes]:  # each compared in constant time
+        known |= hmac.compare_digest(candidate.encode(), key.encode())
+    if scheme.lower() != "bearer" or not key or not known:
+        said = "no API key" if not key else "an incorrect API key"
+        raise ApiError(401, f"you provided {said}; send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+    return key
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+async def read_json(request: Request, limit: int) -> Any:
+    """The request's JSON body, read up to ``limit`` bytes (413 past it, 400 if not JSON)."""
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        if length.isdigit():
+            raise ApiError(413, f"the request body is {length} bytes, more than this server's "
+                                f"limit of {limit}", code="request_too_large")
+        raise ApiError(400, f"bad Content-Length {length!r:.40}", code="invalid_body")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is more than this server's limit of {limit} "
+                                f"bytes", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        return json.loads(b"".join(chunks), parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
+        raise ApiError(400, f"the request body is not valid JSON: {exc}"[:300],
+                       code="invalid_json") from None
+
+
+class _EventStream(StreamingResponse):
+    """A streamed answer whose generator is closed when the response ends, however it ends
+    (a disconnected client included), so its generation stops at once."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+class OpenAIServer:
+    """The endpoints over one Speculator (``spec``) under ``config``; :attr:`app` is the ASGI
+    application."""
+
+    def __init__(self, spec: Any, config: ServerConfig) -> None:
+        self.spec, self.config = spec, config
+        self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="agentspec-serve")
+        self.app = Starlette(
+            routes=[Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                    Route("/v1/models", self.models, methods=["GET"]),
+                    Route("/health", self.health, methods=["GET"])],
+            exception_handlers={HTTPException: _http_error, Exception: _server_error})
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        try:
+            authenticate(self.config, request.headers.get("authorization"))
+        except ApiError as e:
+            return _error(e)
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "agentspec"}
+            for name in self.config.models]})
+
+    async def chat(self, request: Request) -> Response:
+        try:
+            key = authenticate(self.config, request.headers.get("authorization"))
+            body = await read_json(request, self.config.max_body_bytes)
+            req = parse_chat_request(body, models=self.config.models,
+                                     max_tokens=self.config.max_tokens)
+            scope = resolve_scope(self.config, key, request.headers.get(SCOPE_HEADER), req.user)
+            # Streamed: per-step turns, abandoned when the client goes. Not streamed: the
+            # whole call in one turn (Speculator.generate), its KV kept between its steps.
+            rendered, run = await _to_worker(self.executor, self._open, req, scope)
+        except ApiError as e:
+            return _error(e)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": req.model}
+        if req.stream:
+            return _EventStream(self._events(run, rendered, req, scope, head),
+                                media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        gen = run
+        content, calls = openai_calls(gen.text) if rendered.calls else (gen.text, [])
+        return JSONResponse(completion_body(content=content, calls=calls, gen=gen, scope=scope,
+                                            **head))
+
+    def _open(self, req: ChatRequest, scope: str) -> tuple[Rendered, Any]:
+        """Render the request, then open its Speculator stream (streamed) or generate it
+        whole (in a worker: tokenising, compiling a grammar and generating take time); bad
+        input raises ApiError before any token."""
+        rendered = render(req, self.spec.tokenizer)
+        call = self.spec.stream if req.stream else self.spec.generate
+        try:
+            run = call(rendered.prompt, req.max_tokens, sampling=rendered.sampling,
+                       stop=req.stop, scope=scope, record=self.config.record)
+        except ValueError as exc:
+            code = "context_length_exceeded" if "context" in str(exc) else "invalid_request"
+            raise ApiError(400, str(exc)[:500], param="messages", code=code) from None
+        except Exception as exc:
+            if type(exc).__module__.startswith("jinja2"):  # the chat template refused them
+                raise ApiError(400, f"the chat template cannot render these messages: {exc}"[:500],
+                               param="messages", code="invalid_messages") from None
+            raise
+        return rendered, run
+
+    async def _events(self, stream: Any, rendered: Rendered, req: ChatRequest, scope: str,
+                      head: dict[str, Any]) -> AsyncIterator[bytes]:
+        yield sse(chunk_body(**head, delta={"role": "assistant", "content": ""}))
+        holdback = CallHoldback(rendered.calls)  # output that may still be a tool call
+        gen: Generation | None = None
+        try:
+            async with aclosing(in_thread(lambda: deltas_then_generation(stream),
+                                          executor=self.executor)) as items:
+                async for item in items:
+                    if isinstance(item, str):
+                        text = holdback.push(item)
+                        if text:
+                            yield sse(chunk_body(**head, delta={"content": text}))
+                    else:
+                        gen = item
+        except Exception as exc:  # the answer has begun: the error goes in the stream
+            logger.exception("a streamed generation failed")
+            yield sse(ApiError(500, f"the generation failed: {type(exc).__name__}",
+                               type="server_error").body())
+            yield SSE_DONE
+            return
+        assert gen is not None
+        content, calls = openai_calls(holdback.held) if holdback.held else ("", [])
+        if content:
+            yield sse(chunk_body(**head, delta={"content": content}))
+        if calls:
+            yield sse(chunk_body(**head, delta=stream_calls(calls)))
+        yield sse(chunk_body(**head, delta={}, finish=finish_reason(gen, calls),
+                             agentspec=extension(gen, scope)))
+        if req.include_usage:
+            yield sse(chunk_body(**head, delta=None, usage=usage_body(gen)))
+        yield SSE_DONE
+
+
+async def _to_worker(executor: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` in a worker thread, awaited."""
+    return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+
+
+def _error(e: ApiError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else "error"
+    return _error(ApiError(status, f"{request.method} {request.url.path}: {detail}",
+                           code="not_found" if status == 404 else None))
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    logger.error("request failed", exc_info=exc)
+    return _error(ApiError(500, f"internal error: {type(exc).__name__}", type="server_error"))
+
+
+def create_app(spec: Any, config: ServerConfig) -> Starlette:
+    """The ASGI application serving ``spec`` under ``config``."""
+    return OpenAIServer(spec, config).app

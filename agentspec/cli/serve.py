@@ -1,0 +1,154 @@
+"""``agentspec serve``: one model behind an OpenAI-compatible HTTP API.
+
+Loads the model and its completion memory (``--db``, as the other commands), warms it up,
+then serves :mod:`agentspec.adapters.openai_server` with uvicorn until interrupted. The web
+stack is imported only here, when the command runs, so the rest of the CLI stays light; the
+options map one to one onto :class:`~agentspec.adapters.openai_server.ServerConfig`.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from agentspec.cli.common import (
+    EXIT_USAGE,
+    DbOpt,
+    db_url,
+    fail,
+    handles_errors,
+    read_json_file,
+    set_options,
+)
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@handles_errors
+def serve(ctx: typer.Context,
+          model: Annotated[str, typer.Option(
+              "--model", help="Packaged name, model folder or .gguf file.")] = "smollm2-135m-instruct",
+          host: Annotated[str, typer.Option(
+              "--host", help="Address to bind; the default serves this machine only.")] = "127.0.0.1",
+          port: Annotated[int, typer.Option(
+              "--port", min=0, max=65535, help="Port to bind; 0 picks a free one (printed).")] = 8000,
+          api_key: Annotated[str | None, typer.Option(
+              "--api-key", envvar="AGENTSPEC_API_KEY", show_envvar=True,
+              help="Require 'Authorization: Bearer KEY' (any allowed scope).")] = None,
+          keys: Annotated[Path | None, typer.Option(
+              "--keys", metavar="FILE",
+              help='A JSON file of API keys and their scopes: {"KEY": "scope" | ["scope", ...]}; '
+                   "a key may use only its scopes, the first by default.")] = None,
+          scope: Annotated[str, typer.Option(
+              "--scope", help="Memory scope of a request that names none (no "
+                              "X-Agentspec-Scope header, no 'user').")] = "default",
+          allow_scope: Annotated[list[str] | None, typer.Option(
+              "--allow-scope", help="Allow only this scope (repeatable; --scope must be one); "
+                                    "default: any.")] = None,
+          max_tokens: Annotated[int, typer.Option(
+              "--max-tokens", min=1, help="Most tokens a request may ask for; also the "
+                                          "default.")] = 1024,
+          max_body_bytes: Annotated[int, typer.Option(
+              "--max-body-bytes", min=1, help="Largest request body (413 above).")] = 1 << 20,
+          served_name: Annotated[str | None, typer.Option(
+              "--served-model-name", help="The name requests give as 'model'; default "
+                                          "--model.")] = None,
+          workers: Annotated[int, typer.Option(
+              "--workers", min=1, help="Generations running at once (they take turns on the "
+                                       "model step by step); more requests wait.")] = 16,
+          no_record: Annotated[bool, typer.Option(
+              "--no-record", help="Draft from the memory but add nothing to it.")] = False,
+          log_level: Annotated[str, typer.Option(
+              "--log-level", help=f"Server log level: {', '.join(_LOG_LEVELS)}.")] = "info",
+          db: DbOpt = None) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API: POST /v1/chat/completions (streaming,
+    tools, JSON schemas), GET /v1/models, GET /health. Runs until interrupted.
+
+    A request's memory scope is its X-Agentspec-Scope header, else its 'user' field, else
+    its key's first scope, else --scope. Outputs equal Speculator.generate on the same
+    rendered prompt and sampling.
+
+    Example: agentspec serve --port 8000 --api-key s3cret
+    """
+    set_options(ctx, db, False)
+    if log_level not in _LOG_LEVELS:
+        fail(f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {log_level!r}", EXIT_USAGE)
+    try:
+        import uvicorn
+
+        from agentspec.adapters.openai_server import OpenAIServer, ServerConfig
+    except ImportError as e:
+        fail(f"agentspec serve needs the server extra: pip install 'agentspec[serve]' ({e})")
+    key_scopes = _read_keys(keys) if keys is not None else {}
+    config = ServerConfig(  # bad values raise ValueError: exit 2, before the model loads
+        models=(served_name or model,), max_tokens=max_tokens, max_body_bytes=max_body_bytes,
+        api_keys=frozenset([api_key] if api_key else []), key_scopes=key_scopes,
+        scopes=frozenset(allow_scope) if allow_scope else None, default_scope=scope,
+        record=False if no_record else None, workers=workers)
+    sock = _bind(host, port)
+    started = time.perf_counter()
+    spec = _load(model, db_url(ctx))
+    loaded = time.perf_counter()
+    spec.warmup()
+    print(f"load {loaded - started:.2f} s, warmup {time.perf_counter() - loaded:.2f} s",
+          file=sys.stderr, flush=True)
+    server = OpenAIServer(spec, config)
+    bound_host, bound_port = sock.getsockname()[:2]
+    shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+    print(f"serving {config.models[0]} at http://{shown}:{bound_port}/v1", file=sys.stderr,
+          flush=True)
+    try:
+        uvicorn.Server(uvicorn.Config(server.app, log_level=log_level, lifespan="off",
+                                      timeout_graceful_shutdown=5)).run(sockets=[sock])
+    finally:
+        server.close()
+        sock.close()
+
+
+def _read_keys(path: Path) -> dict[str, tuple[str, ...]]:
+    """``--keys``: key -> its scopes; an unreadable or malformed file exits 2."""
+    value = read_json_file(path, "--keys")
+    if not isinstance(value, dict) or not value:
+        fail(f"--keys file {str(path)!r} must hold a non-empty JSON object of key: scope(s)",
+             EXIT_USAGE)
+    out = {}
+    for key, scopes in value.items():
+        scopes = [scopes] if isinstance(scopes, str) else scopes
+        if not isinstance(scopes, list) or not scopes or not all(isinstance(s, str) for s in scopes):
+            fail(f"--keys file {str(path)!r}: the scopes of a key must be a string or a "
+                 f"non-empty list of strings, got {scopes!r:.60}", EXIT_USAGE)
+        out[key] = tuple(scopes)
+    return out
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` (bound before the model loads: a busy port fails
+    at once)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        fail(f"--host {host!r} is not an address of this machine: {e.strerror}", EXIT_USAGE)
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        fail(f"cannot listen on {host}:{port}: {e.strerror}")
+    sock.set_inheritable(True)
+    return sock
+
+
+def _load(model: str, url: str) -> Any:
+    """The Speculator of ``model`` with the memory at ``url`` (a model that is not there
+    raises NotFoundError or ModelNotAvailableError: exit 3)."""
+    from agentspec.engine.load import load_target
+    from agentspec.speculator import Speculator
+
+    return Speculator(load_target(model), memory=url)
