@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentspec.errors import NotFoundError
+
 ROLES = ("system", "user", "assistant", "tool")
 PHASES = ("warmup", "measure")
 _FIELDS = ("id", "scope", "phase", "messages", "prompt", "max_new_tokens", "grammar")
@@ -212,8 +214,8 @@ def resolve_workload(name: str) -> Path:
     """A workload file: an existing path, else a shipped workload's short name (``prompts``).
 
     Raises:
-        ValueError: neither; the message names the value and the shipped names (the
-            ``agentspec bench`` command reports it as bad input, exit 2).
+        NotFoundError: neither (a ValueError); the message names the value and the shipped
+            names (the ``agentspec bench`` command exits 3, not found).
     """
     path = Path(name)
     if path.is_file():
@@ -222,7 +224,7 @@ def resolve_workload(name: str) -> Path:
     if "/" not in name and shipped.is_file():
         return shipped
     names = sorted(p.stem for p in data_dir().glob("*.jsonl"))
-    raise ValueError(f"workload {name!r} is neither a file nor a shipped workload (shipped: "
+    raise NotFoundError(f"workload {name!r} is neither a file nor a shipped workload (shipped: "
                      f"{', '.join(names)})")
 
 

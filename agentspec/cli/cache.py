@@ -15,6 +15,7 @@ from agentspec.cli.common import (
     APP_SETTINGS,
     EXIT_NOT_FOUND,
     EXIT_USAGE,
+    FRESH_HINT,
     DbOpt,
     JsonOpt,
     age,
@@ -88,8 +89,7 @@ def stats(ctx: typer.Context) -> None:
             empty.close()
         out["database"] = db_url(ctx)
         out["index"] = {"status": "none yet", "files": []}
-        out["hint"] = ("nothing recorded yet: calls record their completions here "
-                       "(Speculator.from_pretrained, ChatAgentSpec.from_pretrained, agentspec generate)")
+        out["hint"] = FRESH_HINT
     else:
         with open_store(ctx) as store:
             out = store.stats()
@@ -143,7 +143,7 @@ def ls(ctx: typer.Context, scope: ScopeOpt = None,
     """
     if sort not in ("hits", "recent", "size", "accepted"):
         fail(f"--sort must be hits, recent, size or accepted, got {sort!r}", EXIT_USAGE)
-    with open_store(ctx) as store:
+    with open_store(ctx, fresh_empty=True) as store:
         rows = store.list_records(scope=scope, model=model, sort=sort, limit=limit)
     if want_json(ctx):
         print_json([record_json(r, ids=False) for r in rows])
@@ -192,14 +192,15 @@ def show(ctx: typer.Context, record_id: Annotated[int, typer.Argument(metavar="I
 
 
 def _pick_embedder(store: Any, scope: str | None, name: str | None) -> tuple[Any, int]:
-    """The embedder named by most embedded rows (or ``name``), and rows it cannot search."""
+    """The embedder named by most embedded rows (or ``name``), and rows it cannot search;
+    ``(None, 0)`` when no row is embedded and no ``name`` is given."""
     groups = store.embedding_groups(scope)
     per_name: dict[str, int] = {}
     for (_, e, _), n in groups.items():
         per_name[e] = per_name.get(e, 0) + n
     if name is None:
         if not per_name:
-            fail("no embedded records to search" + (f" in scope {scope!r}" if scope else ""))
+            return None, 0
         name = max(per_name, key=lambda e: per_name[e])
     embedder = embedder_by_name(name)
     return embedder, sum(per_name.values()) - per_name.get(embedder.name, 0)
@@ -219,14 +220,19 @@ def search(ctx: typer.Context, text: str,
     """
     from agentspec.memory.completion import CompletionMemory
 
-    with open_store(ctx) as store:
+    hits: list[Any] = []
+    with open_store(ctx, fresh_empty=True) as store:
         emb, skipped = _pick_embedder(store, scope, embedder)
-        if skipped:
-            err_console.print(f"note: {skipped} rows embedded by other embedders are not "
-                              f"searched (searching with {emb.name})")
-        memory = CompletionMemory(store, embedder=emb, max_tokens_per_scope=None,
-                                  max_tokens_total=None)
-        hits = memory.search(text, k=k, scope=scope)
+        if emb is None:
+            err_console.print("note: no embedded records to search"
+                              + (f" in scope {scope!r}" if scope else ""), markup=False)
+        else:
+            if skipped:
+                err_console.print(f"note: {skipped} rows embedded by other embedders are not "
+                                  f"searched (searching with {emb.name})")
+            memory = CompletionMemory(store, embedder=emb, max_tokens_per_scope=None,
+                                      max_tokens_total=None)
+            hits = memory.search(text, k=k, scope=scope)
     if want_json(ctx):
         print_json([{"similarity": s, **record_json(r, ids=False)} for r, s in hits])
         return

@@ -45,7 +45,6 @@ def test_the_commands_help_imports_no_bench_module() -> None:
     (["--temperature", "-0.5"], "-0.5"),
     (["--temperature", "nan"], "nan"),
     (["--max-new-tokens", "0"], "got 0"),
-    (["--workload", "no-such-workload"], "'no-such-workload'"),
     (["--dtype", "fp8"], "'fp8'"),
     (["--dtype", "BF16", "--device", "cpu"], "'BF16'"),
     (["--device", "tpu"], "'tpu'"),
@@ -57,6 +56,12 @@ def test_bad_input_exits_2_naming_the_value(args: list[str], named: str) -> None
     res = invoke(*args)
     assert res.exit_code == 2, res.output
     assert named in res.stderr and res.stderr.count("\n") == 1
+
+
+def test_a_missing_workload_exits_3_naming_it() -> None:
+    res = invoke("--workload", "no-such-workload")
+    assert res.exit_code == 3, res.output
+    assert "'no-such-workload'" in res.stderr and res.stderr.count("\n") == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without CUDA")

@@ -56,7 +56,10 @@ def test_console_script(tmp_path: Path) -> None:
     fresh = subprocess.run([str(exe), "cache", "stats"], capture_output=True, text=True,
                            env=env, timeout=60)
     assert fresh.returncode == 0 and "0 rows" in fresh.stdout  # a fresh home: zeros, a hint
-    missing = subprocess.run([str(exe), "cache", "ls"], capture_output=True, text=True,
+    listed = subprocess.run([str(exe), "cache", "ls"], capture_output=True, text=True,
+                            env=env, timeout=60)
+    assert listed.returncode == 0 and listed.stderr.startswith("nothing recorded yet")
+    missing = subprocess.run([str(exe), "cache", "show", "1"], capture_output=True, text=True,
                              env=env, timeout=60)
     assert missing.returncode == 3 and "Traceback" not in missing.stderr
     assert missing.stderr.startswith("error: no memory database at")
