@@ -80,8 +80,9 @@ class Speculator:
     Args:
         target: the loaded model (see :func:`agentspec.load_target`).
         memory: a :class:`agentspec.memory.completion.CompletionMemory` to draft from and record into;
-            a string opens one (``"default"``: the SQLite file under ``$AGENTSPEC_HOME``, or a
-            SQLAlchemy URL, as :func:`open_memory`); None drafts from the prompt only.
+            a string opens one (``"default"``, the default: the SQLite file under
+            ``$AGENTSPEC_HOME``, or a SQLAlchemy URL, as :func:`open_memory`), as
+            :meth:`from_pretrained` does; None drafts from the prompt only and records nothing.
         drafters: draft sources, overriding the default (memory, suffix, prompt lookup).
         config: draft-size limits.
         speculate: False runs plain decoding through the same loop (the baseline).
@@ -96,7 +97,7 @@ class Speculator:
         ValueError: ``cost`` is a string other than ``"measure"``.
     """
 
-    def __init__(self, target: HFTarget, *, memory: Any = None,
+    def __init__(self, target: HFTarget, *, memory: Any = "default",
                  drafters: Sequence[Drafter] | None = None, config: SpecConfig | None = None,
                  speculate: bool = True, cost: CostModel | str = "measure",
                  draft_model: str | HFTarget | None = None) -> None:

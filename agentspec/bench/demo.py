@@ -268,7 +268,7 @@ def _load(config: DemoConfig, db_url: str, console: Console) -> tuple[Any, Any]:
     from agentspec.engine.target import HFTarget
 
     baseline = HFTarget(target.model, target.tokenizer, name=target.name, reuse_prefix=False)
-    plain, spec = Speculator(baseline, speculate=False), Speculator(target, memory=memory)
+    plain, spec = Speculator(baseline, speculate=False, memory=None), Speculator(target, memory=memory)
     with console.status("loading the memory's embedder, warming up"):
         memory.embedder.embed(["warm up"])  # so that the first timed call does not load it
         hello = [{"role": "user", "content": "Say hi."}]

@@ -181,14 +181,14 @@ def invariance(base: HFTarget, max_new: int) -> dict[str, Any]:
     def twin(**kw: Any) -> HFTarget:
         return HFTarget(base.model, base.tokenizer, name=base.name, **kw)
 
-    plain = Speculator(twin(reuse_prefix=False), speculate=False, cost=DEFAULT_COST)
+    plain = Speculator(twin(reuse_prefix=False), speculate=False, cost=DEFAULT_COST, memory=None)
     runs = {"prompt lookup, prefix reuse": Speculator(twin(), memory=None, cost=DEFAULT_COST)}
     if base.device.type == "cuda":
         runs["plain, eager forwards"] = Speculator(twin(cuda_graphs=False, reuse_prefix=False),
-                                                   speculate=False, cost=DEFAULT_COST)
+                                                   speculate=False, cost=DEFAULT_COST, memory=None)
         # Not an invariance: the modules' kernels round otherwise (within bf16 rounding).
         runs["plain on the modules (not the fused forward)"] = Speculator(
-            twin(fused=False, reuse_prefix=False), speculate=False, cost=DEFAULT_COST)
+            twin(fused=False, reuse_prefix=False), speculate=False, cost=DEFAULT_COST, memory=None)
     refs = [plain.generate(p, max_new).token_ids for p in ALL_PROMPTS]
     result: dict[str, Any] = {"prompts": len(ALL_PROMPTS)}
     for name, spec in runs.items():

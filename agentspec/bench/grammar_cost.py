@@ -219,7 +219,7 @@ def forced_steps(workload: Path, model: str, max_new_tokens: int) -> dict[str, A
     from agentspec import SamplingParams, SpecConfig, Speculator, load_target
 
     target = load_target(model)
-    specs = {on: Speculator(target.fork(), config=SpecConfig(grammar_drafts=on))
+    specs = {on: Speculator(target.fork(), config=SpecConfig(grammar_drafts=on), memory=None)
              for on in (True, False)}
     totals = {on: [0, 0] for on in (True, False)}
     equal = 0
@@ -285,7 +285,7 @@ def decode_cost(workload: Path, model: str, max_new_tokens: int) -> dict[str, An
     from agentspec import SamplingParams, SpecConfig, Speculator, load_target
 
     target = load_target(model)
-    specs = {lazy: Speculator(target.fork(), config=SpecConfig(lazy_masks=lazy))
+    specs = {lazy: Speculator(target.fork(), config=SpecConfig(lazy_masks=lazy), memory=None)
              for lazy in (True, False)}
     per_row: dict[bool, list[float]] = {True: [], False: []}
     per_step: dict[bool, list[float]] = {True: [], False: []}

@@ -109,9 +109,9 @@ def build_systems(target: Any, config: BenchConfig, db_url: str,
     if "agentspec-chain" in config.systems and chain_db_url is None:
         raise ValueError("agentspec-chain needs a memory database of its own (chain_db_url)")
     plain = Speculator(HFTarget(target.model, target.tokenizer, name=target.name,
-                                reuse_prefix=False), speculate=False)
+                                reuse_prefix=False), speculate=False, memory=None)
     # Prompt lookup only: no head either, even where one is trained for the model.
-    pld = Speculator(target.fork(), config=SpecConfig(draft_head=False))
+    pld = Speculator(target.fork(), config=SpecConfig(draft_head=False), memory=None)
     pld.warmup()
     built: dict[str, System] = {}
     for name in config.systems:
@@ -255,7 +255,7 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
 
     target = load_target(model, device=config.device, dtype=_torch_dtype(config.dtype),
                          prefix_cache_bytes=config.prefix_cache_bytes)
-    encode = Speculator(target, speculate=False).encode
+    encode = Speculator(target, speculate=False, memory=None).encode
     static_len = max((len(encode(prompt_of(i))) + budget(i, config) for i in workload.measure),
                      default=None) if "hf-static" in config.systems else None
     with tempfile.TemporaryDirectory(prefix="agentspec-bench-") as tmp:

@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
              for item in in_turn(items)[: args.streams]]  # each scope's first request
     base = load_target(args.model)
     specs = {s: Speculator(HFTarget(base.model, base.tokenizer, name=base.name,
-                                    prefix_cache_bytes=0 if s == "off" else None))
+                                    prefix_cache_bytes=0 if s == "off" else None), memory=None)
              for s in SETTINGS}
     alone: list[str] = []
     for setting, spec in specs.items():

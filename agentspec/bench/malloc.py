@@ -44,7 +44,7 @@ def child(workload: str, model: str, limit: int | None, order: str) -> dict[str,
     items = list(load_workload(resolve_workload(workload), default_max_new_tokens=96).measure)
     items = ordered(items[:limit], order)
     target = load_target(model, device="cpu")
-    system = SpecSystem("agentspec-pld", Speculator(target), temperature=0.0)
+    system = SpecSystem("agentspec-pld", Speculator(target, memory=None), temperature=0.0)
     system.spec.generate(prompt_of(items[0]), 8)  # widths, kernels: not timed
     seconds, outputs = [], []
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

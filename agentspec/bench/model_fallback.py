@@ -51,10 +51,10 @@ def systems(target: HFTarget, draft: HFTarget) -> dict[str, Speculator]:
         return ModelDrafter(draft, target.tokenizer)
 
     specs = {
-        "plain": Speculator(target, speculate=False),
-        "lookup": Speculator(target, drafters=[PromptLookupDrafter()]),
-        "lookup+model": Speculator(target, drafters=[PromptLookupDrafter(), model_drafter()]),
-        "model": Speculator(target, drafters=[model_drafter()]),
+        "plain": Speculator(target, speculate=False, memory=None),
+        "lookup": Speculator(target, drafters=[PromptLookupDrafter()], memory=None),
+        "lookup+model": Speculator(target, drafters=[PromptLookupDrafter(), model_drafter()], memory=None),
+        "model": Speculator(target, drafters=[model_drafter()], memory=None),
     }
     for spec in specs.values():
         spec.warmup()  # the cost curve is measured here (once per target), not in a timed call

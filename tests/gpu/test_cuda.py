@@ -28,7 +28,7 @@ def test_loads_in_bf16_on_cuda(gpu_spec):
 
 
 def test_greedy_speculation_matches_plain_decoding_on_cuda(gpu_spec):
-    plain = Speculator(gpu_spec.target, speculate=False)
+    plain = Speculator(gpu_spec.target, speculate=False, memory=None)
     for prompt in GROUNDED[:4]:
         assert gpu_spec.generate(prompt, 64).token_ids == plain.generate(prompt, 64).token_ids
 
@@ -55,7 +55,7 @@ def test_drafts_and_prefix_reuse_leave_bf16_outputs_unchanged_on_cuda(gpu_spec):
     from tests.prompts import ALL_PROMPTS
 
     base = gpu_spec.target
-    plain = Speculator(HFTarget(base.model, base.tokenizer, reuse_prefix=False), speculate=False)
+    plain = Speculator(HFTarget(base.model, base.tokenizer, reuse_prefix=False), speculate=False, memory=None)
     spec = Speculator(HFTarget(base.model, base.tokenizer), memory=None)
     for prompt in ALL_PROMPTS:
         assert spec.generate(prompt, 48).token_ids == plain.generate(prompt, 48).token_ids
@@ -109,7 +109,7 @@ def test_a_worker_embedding_on_the_gpu_leaves_the_engines_captures_alone(gpu_spe
     base = gpu_spec.target
     text = "\n\n".join(m["content"] for chat in GROUNDED for m in chat)
     prompt = [{"role": "user", "content": text * 2}]  # well past 1,024 tokens
-    plain = Speculator(HFTarget(base.model, base.tokenizer, reuse_prefix=False), speculate=False)
+    plain = Speculator(HFTarget(base.model, base.tokenizer, reuse_prefix=False), speculate=False, memory=None)
     want = plain.generate(prompt, 32).token_ids
     target = HFTarget(base.model, base.tokenizer)
     spec = Speculator(target, memory=None)
@@ -165,7 +165,7 @@ def test_drafts_leave_outputs_unchanged_on_the_modules_too(gpu_spec):
 
     base = gpu_spec.target
     plain = Speculator(HFTarget(base.model, base.tokenizer, reuse_prefix=False, fused=False),
-                       speculate=False)
+                       speculate=False, memory=None)
     spec = Speculator(HFTarget(base.model, base.tokenizer, fused=False), memory=None)
     for prompt in ALL_PROMPTS[:6]:
         assert spec.generate(prompt, 48).token_ids == plain.generate(prompt, 48).token_ids

@@ -80,7 +80,7 @@ def test_the_target_must_be_an_hftarget():
     from agentspec import Speculator
 
     with pytest.raises(TypeError, match="target.*str.*smollm2"):
-        Speculator("smollm2-135m-instruct")
+        Speculator("smollm2-135m-instruct", memory=None)
 
 
 def test_a_memory_url_is_opened_not_kept_as_a_string(spec, tmp_path, monkeypatch):

@@ -103,7 +103,7 @@ def _abandon(spec: Speculator) -> list[Any]:
 
 
 def test_16_concurrent_callers_equal_their_serial_outputs(target, monkeypatch):
-    spec = Speculator(target, cost=DEFAULT_COST)
+    spec = Speculator(target, cost=DEFAULT_COST, memory=None)
     calls = _calls()
     serial = [_sync(spec, *call) if i < 8 else asyncio.run(_async(spec, *call))
               for i, call in enumerate(calls)]
@@ -179,7 +179,7 @@ def _generate_finishes_beside_an_abandoned_stream(spec: Speculator) -> bool:
 
 
 def test_an_abandoned_stream_blocks_nobody(target):
-    assert _generate_finishes_beside_an_abandoned_stream(Speculator(target, cost=DEFAULT_COST))
+    assert _generate_finishes_beside_an_abandoned_stream(Speculator(target, cost=DEFAULT_COST, memory=None))
 
 
 def test_the_old_lock_across_yield_fails_that_check(target):
@@ -214,8 +214,8 @@ class Recording:
 @pytest.mark.parametrize("how", ["close", "break", "throw"])
 def test_a_stream_ended_early_gives_the_model_back_and_leaves_the_kv_consistent(target, how):
     drafter = Recording()
-    spec = Speculator(target, drafters=[drafter], cost=DEFAULT_COST)
-    expected = Speculator(target, speculate=False).generate(PROMPTS[0], MAX_NEW).token_ids
+    spec = Speculator(target, drafters=[drafter], cost=DEFAULT_COST, memory=None)
+    expected = Speculator(target, speculate=False, memory=None).generate(PROMPTS[0], MAX_NEW).token_ids
     stream = spec.stream(PROMPTS[2], 40)
     next(stream)
     started = time.perf_counter()

@@ -71,7 +71,7 @@ def test_gemma_speaks_in_gemma_turns(gemma):
     assert ids.count(gemma.tokenizer.bos_token_id) == 1
     end = gemma.tokenizer.convert_tokens_to_ids("<end_of_turn>")
     assert end in gemma.model.generation_config.eos_token_id
-    assert end in Speculator(gemma, speculate=False).stop_token_ids
+    assert end in Speculator(gemma, speculate=False, memory=None).stop_token_ids
 
 
 def test_a_template_of_the_model_is_kept():
@@ -103,7 +103,7 @@ def test_gemma_chat_greedy_identity(gemma):
     out = gemma.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
                                do_sample=False)
     expected = _cut(out[0, ids.shape[1] :].tolist(), gemma)
-    lookup = Speculator(gemma, drafters=[PromptLookupDrafter()], cost=DEFAULT_COST).generate(CHAT, 24)
+    lookup = Speculator(gemma, drafters=[PromptLookupDrafter()], cost=DEFAULT_COST, memory=None).generate(CHAT, 24)
     assert list(lookup.token_ids) == expected
 
 
@@ -121,8 +121,8 @@ def test_gemma_greedy_identity(gemma, index):
     out = gemma.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW,
                                do_sample=False)
     expected = _cut(out[0, ids.shape[1] :].tolist(), gemma)
-    plain = Speculator(gemma, speculate=False).generate(prompt, MAX_NEW)
-    lookup = Speculator(gemma, drafters=[PromptLookupDrafter()], cost=DEFAULT_COST).generate(prompt, MAX_NEW)
+    plain = Speculator(gemma, speculate=False, memory=None).generate(prompt, MAX_NEW)
+    lookup = Speculator(gemma, drafters=[PromptLookupDrafter()], cost=DEFAULT_COST, memory=None).generate(prompt, MAX_NEW)
     assert list(plain.token_ids) == expected
     assert list(lookup.token_ids) == expected
 
@@ -147,7 +147,7 @@ def test_gemma_tree_scoring_past_the_window(gemma):
 @pytest.mark.slow
 def test_gemma_rollback_past_the_window(gemma):
     target = CheckingTarget(gemma.model, gemma.tokenizer, atol=ATOL)
-    reference = list(Speculator(gemma, speculate=False).generate(LONG, 6).token_ids)
-    tree = Speculator(target, drafters=[OracleTreeDrafter(reference, target.vocab_size)], cost=DEFAULT_COST)
+    reference = list(Speculator(gemma, speculate=False, memory=None).generate(LONG, 6).token_ids)
+    tree = Speculator(target, drafters=[OracleTreeDrafter(reference, target.vocab_size)], cost=DEFAULT_COST, memory=None)
     assert list(tree.generate(LONG, 6).token_ids) == reference  # a tree step, then chains
     assert target.checked_rows >= 6

@@ -105,7 +105,7 @@ def valid(name: str, text: str) -> bool:
 
 @pytest.fixture(scope="module")
 def poisoned(spec: Speculator) -> Speculator:
-    return Speculator(spec.target.fork(), drafters=[ForbiddenDrafter()])
+    return Speculator(spec.target.fork(), drafters=[ForbiddenDrafter()], memory=None)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -128,7 +128,7 @@ def test_forced_tokens_are_drafted_free(spec: Speculator) -> None:
     grammar, prompt = CASES["tool-required"]
     sampling = SamplingParams(grammar=grammar)
     with_forced = spec.generate(prompt, MAX_NEW, sampling=sampling)
-    off = Speculator(spec.target.fork(), config=SpecConfig(grammar_drafts=False))
+    off = Speculator(spec.target.fork(), config=SpecConfig(grammar_drafts=False), memory=None)
     without = off.generate(prompt, MAX_NEW, sampling=sampling)
     assert with_forced.token_ids == without.token_ids
     assert with_forced.stats.accepted.get("grammar", 0) >= 8
@@ -138,7 +138,7 @@ def test_forced_tokens_are_drafted_free(spec: Speculator) -> None:
 def test_seeded_sample_does_not_depend_on_drafts(spec: Speculator, poisoned: Speculator) -> None:
     grammar, prompt = CASES["json-schema"]
     sampling = SamplingParams(temperature=0.9, seed=11, grammar=grammar)
-    plain = Speculator(spec.target.fork(), speculate=False).generate(prompt, MAX_NEW, sampling=sampling)
+    plain = Speculator(spec.target.fork(), speculate=False, memory=None).generate(prompt, MAX_NEW, sampling=sampling)
     for other in (spec, poisoned):
         assert other.generate(prompt, MAX_NEW, sampling=sampling).token_ids == plain.token_ids
 

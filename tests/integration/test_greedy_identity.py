@@ -17,7 +17,7 @@ MAX_NEW = 32
 
 @pytest.fixture(scope="module")
 def plain(spec):
-    return Speculator(spec.target, speculate=False)
+    return Speculator(spec.target, speculate=False, memory=None)
 
 
 def hf_greedy(spec, prompt) -> list[int]:
@@ -67,7 +67,7 @@ def test_greedy_identity_with_trees(spec, plain):
     trees = [s for s in steps if not s.draft.is_chain]
     assert len(trees) > 30
     assert all(len(s.verdict.new_tokens) == 1 for s in trees)  # off the spine: cut at its first node
-    first = Speculator(spec.target, drafters=[OracleTreeDrafter(reference, vocab, right_first=True)])
+    first = Speculator(spec.target, drafters=[OracleTreeDrafter(reference, vocab, right_first=True)], memory=None)
     out = first.generate(prompt, 48)
     assert list(out.token_ids) == reference
     assert out.stats.tokens_per_step > 2.5  # the oracle's spine really was accepted

@@ -73,7 +73,7 @@ def _reference(dtype_name: str) -> tuple[tuple[int, ...], ...]:
 
 @functools.cache
 def _plain_output(dtype_name: str, i: int) -> tuple[int, ...]:
-    plain = Speculator(_fresh(dtype_name, reuse_prefix=False), speculate=False, cost=DEFAULT_COST)
+    plain = Speculator(_fresh(dtype_name, reuse_prefix=False), speculate=False, cost=DEFAULT_COST, memory=None)
     return plain.generate(PROMPTS[i], MAX_NEW, sampling=_sampling(i)).token_ids
 
 
@@ -143,14 +143,14 @@ def _outputs(spec: Speculator, **kw) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("dtype_name", ["bf16"])  # fp32: test_untrusted_drafts, test_memory_exactness
 def test_no_draft_changes_the_output(dtype_name, tmp_path):
     refs = _reference(dtype_name)
-    encode = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST).encode
+    encode = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST, memory=None).encode
     by_prompt = {tuple(encode(p)): r for p, r in zip(PROMPTS, refs, strict=True)}
     target = _fresh(dtype_name)  # prefix reuse on: each run starts on what the last one left
     runs = {  # the default drafters (memory, suffix, prompt lookup) on a poisoned memory
         "poisoned memory": Speculator(target, cost=DEFAULT_COST,
                                       memory=_poisoned_memory(tmp_path, target, refs)),
         "shuffled trees": Speculator(target, cost=DEFAULT_COST, drafters=[
-            ShuffledTreeDrafter(by_prompt, target.vocab_size, seed=7)]),
+            ShuffledTreeDrafter(by_prompt, target.vocab_size, seed=7)], memory=None),
     }
     for name, spec in runs.items():
         kw = {"scope": "s", "record": False} if spec.memory is not None else {}
@@ -165,7 +165,7 @@ CHAIN = 40
 
 
 def _rows_alone_and_verified(target_kw: dict, dtype_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST)
+    spec = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST, memory=None)
     prompt = spec.encode(PROMPTS[0])
     # The plain output, then the prompt's opening again: any tokens serve, each row is
     # compared with the same row scored alone.
@@ -218,10 +218,10 @@ def test_rows_that_depend_on_the_draft_change_bf16_outputs():
     base = _model("bf16")
     wrong = DraftDependentRows(base.model, base.tokenizer, name=base.name)
     refs = [_plain_output("bf16", i) for i in range(16)]
-    encode = Speculator(base, speculate=False, cost=DEFAULT_COST).encode
+    encode = Speculator(base, speculate=False, cost=DEFAULT_COST, memory=None).encode
     by_prompt = {tuple(encode(p)): r for p, r in zip(PROMPTS[:16], refs, strict=True)}
     spec = Speculator(wrong, cost=DEFAULT_COST, drafters=[
-        ShuffledTreeDrafter(by_prompt, wrong.vocab_size, seed=7)])
+        ShuffledTreeDrafter(by_prompt, wrong.vocab_size, seed=7)], memory=None)
     changed = [i for i, prompt in enumerate(PROMPTS[:16])
                if spec.generate(prompt, MAX_NEW, sampling=_sampling(i)).token_ids != refs[i]]
     assert changed, "rows off by one bf16 step in verifications matched plain decoding everywhere"
@@ -239,7 +239,7 @@ def test_wide_prefill_chunks_write_the_rows_decode_widths_write(dtype_name):
     last one at the narrowest width that holds it, has the same KV bits as one prefilled in
     the decode widths' chunks (the rows a decode-width forward writes, which a later call may
     reuse); the model's own one-forward prefill, another reduction order, does not."""
-    spec = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST)
+    spec = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST, memory=None)
     ids = spec.encode(PROMPTS[-1])
     wide = _fresh(dtype_name)
     narrow = _fresh(dtype_name, prefill_widths=())

@@ -26,7 +26,7 @@ def memory(tmp_path):
 
 @pytest.fixture(scope="module")
 def references(spec):
-    plain = Speculator(spec.target, speculate=False)
+    plain = Speculator(spec.target, speculate=False, memory=None)
     return [list(plain.generate(p, MAX_NEW).token_ids) for p in PROMPTS]
 
 

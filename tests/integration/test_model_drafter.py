@@ -152,9 +152,9 @@ def skip_layer_draft(tmp_path_factory) -> HFTarget:
 
 @pytest.mark.slow
 def test_greedy_identity_same_tokenizer(spec, skip_layer_draft):
-    plain = Speculator(spec.target, speculate=False)
+    plain = Speculator(spec.target, speculate=False, memory=None)
     drafted = Speculator(spec.target, drafters=[ModelDrafter(skip_layer_draft, spec.tokenizer)],
-                          cost=ALWAYS_DRAFT)
+                          cost=ALWAYS_DRAFT, memory=None)
     for prompt in (ALL_PROMPTS[3], ALL_PROMPTS[13]):
         out = drafted.generate(prompt, 24)
         assert out.token_ids == plain.generate(prompt, 24).token_ids
@@ -162,7 +162,7 @@ def test_greedy_identity_same_tokenizer(spec, skip_layer_draft):
     sampled = drafted.generate(ALL_PROMPTS[3], 12, sampling=SamplingParams(temperature=0.8, seed=1))
     assert sampled.stats.drafted.get("model", 0) > 0
     # The facade's keyword: prompt lookup first, the model drafter last.
-    default = Speculator(spec.target, draft_model=skip_layer_draft, cost=ALWAYS_DRAFT)
+    default = Speculator(spec.target, draft_model=skip_layer_draft, cost=ALWAYS_DRAFT, memory=None)
     assert isinstance(default.drafters[-1], ModelDrafter)
     assert default.generate(ALL_PROMPTS[2], 24).token_ids == plain.generate(ALL_PROMPTS[2], 24).token_ids
 
@@ -173,8 +173,8 @@ def test_greedy_identity_cross_tokenizer(spec):
     smollm = HFTarget(spec.target.model, spec.tokenizer, name="smollm2-draft")  # its own KV
     drafter = ModelDrafter(smollm, gemma.tokenizer)
     assert not drafter.same_tokenizer
-    plain = Speculator(gemma, speculate=False)
-    drafted = Speculator(gemma, drafters=[drafter], cost=ALWAYS_DRAFT)
+    plain = Speculator(gemma, speculate=False, memory=None)
+    drafted = Speculator(gemma, drafters=[drafter], cost=ALWAYS_DRAFT, memory=None)
     for prompt in ("The three primary colors are", "def fibonacci(n):\n    "):
         out = drafted.generate(prompt, 16)
         assert out.token_ids == plain.generate(prompt, 16).token_ids

@@ -41,7 +41,7 @@ def _model(dtype: str) -> HFTarget:
 def _agents() -> tuple[list[int], list[int]]:
     """The opening tokens of two tool sets' prompts from the shipped bfcl-live workload."""
     target = _model("fp32")
-    spec = Speculator(target, speculate=False)
+    spec = Speculator(target, speculate=False, memory=None)
     lines = workload_lines(DATA / "bfcl-live.jsonl")
     first, second = lines[0], next(i for i in lines if i["scope"] != lines[0]["scope"])
     return (spec.encode(prompt_of(first))[:PREFIX], spec.encode(prompt_of(second))[:PREFIX])

@@ -22,9 +22,9 @@ ATOL = 1e-3
 
 def _oracle_tree(spec, target, prompt, max_new: int):
     """Plain decoding's output, and a Speculator on ``target`` whose trees hide it off the spine."""
-    reference = list(Speculator(spec.target, speculate=False).generate(prompt, max_new).token_ids)
+    reference = list(Speculator(spec.target, speculate=False, memory=None).generate(prompt, max_new).token_ids)
     return reference, Speculator(target, drafters=[OracleTreeDrafter(reference, target.vocab_size)],
-                                 cost=DEFAULT_COST)
+                                 cost=DEFAULT_COST, memory=None)
 
 
 @pytest.mark.slow
@@ -33,8 +33,8 @@ def test_rollback_chains_and_trees(spec):
     # Trees whose accepted path skips nodes, then prompt-lookup chains, then sampling.
     reference, tree = _oracle_tree(spec, target, GROUNDED[2], 12)
     assert list(tree.generate(GROUNDED[2], 12).token_ids) == reference
-    Speculator(target, cost=DEFAULT_COST).generate(GROUNDED[1], 12)
-    Speculator(target, cost=DEFAULT_COST).generate(GROUNDED[1], 8, sampling=SamplingParams(temperature=1.0, seed=3))
+    Speculator(target, cost=DEFAULT_COST, memory=None).generate(GROUNDED[1], 12)
+    Speculator(target, cost=DEFAULT_COST, memory=None).generate(GROUNDED[1], 8, sampling=SamplingParams(temperature=1.0, seed=3))
     assert target.checked_rows >= 30
 
 
@@ -45,19 +45,19 @@ def test_prefix_reuse_across_calls_is_exact(spec):
     target = CheckingTarget(spec.target.model, spec.target.tokenizer, atol=ATOL)
     first = [{"role": "system", "content": "You answer in one short sentence."},
              {"role": "user", "content": "Name a primary colour."}]
-    reply = Speculator(target, cost=DEFAULT_COST).generate(first, 8).text
+    reply = Speculator(target, cost=DEFAULT_COST, memory=None).generate(first, 8).text
     second = first + [{"role": "assistant", "content": reply},
                       {"role": "user", "content": "And another one?"}]
     prefilled: list[int] = []
     hook = target.model.register_forward_pre_hook(
         lambda _m, args, kwargs: prefilled.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
     try:
-        ids = Speculator(target, cost=DEFAULT_COST).encode(second)
+        ids = Speculator(target, cost=DEFAULT_COST, memory=None).encode(second)
         target.start(ids)
     finally:
         hook.remove()
     assert prefilled and prefilled[0] < len(ids) - 1 - 20  # most of the prompt was kept
-    Speculator(target, cost=DEFAULT_COST).generate(second, 8)  # checks every row against a fresh forward
+    Speculator(target, cost=DEFAULT_COST, memory=None).generate(second, 8)  # checks every row against a fresh forward
 
 
 class _NoRollback(CheckingTarget):

@@ -64,7 +64,7 @@ def _target() -> Any:
 
 @functools.cache
 def _plain() -> Speculator:
-    return Speculator(_target(), speculate=False, cost=FLAT)
+    return Speculator(_target(), speculate=False, cost=FLAT, memory=None)
 
 
 @functools.cache
@@ -175,7 +175,7 @@ def _example(seed: int, prompt: int, sample_seed: int | None, mode: str, raise_r
     sampling = _sampling(sample_seed)
     if mode == "chain":
         spec = Speculator(target, drafters=[hostile(f"hostile{i}") for i in range(SOURCES)],
-                          cost=FLAT)
+                          cost=FLAT, memory=None)
         return spec.generate(PROMPTS[prompt], MAX_NEW, sampling=sampling).token_ids, reference
     ids = _plain().encode(PROMPTS[prompt])
     generator = make_generator(sampling.seed, target.device)
@@ -258,7 +258,7 @@ def test_a_raising_drafter_is_logged_once_and_skipped(caplog):
         def end(self, context): pass
 
     caplog.set_level(logging.WARNING, logger="agentspec")
-    spec = Speculator(_target(), drafters=[Raises(), Oracle()], cost=FLAT)
+    spec = Speculator(_target(), drafters=[Raises(), Oracle()], cost=FLAT, memory=None)
     gens = [spec.generate(PROMPTS[1], MAX_NEW) for _ in range(2)]
     assert [g.token_ids for g in gens] == [_reference(1, None)] * 2
     logged = [r for r in caplog.records if "raises" in r.getMessage()]
@@ -275,7 +275,7 @@ def test_a_drafter_that_runs_a_call_on_the_target_mid_step_changes_nothing():
         def begin(self, context): pass
 
         def propose(self, context, *, max_tokens):
-            Speculator(_target(), speculate=False, cost=FLAT).generate(PROMPTS[0], 2)
+            Speculator(_target(), speculate=False, cost=FLAT, memory=None).generate(PROMPTS[0], 2)
             done = len(context.tokens) - context.prompt_len
             return Draft.chain(reference[done : done + max_tokens][:3], self.name)
 
@@ -284,5 +284,5 @@ def test_a_drafter_that_runs_a_call_on_the_target_mid_step_changes_nothing():
         def end(self, context): pass
 
     reference = _reference(1, None)
-    spec = Speculator(_target(), drafters=[Meddler()], cost=FLAT)
+    spec = Speculator(_target(), drafters=[Meddler()], cost=FLAT, memory=None)
     assert spec.generate(PROMPTS[1], MAX_NEW).token_ids == reference

@@ -233,7 +233,7 @@ def test_generate_answers_every_call_through_an_outage(outage: Outage, spec) -> 
     from tests.prompts import ALL_PROMPTS
 
     prompts = [ALL_PROMPTS[i] for i in (2, 4, 8, 10, 13)]
-    plain = Speculator(spec.target, speculate=False)
+    plain = Speculator(spec.target, speculate=False, memory=None)
     refs = [plain.generate(p, MAX_NEW).token_ids for p in prompts]
     memory = CompletionMemory.open(outage.url, embedder=HashEmbedder(), retry_interval_s=0,
                                    max_pending=BOUND)

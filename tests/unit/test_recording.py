@@ -47,3 +47,23 @@ def test_a_bad_switch_value_is_named(monkeypatch):
         recording_allowed()
     with pytest.raises(ValueError, match="record must be True or False"):
         SpecConfig(record="no")  # type: ignore[arg-type]
+
+
+def test_both_constructors_open_the_home_memory_by_default(target, tmp_path, monkeypatch):
+    """``Speculator(target)`` records where ``from_pretrained`` does (issue: the two differed);
+    ``memory=None`` is the way out, for both."""
+    import inspect
+
+    from agentspec.adapters.langchain import ChatAgentSpec
+
+    monkeypatch.setenv("AGENTSPEC_HOME", str(tmp_path))
+    monkeypatch.delenv("AGENTSPEC_DB", raising=False)
+    spec = Speculator(target, cost=CostModel(base=0.05, per_token=0.001))
+    assert isinstance(spec.memory, CompletionMemory)
+    assert spec.memory.store.url == f"sqlite:///{tmp_path / 'memory.db'}"
+    spec.memory.close()
+    defaults = {f.__qualname__: inspect.signature(f).parameters["memory"].default
+                for f in (Speculator.__init__, Speculator.from_pretrained,
+                          ChatAgentSpec.from_pretrained)}
+    assert set(defaults.values()) == {"default"}, defaults
+    assert Speculator(target, memory=None, cost=CostModel(base=0.05, per_token=0.001)).memory is None
