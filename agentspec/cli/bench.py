@@ -272,7 +272,7 @@ def build_bfcl(
     from agentspec import SamplingParams, Speculator, load_target
     from agentspec.grammar import compiled
 
-    spec = Speculator(load_target(model))  # prompt lookup, greedy: the trace is plain decoding's
+    spec = Speculator(load_target(model), memory=None)  # prompt lookup, greedy: the trace is plain decoding's
     calls = 0
 
     def generate(messages: list[dict[str, str]], spec_grammar: Any) -> str:
