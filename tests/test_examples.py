@@ -50,3 +50,21 @@ def test_bfcl_agent(tmp_path: Path) -> None:
     assert exact and exact[1] == exact[2] and int(exact[1]) >= 4, out[-2000:]
     assert re.search(r"^\s+cat\(file_name='[^']+'\) -> ", out, re.M), out[-4000:]
     assert "tool calls through the grammar: 0 malformed" in out and "malformed tool call" not in out
+
+
+def _code(line: str) -> str:
+    """A line of Python without its comment and indentation."""
+    return line.split("  #")[0].strip()
+
+
+def test_the_readme_quickstart_is_the_example() -> None:
+    """Every line of the README's quickstart block is a line of examples/quickstart.py (the
+    script `make test-install` runs), so the two cannot drift apart; a line the example lacks
+    (the control) is caught."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## Quickstart", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    example = {_code(line) for line in (EXAMPLES / "quickstart.py").read_text().splitlines()}
+    lines = [_code(line) for line in block.splitlines() if _code(line)]
+    assert len(lines) >= 8
+    drifted = "gen = spec.generate(messages, max_new_tokens=999)"  # the control
+    assert [line for line in [*lines, drifted] if line not in example] == [drifted]

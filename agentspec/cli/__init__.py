@@ -99,7 +99,7 @@ def _load(model: str, url: str) -> Any:
 @handles_errors
 def generate(ctx: typer.Context, prompt: str,
              model: Annotated[str, typer.Option(
-                 "--model", help="Packaged name, model folder or .gguf file.")] = "smollm2-135m-instruct",
+                 "--model", help="Packaged name, model folder, .gguf file or hub id (org/name).")] = "smollm2-135m-instruct",
              max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 128,
              temperature: Annotated[float, typer.Option("--temperature", min=0.0,
                                                         help="0 is greedy.")] = 0.0,

@@ -102,7 +102,7 @@ def bench(
                                  "prompts.")] = "bfcl",
     model: Annotated[str, typer.Option(
         "--model", help="Target model: a packaged name (smollm2-135m-instruct, gemma-3-270m), "
-                        "a model folder or a .gguf file.")] = "smollm2-135m-instruct",
+                        "a model folder, a .gguf file or a hub id (org/name).")] = "smollm2-135m-instruct",
     systems: Annotated[str | None, typer.Option(
         "--systems", help=f"Comma-separated, among {', '.join(SYSTEMS)} (and agentspec-head "
                           "once a head is trained: agentspec head train). Default "

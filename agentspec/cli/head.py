@@ -31,7 +31,7 @@ from agentspec.cli.common import (
 
 head_app = typer.Typer(**APP_SETTINGS, help="Train and inspect the recurrent draft head.", no_args_is_help=True)
 
-ModelOpt = Annotated[str, typer.Option("--model", help="Packaged name, model folder or .gguf file.")]
+ModelOpt = Annotated[str, typer.Option("--model", help="Packaged name, model folder, .gguf file or hub id (org/name).")]
 
 
 def _scopes(store: Any, fingerprint: str, scope: str | None) -> list[str]:

@@ -32,7 +32,7 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 @handles_errors
 def serve(ctx: typer.Context,
           model: Annotated[str, typer.Option(
-              "--model", help="Packaged name, model folder or .gguf file.")] = "smollm2-135m-instruct",
+              "--model", help="Packaged name, model folder, .gguf file or hub id (org/name).")] = "smollm2-135m-instruct",
           host: Annotated[str, typer.Option(
               "--host", help="Address to bind; the default serves this machine only.")] = "127.0.0.1",
           port: Annotated[int, typer.Option(
