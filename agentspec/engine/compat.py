@@ -123,6 +123,27 @@ def check_versions(installed: dict[str, str] | None = None) -> None:
     raise UnsupportedVersionError(message)
 
 
+def check_transformers_at_least(low: str, what: str, why: str,
+                                installed: str | None = None) -> None:
+    """Refuse ``what`` under a transformers older than ``low`` (inside :data:`SUPPORTED`, but
+    below what ``what`` was tested on); ``why`` says what goes wrong there.
+
+    Raises:
+        UnsupportedVersionError: the installed release is older (a warning under
+            ``AGENTSPEC_ALLOW_UNTESTED=1``).
+    """
+    got = installed if installed is not None else version("transformers")
+    if _release(got)[:2] >= _release(low):
+        return
+    message = (f"{what} needs transformers>={low}: under transformers {got} {why}. Install "
+               f"'transformers>={low},<{SUPPORTED['transformers'][1]}', or set "
+               f"{ALLOW_UNTESTED}=1 to run untested")
+    if _untested_allowed():
+        warnings.warn(message, stacklevel=2)
+        return
+    raise UnsupportedVersionError(message)
+
+
 check_versions()
 
 

