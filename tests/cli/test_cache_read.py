@@ -98,14 +98,17 @@ def test_default_db_under_home(home: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
     from agentspec.cli import app
 
-    # A fresh home: stats answers zeros and a hint; the commands that read rows say not found.
+    # A fresh home: stats and ls answer empty with a hint; a command naming a row says not found.
     res = CliRunner().invoke(app, ["cache", "stats"])
     assert res.exit_code == 0 and "0 rows" in res.stdout and "nothing recorded yet" in res.stderr
     as_json = json.loads(CliRunner().invoke(app, ["cache", "stats", "--json"]).stdout)
     assert as_json["rows"] == 0 and as_json["scopes"] == {} and str(home / "memory.db") in as_json["database"]
     assert not (home / "memory.db").exists()  # nothing created
-    listed = CliRunner().invoke(app, ["cache", "ls"])
-    assert listed.exit_code == 3 and str(home / "memory.db") in listed.stderr
+    listed = CliRunner().invoke(app, ["cache", "ls", "--json"])
+    assert listed.exit_code == 0 and json.loads(listed.stdout) == []
+    assert "nothing recorded yet" in listed.stderr and not (home / "memory.db").exists()
+    shown = CliRunner().invoke(app, ["cache", "show", "1"])
+    assert shown.exit_code == 3 and str(home / "memory.db") in shown.stderr
     # A database named by AGENTSPEC_DB (or --db) that is not there is not a fresh home.
     monkeypatch.setenv("AGENTSPEC_DB", "sqlite:////nonexistent-dir/x.db")
     named = CliRunner().invoke(app, ["cache", "stats"])
