@@ -66,6 +66,7 @@ from agentspec.drafters.suffix import SuffixDrafter
 from agentspec.errors import warn_once
 from agentspec.home import recording_allowed
 from agentspec.protocols import DraftContext, Drafter
+from agentspec.text import cut_at_stop
 from agentspec.types import EMPTY_DRAFT, Draft, Finished, Record
 
 # A step's cost before the engine's own steps are fitted: a draft token costs 5 % of a step.
@@ -134,7 +135,6 @@ class Proposer:
         self._last_tokens = 0  # the tokens its drafts give the next step (0: not timed)
         self._last_rows = 0
         self.rows = Rows(max_gap=2 * (self.k + 1))  # a step without a proposal between
-        self.steps = 0
         self.stats: dict[str, Any] = {"steps": 0, "rows": 0, "host_seconds": 0.0,
                                       "host_max_seconds": 0.0, "requests": 0, "recorded": 0,
                                       "begin_seconds": 0.0, "drafted": {}, "accepted": {},
@@ -171,17 +171,17 @@ class Proposer:
         """
         started = time.perf_counter()
         with self._lock:
-            self.steps += 1
+            stats = self.stats
+            stats["steps"] += 1
             self._last_call = time.monotonic()
             out = [self._guarded_row(i, sampled, int(num_tokens_no_spec[i]), token_ids_cpu[i])
                    if sampled else [] for i, sampled in enumerate(sampled_token_ids)]
-            if self.steps % 16 == 0:
-                for live in self.rows.stale(self.steps, int(self.options["finish_after_steps"])):
+            if stats["steps"] % 16 == 0:
+                for live in self.rows.stale(stats["steps"],
+                                            int(self.options["finish_after_steps"])):
                     self._finish(live, "unseen")
             self._time_step(started, sampled_token_ids, out)
             spent = time.perf_counter() - started
-            stats = self.stats
-            stats["steps"] += 1
             stats["rows"] += len(sampled_token_ids)
             stats["host_seconds"] += spent
             stats["host_max_seconds"] = max(stats["host_max_seconds"], spent)
@@ -199,7 +199,7 @@ class Proposer:
         self._last_tokens = sum(1 + len(d) for d in out) if decoding else 0
         self._last_rows = len(sampled)
         self._last_end = time.perf_counter()
-        if self.steps % 16 == 0:
+        if self.stats["steps"] % 16 == 0:
             fitted = self.clock.row_cost()
             if fitted is not None:
                 self.chain.cost = CostModel(*fitted)
@@ -225,7 +225,7 @@ class Proposer:
             live = self.rows.start(i, row, before, total, self._context)
             self.stats["requests"] += 1
             live.begun = self._pool.submit(self._begin, live)
-        live.seen = self.steps
+        live.seen = self.stats["steps"]
         new = live.take(row, total)
         if live.ready:
             draft, verdict = verdict_for(live.draft, new)
@@ -294,14 +294,9 @@ class Proposer:
         self.rows.drop(live)
         ends = self.stats["finished"]
         ends[why] = ends.get(why, 0) + 1
-        generated = live.generated
-        for j, token in enumerate(generated):
-            if token in self.stop_ids:
-                generated = generated[:j]
-                break
         if live.begun is None:
             return
-        self._pool.submit(self._record, live, tuple(generated))
+        self._pool.submit(self._record, live, cut_at_stop(live.generated, self.stop_ids)[0])
 
     def _record(self, live: Live, completion: tuple[int, ...]) -> None:
         """On the proposer's thread, after the request's ``begin``: end its drafters, then

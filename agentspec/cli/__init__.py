@@ -17,7 +17,6 @@ SQLite file under ``$AGENTSPEC_HOME``.
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import sys
 import time
 from pathlib import Path
@@ -36,6 +35,7 @@ from agentspec.cli.common import (
     db_url,
     fail,
     handles_errors,
+    load_speculator,
     print_json,
     read_json_file,
     want_json,
@@ -87,14 +87,6 @@ def _summary(stats: Any) -> str:
             f"tokens ({rate})" + (f" [{by_source}]" if by_source else ""))
 
 
-def _load(model: str, url: str) -> Any:
-    from agentspec.speculator import Speculator
-
-    if "memory" in inspect.signature(Speculator.from_pretrained).parameters:
-        return Speculator.from_pretrained(model, memory=url)  # type: ignore[call-arg]
-    return Speculator.from_pretrained(model)
-
-
 @app.command("generate")
 @handles_errors
 def generate(ctx: typer.Context, prompt: str,
@@ -133,7 +125,7 @@ def generate(ctx: typer.Context, prompt: str,
                               grammar=_grammar(json_schema, tools, regex))
     request: Any = prompt if raw else [{"role": "user", "content": prompt}]
     started = time.perf_counter()
-    spec = _load(model, db_url(ctx))
+    spec = load_speculator(model, db_url(ctx))
     loaded = time.perf_counter()
     spec.warmup()  # the forward width check, cost calibration and embedder, before the call
     warmed = time.perf_counter()

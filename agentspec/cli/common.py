@@ -224,6 +224,14 @@ def open_store(ctx: typer.Context, *, create: bool = False,
         store.close()
 
 
+def load_speculator(model: str, url: str) -> Any:
+    """The Speculator of ``model`` with its memory at ``url`` (a model that is not there raises
+    NotFoundError or ModelNotAvailableError: exit 3)."""
+    from agentspec.speculator import Speculator
+
+    return Speculator.from_pretrained(model, memory=url)
+
+
 def print_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, ensure_ascii=False, default=str) + "\n")
 

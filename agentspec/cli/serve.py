@@ -12,7 +12,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -22,6 +22,7 @@ from agentspec.cli.common import (
     db_url,
     fail,
     handles_errors,
+    load_speculator,
     read_json_file,
     set_options,
 )
@@ -92,7 +93,7 @@ def serve(ctx: typer.Context,
         record=False if no_record else None, workers=workers)
     sock = _bind(host, port)
     started = time.perf_counter()
-    spec = _load(model, db_url(ctx))
+    spec = load_speculator(model, db_url(ctx))
     loaded = time.perf_counter()
     spec.warmup()
     print(f"load {loaded - started:.2f} s, warmup {time.perf_counter() - loaded:.2f} s",
@@ -145,10 +146,3 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _load(model: str, url: str) -> Any:
-    """The Speculator of ``model`` with the memory at ``url`` (a model that is not there
-    raises NotFoundError or ModelNotAvailableError: exit 3)."""
-    from agentspec.engine.load import load_target
-    from agentspec.speculator import Speculator
-
-    return Speculator(load_target(model), memory=url)

@@ -80,6 +80,14 @@ def _untested_allowed() -> bool:
     return os.environ.get(ALLOW_UNTESTED, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _refuse(error: type[Exception], message: str) -> None:
+    """Raise ``error(message)``, or only warn under ``AGENTSPEC_ALLOW_UNTESTED=1``."""
+    if _untested_allowed():
+        warnings.warn(message, stacklevel=3)
+        return
+    raise error(message)
+
+
 def version_problems(installed: dict[str, str] | None = None) -> list[str]:
     """What is outside :data:`SUPPORTED` among ``installed`` (default: the installed
     releases), one sentence each naming the installed and the supported versions."""
@@ -117,10 +125,7 @@ def check_versions(installed: dict[str, str] | None = None) -> None:
     message = ("; ".join(problems) + ". Install a supported release (pip install "
                + " ".join(f"'{p}>={lo},<{hi}'" for p, (lo, hi) in SUPPORTED.items())
                + f"), or set {ALLOW_UNTESTED}=1 to run untested")
-    if _untested_allowed():
-        warnings.warn(message, stacklevel=2)
-        return
-    raise UnsupportedVersionError(message)
+    _refuse(UnsupportedVersionError, message)
 
 
 def check_transformers_at_least(low: str, what: str, why: str,
@@ -138,10 +143,7 @@ def check_transformers_at_least(low: str, what: str, why: str,
     message = (f"{what} needs transformers>={low}: under transformers {got} {why}. Install "
                f"'transformers>={low},<{SUPPORTED['transformers'][1]}', or set "
                f"{ALLOW_UNTESTED}=1 to run untested")
-    if _untested_allowed():
-        warnings.warn(message, stacklevel=2)
-        return
-    raise UnsupportedVersionError(message)
+    _refuse(UnsupportedVersionError, message)
 
 
 check_versions()
@@ -163,10 +165,8 @@ def check_architecture(config: Any, source: str) -> Architecture | None:
     message = (f"{source}: model type {kind!r} ({names}) is not supported; agentspec loads "
                f"{', '.join(sorted(ARCHITECTURES))} (see the README's supported architectures); "
                f"set {ALLOW_UNTESTED}=1 to try it untested")
-    if _untested_allowed():
-        warnings.warn(message, stacklevel=2)
-        return None
-    raise UnsupportedModelError(message)
+    _refuse(UnsupportedModelError, message)
+    return None
 
 
 # -- loading --------------------------------------------------------------------------------

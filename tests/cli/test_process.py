@@ -119,7 +119,7 @@ class _SlowToStart:
 def test_generate_reports_load_and_warmup_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     """Loading and calibrating used to count as generation ("8 tokens in 46.59 s")."""
     events: list[str] = []
-    monkeypatch.setattr("agentspec.cli._load", lambda model, url: _SlowToStart(events))
+    monkeypatch.setattr("agentspec.cli.load_speculator", lambda model, url: _SlowToStart(events))
     res = CliRunner().invoke(app, ["generate", "hi", "--no-stream"])
     assert res.exit_code == 0, res.output
     assert events == ["warmup", "generate"]  # calibrated before the call
@@ -133,7 +133,7 @@ def test_generate_reports_load_and_warmup_apart(monkeypatch: pytest.MonkeyPatch)
 def test_generate_json_is_one_json_value_on_stdout(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--json`` before ``generate`` used to be ignored silently."""
     events: list[str] = []
-    monkeypatch.setattr("agentspec.cli._load", lambda model, url: _SlowToStart(events))
+    monkeypatch.setattr("agentspec.cli.load_speculator", lambda model, url: _SlowToStart(events))
     res = CliRunner().invoke(app, ["--json", "generate", "hi"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout)
@@ -173,7 +173,7 @@ def test_generate_grammar_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
             seen.append(getattr(kw["sampling"], "grammar", None))
             return super().generate(request, max_new_tokens, **kw)
 
-    monkeypatch.setattr("agentspec.cli._load", lambda model, url: _Spec())
+    monkeypatch.setattr("agentspec.cli.load_speculator", lambda model, url: _Spec())
     schema = tmp_path / "schema.json"
     schema.write_text('{"type": "object", "properties": {"a": {"type": "integer"}}}')
     tools = tmp_path / "tools.json"
