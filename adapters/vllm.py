@@ -9,10 +9,13 @@ Use it through vLLM's custom proposer backend::
 vLLM builds ``Proposer(vllm_config)`` in its model runner, calls ``load_model(model)`` once,
 then ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`` after every step: per
 batch row, the chain of draft tokens it should verify next (the interface of vLLM 0.32's
-``custom_class`` method). Per row the drafts come from the same drafters and chain policy as
-the in-process engine (the memory's neighbours, the scope's suffix matches, prompt lookup),
-flattened to chains and at most ``num_speculative_tokens`` deep. Drafts only change speed:
-vLLM verifies them, so its outputs stay its own.
+``custom_class`` method). Per row the drafts come from the in-process engine's chain policy
+over two drafters: the memory's neighbours of the request, and suffix matching over the
+request's own text (its prompt: what prompt lookup copies), the scope's remembered
+completions and what every request of this engine has generated, across scopes and while
+they run (``share_outputs``; vLLM's own ``suffix`` method shares outputs so too). Drafts are
+flattened to chains and at most ``num_speculative_tokens`` deep. They only change speed: vLLM
+verifies them, so its outputs stay its own.
 
 The proposer sees token ids, no request metadata: :mod:`agentspec.adapters.vllm_requests`
 recognises each row's request from its tokens and derives its scope and key from the prompt's
@@ -26,10 +29,14 @@ queued; a process that dies loses its requests in flight and the records not yet
 
 Options, under ``additional_config["agentspec"]`` (all optional):
     db: the memory: a SQLAlchemy URL (SQLite for one process, PostgreSQL shared by replicas),
-        ``"default"`` (the SQLite file under ``$AGENTSPEC_HOME``), or None: prompt lookup only.
+        ``"default"`` (the SQLite file under ``$AGENTSPEC_HOME``), or None: no memory (suffix
+        matching over the request and the engine's outputs only).
     scope: one fixed memory scope; default one per system prompt.
     record: record finished completions (default true; ``AGENTSPEC_RECORD=0`` turns it off).
     neighbours: remembered completions drafted from per request (default 8).
+    share_outputs: draft from the outputs of this engine's other requests, whatever their
+        scope (default true; false keeps a request's drafts to its own text and its scope's
+        memory, at some acceptance on requests unlike those remembered).
     cost: what a longer draft costs against what it may save, as a step's time
         ``base + per_token * tokens``: ``"auto"`` (default) fits it to the engine's own steps
         (:class:`~agentspec.adapters.vllm_requests.StepClock`), from :data:`FALLBACK_COST`
@@ -61,8 +68,7 @@ from agentspec.config import SpecConfig
 from agentspec.drafters.chain import DrafterChain
 from agentspec.drafters.memory import MemoryDrafter
 from agentspec.drafters.policy import CostModel
-from agentspec.drafters.prompt_lookup import PromptLookupDrafter
-from agentspec.drafters.suffix import SuffixDrafter
+from agentspec.drafters.suffix import OutputIndex, SuffixDrafter
 from agentspec.errors import warn_once
 from agentspec.home import recording_allowed
 from agentspec.protocols import DraftContext, Drafter
@@ -72,7 +78,7 @@ from agentspec.types import EMPTY_DRAFT, Draft, Finished, Record
 # A step's cost before the engine's own steps are fitted: a draft token costs 5 % of a step.
 FALLBACK_COST = (1.0, 0.05)
 DEFAULTS: dict[str, Any] = {"db": None, "scope": None, "record": True, "neighbours": 8,
-                            "cost": "auto", "finish_after_steps": 64,
+                            "cost": "auto", "share_outputs": True, "finish_after_steps": 64,
                             "idle_finish_s": 5.0, "stats_path": None, "model_id": None}
 
 
@@ -122,10 +128,14 @@ class Proposer:
         config = SpecConfig(max_draft_tokens=self.k, memory_neighbours=int(opts["neighbours"]))
         drafters: list[Drafter] = []
         if memory is not None:
-            drafters += [MemoryDrafter(memory, self.model_id, k=config.memory_neighbours,
-                                       max_nodes=config.max_tree_nodes),
-                         SuffixDrafter(memory, self.model_id)]
-        drafters.append(PromptLookupDrafter(config))
+            drafters.append(MemoryDrafter(memory, self.model_id, k=config.memory_neighbours,
+                                          max_nodes=config.max_tree_nodes))
+        # Suffix matching from one-token contexts up (a reply's first token is often all there
+        # is to go on); the request's own text holds what prompt lookup would copy, so no
+        # prompt lookup beside it (measured: it only drafted the weaker continuation).
+        outputs = OutputIndex(n_min=1) if opts["share_outputs"] else None
+        drafters.append(SuffixDrafter(memory, self.model_id, n_min=1, own_text=True,
+                                      outputs=outputs))
         fixed = opts["cost"] if opts["cost"] != "auto" else FALLBACK_COST
         base, per_token = (float(x) for x in fixed)
         self.chain = DrafterChain(drafters, cost=CostModel(base, per_token), trees=False,
@@ -134,6 +144,7 @@ class Proposer:
         self._last_end: float | None = None  # when the last propose returned
         self._last_tokens = 0  # the tokens its drafts give the next step (0: not timed)
         self._last_rows = 0
+        self._started = 0  # requests first seen in the current step
         self.rows = Rows(max_gap=2 * (self.k + 1))  # a step without a proposal between
         self.stats: dict[str, Any] = {"steps": 0, "rows": 0, "host_seconds": 0.0,
                                       "host_max_seconds": 0.0, "requests": 0, "recorded": 0,
@@ -174,6 +185,7 @@ class Proposer:
             stats = self.stats
             stats["steps"] += 1
             self._last_call = time.monotonic()
+            self._started = 0  # requests first seen in this step
             out = [self._guarded_row(i, sampled, int(num_tokens_no_spec[i]), token_ids_cpu[i])
                    if sampled else [] for i, sampled in enumerate(sampled_token_ids)]
             if stats["steps"] % 16 == 0:
@@ -188,11 +200,15 @@ class Proposer:
         return out
 
     def _time_step(self, started: float, sampled: list[list[int]], out: list[list[int]]) -> None:
-        """Feed the step clock the step that just ran (when it decoded every row and its
-        tokens are known), and refit the chain's cost every 16 steps."""
+        """Feed the step clock the step that just ran (when it decoded every row, none of them
+        new, and its tokens are known), and refit the chain's cost every 16 steps.
+
+        A row new in this step was prefilled in it: its prompt's time is no draft's cost
+        (counted, a 1-token step after each request's prefill pulled the fitted per-token cost
+        to nothing at one stream, and drafts to their longest)."""
         if self.clock is None:
             return
-        decoding = all(sampled) and bool(sampled)
+        decoding = all(sampled) and bool(sampled) and not self._started
         if self._last_end is not None and self._last_tokens and decoding \
                 and self._last_rows == len(sampled):
             self.clock.add(self._last_tokens, started - self._last_end, len(sampled))
@@ -224,6 +240,7 @@ class Proposer:
         if live is None:
             live = self.rows.start(i, row, before, total, self._context)
             self.stats["requests"] += 1
+            self._started += 1
             live.begun = self._pool.submit(self._begin, live)
         live.seen = self.stats["steps"]
         new = live.take(row, total)

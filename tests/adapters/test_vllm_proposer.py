@@ -112,14 +112,33 @@ def test_second_replica_drafts_what_the_first_generated(closing):
 def test_scopes_follow_the_system_prompt(closing):
     mem = memory()
     FakeBatch(make(closing, mem)).run((chatml(TOOLS, "weather in Paris?"), CALL))
-    # Another role's request with the same user text: its scope holds nothing.
+    # Another role's request with the same user text: its scope holds nothing. What it drafts
+    # comes from its own text, as a proposer without any memory drafts it.
     p = make(closing, mem)
     FakeBatch(p).run((chatml(OTHER, "weather in Paris?"), "A short summary."))
-    assert _memory_accepted(p) == 0 and "suffix" not in p.stats["accepted"]
+    alone = make(closing, None)
+    FakeBatch(alone).run((chatml(OTHER, "weather in Paris?"), "A short summary."))
+    assert _memory_accepted(p) == 0 and p.stats["accepted"] == alone.stats["accepted"]
     # The variant that must be caught: the same role's request drafts from the memory.
     q = make(closing, mem)
     FakeBatch(q).run((chatml(TOOLS, "weather in Paris!"), CALL))
     assert _memory_accepted(q) > 0
+
+
+def test_outputs_draft_across_scopes_unless_turned_off(closing):
+    """One engine's requests draft from each other's outputs whatever their scope (vLLM's
+    own ``suffix`` method does so), not with ``share_outputs`` off; no memory is needed."""
+    answer = "Sorry, I can only reply with a JSON list of calls."
+
+    def accepted(**opts) -> int:
+        p = make(closing, None, **opts)
+        batch = FakeBatch(p)
+        batch.run((chatml(TOOLS, "weather in Paris?"), answer))
+        (req,) = batch.run((chatml(OTHER, "summarise this"), answer))
+        return len(req.out) - req.steps  # the draft tokens the second request accepted
+
+    shared, apart = accepted(), accepted(share_outputs=False)
+    assert shared >= len(answer) // 2 and apart < shared // 2
 
 
 def test_poisoned_memory_costs_only_acceptance(closing):
@@ -260,6 +279,36 @@ def test_the_step_clock_fits_the_engines_cost():
     prefills = [(2, 0.5, 2)] * 4
     wrong = _fit(decode[:30] + prefills + decode[30:])
     assert wrong is not None and wrong[1] != pytest.approx(0.002, rel=0.15)
+
+
+def test_a_prefill_step_is_not_timed_as_a_draft_cost(closing):
+    """At one stream each request's first step holds its prompt's prefill: the clock skips it
+    (and the step after, whose tokens it then does not know)."""
+
+    def timed_steps(p: Proposer) -> tuple[int, int]:
+        assert p.clock is not None
+        batch = FakeBatch(p)
+        steps = 0
+        for user in ("weather in Paris?", "time in Tokyo?", "weather in Rome?"):
+            (req,) = batch.run((chatml(TOOLS, user), CALL))
+            steps += req.steps
+        return p.clock.count, steps
+
+    timed, steps = timed_steps(make(closing, memory()))
+    assert timed == steps - 2 * 3
+    # The variant that must be caught: new rows not noticed, every request's prefill step and
+    # the one after are timed (only the engine's very first step is not).
+    p = make(closing, memory())
+    propose_row = p._propose_row
+
+    def unnoticed(*args):
+        out = propose_row(*args)
+        p._started = 0
+        return out
+
+    p._propose_row = unnoticed  # type: ignore[method-assign]
+    timed, steps = timed_steps(p)
+    assert timed == steps - 1
 
 
 def test_the_fitted_cost_reaches_the_chain(closing):
