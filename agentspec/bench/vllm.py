@@ -8,9 +8,10 @@ own (one ``LLM`` per method, reused for every pass): vLLM plain, vLLM's ``ngram`
 them), then its measured lines at each stream count: one stream is one request at a time,
 ``n`` streams are all the lines submitted at once to an engine that runs ``n`` at a time.
 
-Per method and stream count it reports tokens per second, accepted draft tokens per step
+Per method and stream count it reports tokens per second, accepted and drafted tokens per step
 (``accepted / (generated - accepted)``: every step of a request commits its accepted draft
-tokens and one more) and how many outputs are token-identical to vLLM plain's (greedy). For
+tokens and one more; vLLM's own counters) and how many outputs are token-identical to vLLM
+plain's (greedy). For
 agentspec it adds the proposer's host time per engine step and its accepted tokens by source.
 The passes repeat the same requests, so a pass after the first also finds the earlier pass's
 outputs in what ``suffix`` and agentspec remember. Lines are decoded without their grammar.
@@ -119,13 +120,14 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         after = _counters(llm)
         ids = [list(o.outputs[0].token_ids) for o in outs]
         generated = sum(len(i) for i in ids)
-        accepted = after.get("vllm:spec_decode_num_accepted_tokens", 0.0) - before.get(
-            "vllm:spec_decode_num_accepted_tokens", 0.0)
+        accepted, drafted = (after.get(name, 0.0) - before.get(name, 0.0) for name in (
+            "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_draft_tokens"))
         result["passes"].append({
             "streams": n, "seconds": seconds, "generated": generated,
             "tokens_per_second": generated / seconds if seconds else 0.0,
-            "accepted": accepted,
+            "accepted": accepted, "drafted": drafted,
             "accepted_per_step": accepted / (generated - accepted) if generated > accepted else 0.0,
+            "drafted_per_step": drafted / (generated - accepted) if generated > accepted else 0.0,
             "outputs": ids})
         # The proposer records a pass's last requests after 1 s idle and writes its counters
         # about once a second.
@@ -178,8 +180,8 @@ def workload_items(name: str, limit: int | None, max_new_tokens: int) -> tuple[l
 def report(results: list[dict[str, Any]]) -> str:
     """The side-by-side table (Markdown)."""
     plain = next((r for r in results if r["method"] == "plain"), None)
-    lines = ["| method | streams | tokens/s | accepted/step | equal to plain | host ms/step |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| method | streams | tokens/s | accepted/step | drafted/step | equal to plain "
+             "| host ms/step |", "|---|---|---|---|---|---|---|"]
     for r in results:
         for p in r["passes"]:
             ref = None if plain is None else next(
@@ -191,7 +193,8 @@ def report(results: list[dict[str, Any]]) -> str:
             host = (f"{1000 * stats['host_seconds'] / stats['steps']:.3f}"
                     if stats.get("steps") else "-")
             lines.append(f"| {r['method']} | {p['streams']} | {p['tokens_per_second']:.1f} | "
-                         f"{p['accepted_per_step']:.3f} | {equal} | {host} |")
+                         f"{p['accepted_per_step']:.3f} | {p.get('drafted_per_step', 0.0):.2f} | "
+                         f"{equal} | {host} |")
     return "\n".join(lines)
 
 

@@ -175,6 +175,38 @@ def agentspec_proposer(k: int, max_len: int, model: str, db: str, tokenizer: Any
     return propose, idle, proposer
 
 
+def ceiling_proposer(k: int, max_len: int, model: str, db: str, tokenizer: Any,
+                     cost: tuple[float, float]) -> tuple[Propose, Callable[[], None], Any]:
+    """agentspec's proposer choosing with hindsight: each step, of the proposals its chain
+    was given (the memory's, the suffix drafter's), the one the output accepts furthest, cut
+    one token past that: what no choice or sizing among agentspec's sources can beat."""
+    from agentspec.types import Draft
+
+    inner, idle, proposer = agentspec_proposer(k, max_len, model, db, tokenizer, cost)
+
+    def propose(rows: list[_Req], sampled: list[list[int]], num: np.ndarray,
+                tokens: np.ndarray) -> list[list[int]]:
+        out = inner(rows, sampled, num, tokens)
+        for i, req in enumerate(rows):
+            live = proposer.rows.by_row.get(i)
+            if live is None or not out[i]:
+                continue
+            truth = req.answer[len(req.out) :]
+            best: tuple[int, list[int], str] = (-1, [], "")
+            for key, spine in proposer.chain.proposals(live.context):
+                ids = list(spine[:k])
+                n = next((j for j, (a, b) in enumerate(zip(ids, truth, strict=False)) if a != b),
+                         min(len(ids), len(truth)))
+                if n > best[0]:
+                    best = (n, ids[: n + 1], key.split("|")[0].split("/")[0])
+            if best[1]:
+                out[i] = best[1]
+                live.draft = Draft.chain(best[1], best[2])
+        return out
+
+    return propose, idle, proposer
+
+
 def replay(method: str, lines: list[dict[str, Any]], k: int, max_len: int, model: str,
            tokenizer: Any, streams: list[int], cost: tuple[float, float]) -> dict[str, Any]:
     """Every pass of one method; per measured pass, accepted tokens per step."""
@@ -182,12 +214,12 @@ def replay(method: str, lines: list[dict[str, Any]], k: int, max_len: int, model
         stats: Any = None
         if method == "suffix":
             propose, idle = suffix_proposer(k, max_len)
-        elif method == "agentspec":
-            propose, idle, stats = agentspec_proposer(k, max_len, model,
-                                                      f"sqlite:///{tmp}/memory.db", tokenizer,
-                                                      cost)
+        elif method in ("agentspec", "ceiling"):
+            make = agentspec_proposer if method == "agentspec" else ceiling_proposer
+            propose, idle, stats = make(k, max_len, model, f"sqlite:///{tmp}/memory.db",
+                                        tokenizer, cost)
         else:
-            raise ValueError(f"unknown method {method!r}; known: suffix, agentspec")
+            raise ValueError(f"unknown method {method!r}; known: suffix, agentspec, ceiling")
         batch = Batch(propose, max_len, cost)
         counter = 0
 
@@ -253,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--outputs", required=True,
                     help="vLLM plain's outputs, cached here (generated when missing)")
     ap.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2)")
-    ap.add_argument("--methods", default="suffix,agentspec")
+    ap.add_argument("--methods", default="suffix,agentspec,ceiling",
+                    help="of suffix, agentspec and ceiling (agentspec's sources chosen among "
+                         "with hindsight)")
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)

@@ -276,6 +276,12 @@ class DrafterChain:
         for d in req.sources:
             d.observe(context, draft, verdict)
 
+    def proposals(self, context: DraftContext) -> list[tuple[str, tuple[int, ...]]]:
+        """Every proposal of the request's last ``propose``, chosen or not: its first node's
+        acceptance class and its first path (what the replays' hindsight ceilings choose
+        among)."""
+        return [(keys[0] if keys else "", spine) for keys, spine in self._request(context).proposals]
+
     def end(self, context: DraftContext) -> None:
         for d in self._request(context).sources:
             d.end(context)
