@@ -53,8 +53,9 @@ class CompletionMemory:
     Args:
         store: the source of truth (``SQLStore`` or ``InMemoryStore``).
         embedder: text to vectors; default ``MiniLMEmbedder()``, built on first use.
-        index_dir: where to keep index files between runs (``<scope-hash>-<embedder>.faiss``
-            plus a watermark ``.json``); ``None`` keeps indexes in memory only.
+        index_dir: where to keep index files between runs (``<hash>-<embedder>.faiss``, the
+            hash of the database's URL and the scope, plus a watermark ``.json``); ``None``
+            keeps indexes in memory only.
         max_tokens_per_scope: cap on completion tokens per scope (``None``: no cap).
         max_tokens_total: cap on completion tokens in the store (``None``: no cap).
         sync_interval_s: least time between two checks for rows written by other processes.

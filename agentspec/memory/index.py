@@ -90,9 +90,11 @@ class ScopeIndex:
                            if r.embedding is not None])
 
 
-def index_paths(folder: Path, scope: str, embedder: str) -> tuple[Path, Path]:
-    """The ``.faiss`` and ``.json`` files of ``scope`` and ``embedder`` under ``folder``."""
-    digest = hashlib.sha256(scope.encode("utf-8")).hexdigest()[:16]
+def index_paths(folder: Path, scope: str, embedder: str, store_id: str) -> tuple[Path, Path]:
+    """The ``.faiss`` and ``.json`` files of ``scope`` and ``embedder`` under ``folder``, for
+    the database ``store_id``: two databases with a scope of the same name (one folder under
+    ``$AGENTSPEC_HOME`` serves them all) keep files apart, not rebuilding each other's."""
+    digest = hashlib.sha256(f"{store_id}\0{scope}".encode()).hexdigest()[:16]
     stem = f"{digest}-{re.sub(r'[^A-Za-z0-9._-]', '_', embedder)}"
     return folder / f"{stem}.faiss", folder / f"{stem}.json"
 
@@ -102,7 +104,7 @@ def load_index(folder: Path | None, scope: str, embedder: str, dim: int,
     """The saved index of ``scope`` when there is a sound one, else an empty index."""
     if folder is None:
         return ScopeIndex(FaissIndex(dim))
-    index_path, meta_path = index_paths(folder, scope, embedder)
+    index_path, meta_path = index_paths(folder, scope, embedder, store_id)
     if not index_path.exists():
         return ScopeIndex(FaissIndex(dim))
     try:
@@ -123,7 +125,7 @@ def save_index(folder: Path, scope: str, embedder: str, store_id: str,
                state: ScopeIndex) -> None:
     """Write ``state`` (index first, then its note, each atomically)."""
     folder.mkdir(parents=True, exist_ok=True)
-    index_path, meta_path = index_paths(folder, scope, embedder)
+    index_path, meta_path = index_paths(folder, scope, embedder, store_id)
     state.index.save(index_path)
     meta = {"scope": scope, "embedder": embedder, "store": store_id,
             "watermark": state.watermark}

@@ -70,6 +70,35 @@ def test_corrupt_index_file_is_rebuilt_from_sql(tmp_path: Path, damage: Callable
     assert fault_warnings(caught) == []
 
 
+def test_two_databases_keep_apart_index_files_of_one_scope(tmp_path: Path, monkeypatch) -> None:
+    index_dir = tmp_path / "index"
+
+    def reopen_each() -> list[str]:
+        for name in ("a", "b"):
+            url = f"sqlite:///{tmp_path / name}.db"
+            with CompletionMemory.open(url, embedder=HashEmbedder(), index_dir=index_dir) as m:
+                if not m.lookup(f"{name} key", scope="s", model="m", k=1):
+                    rec(m, f"{name} key")
+        with catching() as caught:
+            for name in ("a", "b"):
+                url = f"sqlite:///{tmp_path / name}.db"
+                with CompletionMemory.open(url, embedder=HashEmbedder(),
+                                           index_dir=index_dir) as m:
+                    assert m.lookup(f"{name} key", scope="s", model="m", k=1)
+        return fault_warnings(caught)
+
+    assert reopen_each() == [] and len(list(index_dir.glob("*.faiss"))) == 2
+    # The variant that must be caught: files named by scope alone, each database rebuilds
+    # the index the other one saved.
+    from agentspec.memory import index as index_module
+
+    named = index_module.index_paths
+    monkeypatch.setattr(index_module, "index_paths",
+                        lambda folder, scope, embedder, store_id: named(folder, scope, embedder, ""))
+    index_dir = tmp_path / "shared"
+    assert len(reopen_each()) == 2
+
+
 def test_index_files_that_cannot_be_saved_are_warned_about(tmp_path: Path) -> None:
     blocker = tmp_path / "index"
     blocker.write_text("a file where the index folder should be")
