@@ -39,8 +39,8 @@ ROWS = 8  # vLLM's persistent batch rows (max_num_seqs) in every pass
 
 
 @dataclass
-class _Req:
-    """One request in the simulated batch."""
+class Request:
+    """One request in the simulated batch, with vLLM's greedy output for it."""
 
     rid: str
     prompt: list[int]
@@ -51,35 +51,39 @@ class _Req:
     accepted: int = 0
 
 
-Propose = Callable[[list[_Req], list[list[int]], np.ndarray, np.ndarray], list[list[int]]]
+Propose = Callable[[list[Request], list[list[int]], np.ndarray, np.ndarray], list[list[int]]]
 
 
 class Batch:
     """vLLM's persistent batch as a proposer sees it: rows filled in order, a finished
     request's hole filled by the last row (``InputBatch.condense``), ``streams`` at a time."""
 
-    def __init__(self, propose: Propose, max_len: int, cost: tuple[float, float]) -> None:
+    def __init__(self, propose: Propose, max_len: int, cost: tuple[float, float] = (0.0, 0.0),
+                 rows: int = ROWS) -> None:
         self.propose, self.cost = propose, cost
         self.seconds = 0.0  # the modeled time of the steps run
         self.drafted = 0  # the draft tokens they verified
-        self.tokens = np.zeros((ROWS, max_len), dtype=np.int32)
-        self.num = np.zeros(ROWS, dtype=np.int32)
-        self.rows: list[_Req] = []
+        self.tokens = np.zeros((rows, max_len), dtype=np.int32)
+        self.num = np.zeros(rows, dtype=np.int32)
+        self.rows: list[Request] = []
 
-    def run(self, reqs: list[_Req], streams: int) -> None:
+    def run(self, reqs: list[Request], streams: int) -> None:
         waiting = list(reqs)
         while waiting or self.rows:
             while waiting and len(self.rows) < streams:
-                self._add(waiting.pop(0))
-            self._step()
+                self.add(waiting.pop(0))
+            self.step()
 
-    def _add(self, req: _Req) -> None:
+    def add(self, req: Request) -> None:
+        """``req`` takes the first free row."""
         row = len(self.rows)
         self.tokens[row, : len(req.prompt)] = req.prompt
         self.num[row] = len(req.prompt)
         self.rows.append(req)
 
-    def _step(self) -> None:
+    def step(self) -> None:
+        """One engine step: every row commits its draft's accepted prefix and one more token,
+        the proposer drafts the next, finished rows leave."""
         base, per_token = self.cost
         drafted = sum(len(req.draft) for req in self.rows)
         self.drafted += drafted
@@ -121,7 +125,7 @@ def suffix_proposer(k: int, max_len: int) -> tuple[Propose, Callable[[], None]]:
     depth, factor, min_prob = 24, 1.0, 0.1
     cache = SuffixDecodingCache(max_tree_depth=depth, max_cached_requests=10000)
 
-    def propose(rows: list[_Req], sampled: list[list[int]], num: np.ndarray,
+    def propose(rows: list[Request], sampled: list[list[int]], num: np.ndarray,
                 tokens: np.ndarray) -> list[list[int]]:
         out = []
         for i, (req, ids) in enumerate(zip(rows, sampled, strict=True)):
@@ -160,7 +164,7 @@ def agentspec_proposer(k: int, max_len: int, model: str, db: str, tokenizer: Any
     proposer = Proposer(config, tokenizer=tokenizer)
     proposer.load_model(None)
 
-    def propose(rows: list[_Req], sampled: list[list[int]], num: np.ndarray,
+    def propose(rows: list[Request], sampled: list[list[int]], num: np.ndarray,
                 tokens: np.ndarray) -> list[list[int]]:
         out = proposer.propose(sampled, num, tokens)
         proposer.settle()  # the lookups and records done before the next step
@@ -184,7 +188,7 @@ def ceiling_proposer(k: int, max_len: int, model: str, db: str, tokenizer: Any,
 
     inner, idle, proposer = agentspec_proposer(k, max_len, model, db, tokenizer, cost)
 
-    def propose(rows: list[_Req], sampled: list[list[int]], num: np.ndarray,
+    def propose(rows: list[Request], sampled: list[list[int]], num: np.ndarray,
                 tokens: np.ndarray) -> list[list[int]]:
         out = inner(rows, sampled, num, tokens)
         for i, req in enumerate(rows):
@@ -223,13 +227,13 @@ def replay(method: str, lines: list[dict[str, Any]], k: int, max_len: int, model
         batch = Batch(propose, max_len, cost)
         counter = 0
 
-        def requests(phase: str) -> list[_Req]:
+        def requests(phase: str) -> list[Request]:
             nonlocal counter
             out = []
             for line in lines:
                 if line["phase"] == phase:
                     counter += 1
-                    out.append(_Req(f"r{counter}", line["prompt_ids"], line["output_ids"]))
+                    out.append(Request(f"r{counter}", line["prompt_ids"], line["output_ids"]))
             return out
 
         batch.run(requests("warmup"), ROWS)

@@ -4,18 +4,19 @@ batch that drives ``propose`` as vLLM's model runner does, without vLLM.
 :class:`FakeBatch` keeps ``token_ids_cpu`` and ``num_tokens_no_spec`` like vLLM's input batch:
 a request takes the first free row, each step commits the accepted prefix of the row's last
 draft plus one token of the request's fixed greedy answer, and a finished request's row is
-filled by moving the last row into it (``InputBatch.condense``). What a request generates is
-its answer whatever the drafts, as under vLLM's verification; the tests look at the drafts.
+filled by moving the last row into it (``InputBatch.condense``): the replay bench's batch
+(:mod:`agentspec.bench.vllm_replay`). What a request generates is its answer whatever the
+drafts, as under vLLM's verification; the tests look at the drafts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
+from agentspec.bench.vllm_replay import Batch, Request
 from agentspec.memory.completion import CompletionMemory
 from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores.memory_store import InMemoryStore
@@ -55,70 +56,44 @@ def memory() -> CompletionMemory:
     return CompletionMemory(InMemoryStore(), embedder=HashEmbedder(), sync_interval_s=0)
 
 
-@dataclass
-class Req:
-    prompt: list[int]
-    answer: list[int]  # the greedy output, ending with EOS
-    out: list[int] = field(default_factory=list)
-    draft: list[int] = field(default_factory=list)
-    steps: int = 0
-
-
 class FakeBatch:
-    """vLLM's persistent batch as far as ``propose`` sees it (module docstring)."""
+    """vLLM's persistent batch as far as ``propose`` sees it (module docstring): the replay
+    bench's :class:`~agentspec.bench.vllm_replay.Batch` driving a proposer, whose lookups are
+    done before each next step (deterministic tests)."""
 
     def __init__(self, proposer: Any, rows: int = 4, max_len: int = 1024) -> None:
         self.proposer = proposer
-        self.tokens = np.zeros((rows, max_len), dtype=np.int32)
-        self.num = np.zeros(rows, dtype=np.int32)
-        self.rows: list[Req] = []
         self.drafts: list[list[int]] = []  # every non-empty proposal
+        self.added = 0
+        self.batch = Batch(self._propose, max_len, rows=rows)
 
-    def add(self, prompt: str, answer: str) -> Req:
-        req = Req(CharTokenizer().encode(prompt), CharTokenizer().encode(answer) + [EOS])
-        row = len(self.rows)
-        self.tokens[row, : len(req.prompt)] = req.prompt
-        self.num[row] = len(req.prompt)
-        self.rows.append(req)
+    def _propose(self, rows: list[Request], sampled: list[list[int]], num: np.ndarray,
+                 tokens: np.ndarray) -> list[list[int]]:
+        drafts = self.proposer.propose(sampled, num, tokens)
+        assert len(drafts) == len(sampled)
+        self.drafts += [list(d) for d in drafts if len(d)]
+        self.proposer.settle()
+        return [list(d) for d in drafts]
+
+    @property
+    def rows(self) -> list[Request]:
+        return self.batch.rows
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.batch.tokens
+
+    def add(self, prompt: str, answer: str) -> Request:
+        self.added += 1
+        req = Request(f"r{self.added}", CharTokenizer().encode(prompt),
+                      CharTokenizer().encode(answer) + [EOS])
+        self.batch.add(req)
         return req
 
     def step(self) -> None:
-        sampled = []
-        for row, req in enumerate(self.rows):
-            pos = len(req.out)
-            accepted = 0
-            while (accepted < len(req.draft) and pos + accepted < len(req.answer) - 1
-                   and req.draft[accepted] == req.answer[pos + accepted]):
-                accepted += 1
-            new = req.answer[pos : pos + accepted + 1]
-            n = int(self.num[row])
-            self.tokens[row, n : n + len(new)] = new
-            self.num[row] = n + len(new)
-            req.out += new
-            req.steps += 1
-            sampled.append(list(new))
-        drafts = self.proposer.propose(sampled, self.num, self.tokens)
-        assert len(drafts) == len(sampled)
-        for req, draft in zip(self.rows, drafts, strict=True):
-            req.draft = list(draft)
-            if draft:
-                self.drafts.append(list(draft))
-        self.proposer.settle()  # the lookups done before the next step: deterministic tests
-        self._condense()
+        self.batch.step()
 
-    def _condense(self) -> None:
-        for row in range(len(self.rows) - 1, -1, -1):
-            if len(self.rows[row].out) >= len(self.rows[row].answer):
-                last = len(self.rows) - 1
-                if row != last:  # the last row moves into the hole
-                    self.tokens[row] = self.tokens[last]
-                    self.num[row] = self.num[last]
-                    self.rows[row] = self.rows[last]
-                self.tokens[last] = 0
-                self.num[last] = 0
-                self.rows.pop()
-
-    def run(self, *pairs: tuple[str, str]) -> list[Req]:
+    def run(self, *pairs: tuple[str, str]) -> list[Request]:
         """Run requests together to their end; returns them."""
         reqs = [self.add(p, a) for p, a in pairs]
         while self.rows:

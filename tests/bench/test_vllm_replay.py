@@ -4,7 +4,7 @@ last row (vLLM's condense); the modeled time prices every verified token."""
 
 from __future__ import annotations
 
-from agentspec.bench.vllm_replay import Batch, _Req
+from agentspec.bench.vllm_replay import Batch, Request
 
 
 def oracle(k: int):
@@ -22,7 +22,7 @@ def oracle(k: int):
 
 def test_a_right_draft_of_k_commits_k_plus_one_tokens_a_step():
     batch = Batch(oracle(3), max_len=64, cost=(1.0, 0.5))
-    req = _Req("a", [1, 2], list(range(10, 20)))
+    req = Request("a", [1, 2], list(range(10, 20)))
     batch.run([req], streams=1)
     # The first step has no draft (1 token), then 4 a step: 1 + 4 + 4; the last step's draft
     # is the one token left, which that step commits as its own (nothing is accepted past
@@ -37,12 +37,12 @@ def test_a_wrong_draft_commits_one_token_and_rows_are_condensed():
         return [[-1] for _ in rows]
 
     batch = Batch(wrong, max_len=64, cost=(1.0, 0.0))
-    reqs = [_Req("a", [1], [5, 6]), _Req("b", [2], [7, 8, 9, 10]), _Req("c", [3], [4])]
+    reqs = [Request("a", [1], [5, 6]), Request("b", [2], [7, 8, 9, 10]), Request("c", [3], [4])]
     batch.run(reqs, streams=2)
     assert [r.out for r in reqs] == [r.answer for r in reqs]
     assert [r.steps for r in reqs] == [2, 4, 1] and sum(r.accepted for r in reqs) == 0
     # A variant that must be caught: the oracle's drafts are accepted, these are not.
     right = Batch(oracle(8), max_len=64, cost=(1.0, 0.0))
-    again = [_Req(r.rid, r.prompt, r.answer) for r in reqs]
+    again = [Request(r.rid, r.prompt, r.answer) for r in reqs]
     right.run(again, streams=2)
     assert [r.steps for r in again] == [2, 2, 1]
