@@ -8,8 +8,12 @@ longest prefix of the row's draft that matches the output, and one more token. T
 agentspec's :class:`~agentspec.adapters.vllm.Proposer` and vLLM's ``suffix`` (Arctic
 Inference's ``SuffixDecodingCache``, driven as vLLM 0.32's ``SuffixDecodingProposer`` drives
 it) through the passes of :mod:`agentspec.bench.vllm`: the warmup lines at 8 streams, the
-measured lines at one stream, then at 8. A proposer change is measured in a minute instead of
-the bench's quarter hour; tokens per second still come from the bench.
+measured lines at one stream, then at 8. A proposer change is measured in a few minutes
+instead of the bench's quarter hour. Tokens per second are modeled: every step priced as
+``--cost``'s ``base + per_token * tokens verified``; the bench has the last word. A third
+method, ``ceiling``, runs agentspec's proposer but sends, each step, the one of its sources'
+proposals the output accepts furthest, cut one token past that: what no choice or sizing among
+agentspec's sources can beat.
 
 The outputs are generated once (vLLM plain, all lines at 8 streams, in an engine process of its
 own) and cached in ``--outputs``. Two things differ from a live engine: a request's memory
