@@ -150,7 +150,7 @@ class Proposer:
                                       "host_max_seconds": 0.0, "requests": 0, "recorded": 0,
                                       "begin_seconds": 0.0, "drafted": {}, "accepted": {},
                                       "finished": {}}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # finish_idle holds it through finish_live
         self._last_call = time.monotonic()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="agentspec-vllm")
         self._closed = threading.Event()
@@ -350,9 +350,14 @@ class Proposer:
         with self._lock:
             if time.monotonic() - self._last_call < float(self.options["idle_finish_s"]):
                 return 0
+            return self.finish_live("idle")
+
+    def finish_live(self, why: str) -> int:
+        """Finish every live request now (recorded as ended for ``why``); returns how many."""
+        with self._lock:
             done = list(self.rows.live)
             for live in done:
-                self._finish(live, "idle")
+                self._finish(live, why)
             return len(done)
 
     def settle(self) -> None:
@@ -379,9 +384,7 @@ class Proposer:
             return
         self._closed.set()
         atexit.unregister(self.close)
-        with self._lock:
-            for live in list(self.rows.live):
-                self._finish(live, "close")
+        self.finish_live("close")
         self._pool.shutdown(wait=True)
         try:
             self.write_stats()

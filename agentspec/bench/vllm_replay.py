@@ -174,10 +174,8 @@ def agentspec_proposer(k: int, max_len: int, model: str, db: str, tokenizer: Any
         proposer.settle()  # the lookups and records done before the next step
         return out
 
-    def idle() -> None:
-        proposer.options["idle_finish_s"] = 0.0
-        proposer.finish_idle()
-        proposer.options["idle_finish_s"] = 5.0
+    def idle() -> None:  # the pause between passes: the bench's idle engine finishes them
+        proposer.finish_live("idle")
         proposer.settle()
 
     return propose, idle, proposer
