@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,15 +128,9 @@ class OutputIndex:
 
     def _index(self, segment: int, seg: list[int], start: int) -> None:
         """Index the n-grams of ``seg`` that continue with a token from ``start`` on."""
-        table, cap, base = self._table, self.max_occurrences, segment << _POS_BITS
-        for stop in range(max(start, 1), len(seg)):  # the n-grams before it continue with it
-            for n in self.lengths:
-                if n > stop:
-                    break
-                occ = table[hash(tuple(seg[stop - n : stop]))]
-                occ.append(base + stop)
-                if len(occ) > cap:
-                    del occ[0]
+        table, base = self._table, segment << _POS_BITS
+        for stop, gram in _grams(seg, max(start, 1), len(seg), self.lengths):
+            _add(table[hash(gram)], base + stop, self.max_occurrences)
 
     def find(self, gram: tuple[int, ...], exclude: int = 0) -> list[tuple[list[int], int]]:
         """``(segment tokens, stop)`` of each held occurrence of ``gram`` with a
@@ -226,18 +220,9 @@ class SuffixDrafter:
 
     def _index(self, text: _Text, end: int) -> None:
         """Index every n-gram that ends before ``end`` (none across a separator)."""
-        tokens, table, cap = text.tokens, text.table, self.max_occurrences
-        for stop in range(max(text.indexed, self.n_min), end):
-            for n in self.lengths:
-                if n > stop:
-                    break
-                gram = tuple(tokens[stop - n : stop])
-                if _SEP in gram:
-                    break
-                occ = table[gram]
-                occ.append(stop)
-                if len(occ) > cap:
-                    del occ[0]
+        for stop, gram in _grams(text.tokens, max(text.indexed, self.n_min), end, self.lengths):
+            if _SEP not in gram:
+                _add(text.table[gram], stop, self.max_occurrences)
         text.indexed = max(text.indexed, end)
 
     def _request(self, context: DraftContext) -> _Request:
@@ -305,6 +290,24 @@ class SuffixDrafter:
     def end(self, context: DraftContext) -> None:
         req = self._request(context)
         req.texts, req.own, req.begun = [], None, False  # its segment stays for the others
+
+
+def _grams(tokens: Sequence[int], start: int, end: int,
+           lengths: tuple[int, ...]) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """``(stop, gram)`` for every n-gram of the ``lengths`` that ends right before a ``stop``
+    in ``[start, end)``: the n-grams whose continuation starts there."""
+    for stop in range(start, end):
+        for n in lengths:
+            if n > stop:
+                break
+            yield stop, tuple(tokens[stop - n : stop])
+
+
+def _add(occurrences: list[int], entry: int, cap: int) -> None:
+    """Append ``entry``, keeping the most recent ``cap``."""
+    occurrences.append(entry)
+    if len(occurrences) > cap:
+        del occurrences[0]
 
 
 def _context_length(tokens: list[int], stop: int, tail: Sequence[int], n: int,
