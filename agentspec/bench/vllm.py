@@ -15,6 +15,8 @@ plain's (greedy). For
 agentspec it adds the proposer's host time per engine step and its accepted tokens by source.
 The passes repeat the same requests, so a pass after the first also finds the earlier pass's
 outputs in what ``suffix`` and agentspec remember. Lines are decoded without their grammar.
+``--methods ...,oracle`` adds a proposer that drafts plain's own outputs
+(:mod:`agentspec.bench.vllm_oracle`): what no proposer can beat at that ``k`` on that machine.
 
 Needs vLLM (``pip install agentspec[vllm]``, or ``make test-vllm``'s environment); nothing
 here is imported by the rest of agentspec.
@@ -36,7 +38,10 @@ from agentspec.bench.workload import load_workload, resolve_workload
 from agentspec.text import encode_prompt
 
 METHODS = ("plain", "ngram", "suffix", "agentspec")
+"""The methods run by default; ``oracle`` (:mod:`agentspec.bench.vllm_oracle`) on request."""
+KNOWN = (*METHODS, "oracle")
 PROPOSER = "agentspec.adapters.vllm.Proposer"
+ORACLE = "agentspec.bench.vllm_oracle.OracleProposer"
 KV_CACHE_BYTES = 2 << 30
 
 
@@ -49,14 +54,17 @@ def speculative_config(method: str, k: int) -> dict[str, Any] | None:
                 "prompt_lookup_max": 4}
     if method == "suffix":
         return {"method": "suffix", "num_speculative_tokens": k}
-    if method == "agentspec":
-        return {"method": "custom_class", "model": PROPOSER, "num_speculative_tokens": k}
-    raise ValueError(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+    if method in ("agentspec", "oracle"):
+        return {"method": "custom_class", "model": PROPOSER if method == "agentspec" else ORACLE,
+                "num_speculative_tokens": k}
+    raise ValueError(f"unknown method {method!r}; known: {', '.join(KNOWN)}")
 
 
 def engine_args(method: str, model: str, *, k: int, streams: int, db: str | None,
-                stats_path: str | None, max_model_len: int) -> dict[str, Any]:
-    """``LLM(**engine_args(...))`` for one method (greedy float32 on the CPU build)."""
+                stats_path: str | None, max_model_len: int,
+                oracle_pairs: str | None = None) -> dict[str, Any]:
+    """``LLM(**engine_args(...))`` for one method (greedy float32 on the CPU build);
+    ``oracle_pairs``: the oracle's file of prompts and their outputs."""
     args: dict[str, Any] = {"model": model, "dtype": "float32", "enforce_eager": True,
                             "max_model_len": max_model_len, "max_num_seqs": streams,
                             "disable_log_stats": False, "seed": 0,
@@ -69,6 +77,8 @@ def engine_args(method: str, model: str, *, k: int, streams: int, db: str | None
         # idle_finish_s: the pause between passes records every request of the last one
         args["additional_config"] = {"agentspec": {"db": db, "stats_path": stats_path,
                                                    "idle_finish_s": 1.0}}
+    if method == "oracle":
+        args["additional_config"] = {"agentspec_oracle": {"pairs": oracle_pairs}}
     return args
 
 
@@ -99,10 +109,16 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
         return [SamplingParams(temperature=0.0, max_tokens=it["max_new_tokens"])
                 for it in items]
 
+    pairs = None
+    if method == "oracle":  # plain's outputs of the measured lines, by prompt
+        pairs = str(Path(spec["stats_path"]).with_suffix(".pairs.json"))
+        Path(pairs).write_text(json.dumps([
+            [list(p["prompt_token_ids"]), out] for p, out in zip(
+                prompts(spec["measure"]), spec["plain_outputs"], strict=True)]))
     started = time.perf_counter()
     llm = LLM(**engine_args(method, model, k=spec["k"], streams=max(streams), db=spec.get("db"),
                             stats_path=spec.get("stats_path"),
-                            max_model_len=spec["max_model_len"]))
+                            max_model_len=spec["max_model_len"], oracle_pairs=pairs))
     result: dict[str, Any] = {"method": method, "start_seconds": time.perf_counter() - started,
                               "passes": []}
     if spec["warmup"] and method in ("suffix", "agentspec"):
@@ -202,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m agentspec.bench.vllm", description=__doc__.split("\n")[0])
     ap.add_argument("--workload", default="bfcl-live")
     ap.add_argument("--model", default=None, help="model folder (default: the packaged SmolLM2)")
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"comma-separated among {', '.join(KNOWN)} (oracle: drafts plain's "
+                         f"outputs, the bound of any proposer; plain must come before it)")
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--limit", type=int, default=None, help="lines per phase (default all)")
@@ -224,15 +242,21 @@ def main(argv: list[str] | None = None) -> int:
         model = resolve_model("smollm2-135m-instruct")[1]
     warm, meas = workload_items(args.workload, args.limit, args.max_new_tokens)
     streams = [int(s) for s in args.streams.split(",")]
-    results = []
+    methods = args.methods.split(",")
+    for method in methods:
+        speculative_config(method, args.k)  # an unknown method fails before any engine
+    if "oracle" in methods and "plain" not in methods[: methods.index("oracle")]:
+        ap.error("--methods: the oracle drafts plain's outputs: list plain before oracle")
+    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         db = args.db or f"sqlite:///{tmp}/memory.db"
-        for method in args.methods.split(","):
-            speculative_config(method, args.k)  # an unknown method fails before any engine
+        for method in methods:
             spec = {"method": method, "model": model, "k": args.k, "streams": streams,
                     "warmup": warm, "measure": meas, "db": db,
                     "stats_path": f"{tmp}/{method}-stats.json",
                     "max_model_len": args.max_model_len}
+            if method == "oracle":
+                spec["plain_outputs"] = results[methods.index("plain")]["passes"][0]["outputs"]
             results.append(run_child(spec))
             print(f"{method}: done", file=sys.stderr, flush=True)
     print(report(results))
