@@ -88,12 +88,12 @@ class SpecConfig:
             that ``agentspec head train`` need not replay it through the target. Off by
             default (2 bytes per hidden unit per generated token on disk: 1.15 KiB for
             SmolLM2-135M).
-        prefetch_key: embed a call's memory key on a worker thread as the call starts, while
-            the prompt is tokenised and prefilled, instead of in the lookup after them.
-            ``None`` (the default): where the target runs on an accelerator, whose prefill
-            leaves the host waiting, and the embedder on the CPU; on a CPU target the
-            embedding and the prefill would share the same cores, and an embedder on the GPU
-            (MiniLM's default where there is one) embeds a key in one CUDA graph replay.
+        prefetch_key: start a call's memory lookup (the key's embedding, the index search,
+            the rows' fetch) on a worker thread as the call starts, while the prompt is
+            tokenised and prefilled, instead of after them. ``None`` (the default): where the
+            target runs on an accelerator, whose prefill leaves the host waiting (an embedder
+            on the GPU embeds on a CUDA stream of its own, beside the prefill); on a CPU
+            target the lookup and the prefill would share the same cores.
         write_behind: hand a call's memory writes (its completion's record, the credits of
             the remembered drafts it accepted) to the memory's worker thread and return
             without waiting for the database; the next read of the memory waits for them, so

@@ -115,17 +115,15 @@ class Memory(Protocol):
         writes to a worker thread and return its future (where the memory has one)."""
         ...
 
-    def prefetch(self, key_text: str) -> None:
-        """Start embedding a key whose lookup comes soon; a failure costs nothing here."""
+    def prefetch(self, key_text: str, *, scope: str | None = None, model: str | None = None,
+                 k: int = 8, min_similarity: float | None = None) -> None:
+        """Start the work of a lookup that comes soon (with ``scope`` and ``model``: the
+        whole lookup, whose answer the lookup with the same arguments takes; without: the
+        key's embedding); a failure costs nothing here."""
         ...
 
     def warmup(self) -> None:
         """Do the one-time work (load the embedder) now."""
-        ...
-
-    @property
-    def embeds_on_cpu(self) -> bool:
-        """Whether the key's embedding runs on the CPU (prefetching it then pays off)."""
         ...
 
 

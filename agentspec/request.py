@@ -61,13 +61,13 @@ class Request:
     def build(cls, tokenizer: Any, prompt: Prompt, max_new_tokens: int, *,
               sampling: SamplingParams | None, stop: Sequence[str], scope: str | None,
               record: bool, session: Session | None, keyed: bool,
-              on_key: Callable[[str], None] | None = None) -> Request:
+              on_key: Callable[[str, str], None] | None = None) -> Request:
         """Check the arguments and render the prompt once.
 
         Args:
             keyed: the call has a memory, so it needs the memory key.
-            on_key: called with the key as soon as it is known, before the prompt is
-                tokenised (the memory may start embedding it meanwhile).
+            on_key: called with the key and the scope as soon as they are known, before the
+                prompt is tokenised (the memory may start the lookup meanwhile).
 
         Raises:
             ValueError: a bad prompt, ``max_new_tokens`` or stop string (the message names it).
@@ -78,10 +78,10 @@ class Request:
             raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         stops = StopStrings(stop)
         key_text = conversation_key(prompt) if keyed else ""
+        scope = scope or (session.scope if session else "default")
         if key_text and on_key is not None:
-            on_key(key_text)
+            on_key(key_text, scope)
         return cls(prompt=prompt, prompt_ids=tuple(encode_prompt(tokenizer, prompt)),
-                   text=request_text(prompt), key_text=key_text,
-                   scope=scope or (session.scope if session else "default"),
+                   text=request_text(prompt), key_text=key_text, scope=scope,
                    sampling=sampling or SamplingParams(), max_new_tokens=max_new_tokens,
                    stops=stops, record=record, session=session)

@@ -330,20 +330,27 @@ class Speculator:
             keeper.save(self.target.fingerprint, request.scope, request.text,
                         request.prompt_ids[-1], ids)
 
-    def _prefetch(self, key_text: str) -> None:
-        """Where :attr:`SpecConfig.prefetch_key` says so (default: a target off the CPU with a
-        memory that embeds on the CPU), start the memory embedding the call's key while the
-        prompt is encoded and prefilled; a failed prefetch is embedded again in the lookup
-        (where a failure is met and reported)."""
+    def _prefetch(self, key_text: str, scope: str) -> None:
+        """Where :attr:`SpecConfig.prefetch_key` says so (default: a target off the CPU),
+        start the call's memory lookup on the memory's worker thread while the prompt is
+        encoded and prefilled: each memory drafter's own lookup (its ``begin`` then takes the
+        answer), or, with none, the key's embedding (its record's). A failed prefetch costs
+        nothing: the lookup runs again (where a failure is met and reported)."""
         memory = self._memory
         ahead = self.config.prefetch_key
         if ahead is None:
-            ahead = self.target.device.type != "cpu" and memory is not None and memory.embeds_on_cpu
+            ahead = self.target.device.type != "cpu"
         if not ahead or memory is None:
             return
+        from agentspec.drafters.memory import MemoryDrafter
+
         try:
-            memory.prefetch(key_text)
-        except Exception:  # the lookup embeds again and meets the error there
+            drafters = [d for d in self.drafters if isinstance(d, MemoryDrafter)]
+            for drafter in drafters:
+                drafter.prefetch(key_text, scope)
+            if not drafters:
+                memory.prefetch(key_text)
+        except Exception:  # the lookup runs again and meets the error there
             return
 
     def _step(self, steps: Generator[Step, None, None], run: _Run) -> Step | None:

@@ -72,6 +72,12 @@ class MemoryDrafter:
     def _request(self, context: DraftContext) -> _Request:
         return context.state(self, _Request)
 
+    def prefetch(self, key_text: str, scope: str) -> None:
+        """Start the lookup a request of ``key_text`` in ``scope`` will ``begin`` with, on the
+        memory's worker thread (:meth:`~agentspec.protocols.Memory.prefetch`)."""
+        self.memory.prefetch(key_text, scope=scope, model=self.model, k=self.k,
+                             min_similarity=self.min_similarity)
+
     def begin(self, context: DraftContext) -> None:
         req = self._request(context)
         if not context.key_text:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -37,7 +38,7 @@ import numpy as np
 
 from agentspec.errors import MemoryFaultWarning, StoreError
 from agentspec.memory.caps import CapsWatch
-from agentspec.memory.embedder import MiniLMEmbedder, runs_on_cpu
+from agentspec.memory.embedder import MiniLMEmbedder
 from agentspec.memory.guard import StoreGuard
 from agentspec.memory.index import ScopeIndex, load_index, save_index
 from agentspec.memory.worker import KeyVectors, Worker
@@ -45,6 +46,9 @@ from agentspec.protocols import Embedder, MemoryStore
 from agentspec.stores.faiss_index import FaissIndex
 from agentspec.stores.sql import SQLStore
 from agentspec.types import Finished, Record
+
+# Lookups started ahead and kept until their lookup (one a concurrent call; a few spare).
+_AHEAD = 64
 
 
 class CompletionMemory:
@@ -95,6 +99,10 @@ class CompletionMemory:
         # latest keys' vectors (a vector is a function of the embedder and the text).
         self.worker = Worker()
         self._vectors = KeyVectors(self.worker)
+        # Lookups started ahead (:meth:`prefetch`), by their arguments, oldest first.
+        self._ahead: OrderedDict[tuple[str, str, str, int, float | None],
+                                 Future[list[tuple[Record, float]]]] = OrderedDict()
+        self._ahead_lock = threading.Lock()
 
     @classmethod
     def open(cls, url: str | None = None, **kw: Any) -> CompletionMemory:
@@ -113,11 +121,6 @@ class CompletionMemory:
         if self._embedder is None:
             self._embedder = MiniLMEmbedder()
         return self._embedder
-
-    @property
-    def embeds_on_cpu(self) -> bool:
-        """Whether the embedder runs on the CPU (:func:`~agentspec.memory.embedder.runs_on_cpu`)."""
-        return runs_on_cpu(self.embedder)
 
     def warmup(self) -> None:
         """Do the memory's one-time work now rather than in the first lookup: load the embedder
@@ -154,14 +157,28 @@ class CompletionMemory:
         self.close()
 
     # --- the public operations ---------------------------------------------------------------
-    def prefetch(self, key_text: str) -> None:
-        """Start embedding ``key_text`` on a worker thread and return at once; the lookup and
-        the record of the same text take that vector (waiting for it if it is not ready yet).
-        A caller that knows its key before it has other work to do (the
-        :class:`~agentspec.Speculator` while a GPU prefills the prompt) hides the embedding
-        behind that work. A failed prefetch costs nothing: the lookup embeds again and meets
-        the error itself."""
-        self._vectors.prefetch(self.embedder, key_text)
+    def prefetch(self, key_text: str, *, scope: str | None = None, model: str | None = None,
+                 k: int = 8, min_similarity: float | None = None) -> None:
+        """Start the work of a lookup that comes soon on the worker thread and return at once.
+
+        With ``scope`` and ``model``: the whole lookup (the key's embedding, the index search,
+        the rows' fetch); the next :meth:`lookup` with the same arguments takes its answer,
+        waiting for it if it is not ready yet. A record of the scope written meanwhile
+        discards it (the lookup then runs anew and finds that record). Without them: only the
+        key's embedding, which the lookup and the record of the same text take. A caller that
+        knows its key before it has other work to do (the :class:`~agentspec.Speculator`
+        while a GPU prefills the prompt) hides the lookup behind that work. A failed prefetch
+        costs nothing: the lookup runs again and meets the error itself."""
+        if scope is None or model is None:
+            self._vectors.prefetch(self.embedder, key_text)
+            return
+        args = (key_text, scope, model, int(k), min_similarity)
+        with self._ahead_lock:
+            if args in self._ahead:
+                return
+            self._ahead[args] = self.worker.submit(self._lookup, *args)
+            while len(self._ahead) > _AHEAD:
+                self._ahead.popitem(last=False)
 
     def finish(self, done: Finished, *, behind: bool = False) -> Future[int] | int:
         """The end of a request, in one call: credit the records its drafts came from, then
@@ -221,6 +238,19 @@ class CompletionMemory:
         if k == 0:
             return []
         self.worker.settle()
+        with self._ahead_lock:
+            ahead = self._ahead.pop((key_text, scope, model, int(k), min_similarity), None)
+        # On the worker, a prefetch may be queued behind the running task: looked up here.
+        if ahead is not None and (ahead.done() or not self.worker.on_worker):
+            try:
+                found: list[tuple[Record, float]] = ahead.result()
+                return found
+            except Exception:  # looked up again here, where the error reaches the caller
+                pass
+        return self._lookup(key_text, scope, model, k, min_similarity)
+
+    def _lookup(self, key_text: str, scope: str, model: str, k: int,
+                min_similarity: float | None) -> list[tuple[Record, float]]:
         query = self._vectors.get(self.embedder, key_text)
         with self._lock:
             self._flush()
@@ -296,6 +326,7 @@ class CompletionMemory:
                 return -1
             self._guard.succeeded("write")
             self._upkeep({scope: len(record.completion_ids)})
+        self._discard_ahead(scope)
         return rid
 
     def flush(self) -> int:
@@ -442,6 +473,13 @@ class CompletionMemory:
             state.checked_at = now
         state.synced_at = now
         return state
+
+    def _discard_ahead(self, scope: str) -> None:
+        """Drop the lookups started ahead in ``scope``: a record written since may be missing
+        from their answers."""
+        with self._ahead_lock:
+            for args in [a for a in self._ahead if a[1] == scope]:
+                del self._ahead[args]
 
     def _store_id(self) -> str:
         return str(getattr(self.store, "url", type(self.store).__name__))

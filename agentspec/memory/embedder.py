@@ -199,10 +199,3 @@ class HashEmbedder:
             else:
                 out[row, 0] = 1.0
         return out
-
-
-def runs_on_cpu(embedder: object) -> bool:
-    """Whether ``embedder`` embeds on the CPU: its ``resolved_device`` or ``device``; an
-    embedder that names no device (a user's) is taken to."""
-    device = getattr(embedder, "resolved_device", None) or getattr(embedder, "device", None)
-    return not isinstance(device, str) or device.startswith("cpu")

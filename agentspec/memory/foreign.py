@@ -16,7 +16,6 @@ from concurrent.futures import Future
 from typing import Any
 
 from agentspec.memory.completion import CompletionMemory
-from agentspec.memory.embedder import runs_on_cpu
 from agentspec.protocols import Memory
 from agentspec.types import Finished, Record
 
@@ -69,17 +68,15 @@ class ForeignMemory:
                      key_text=row.key_text, completion_text=row.completion_text,
                      completion_ids=list(row.completion_ids))
 
-    def prefetch(self, key_text: str) -> None:
+    def prefetch(self, key_text: str, *, scope: str | None = None, model: str | None = None,
+                 k: int = 8, min_similarity: float | None = None) -> None:
+        # A user's prefetch takes the key (what the protocol asked of it before lookups ahead).
         if self._prefetch is not None:
             self._prefetch(key_text)
 
     def warmup(self) -> None:
         if self._warmup is not None:
             self._warmup()
-
-    @property
-    def embeds_on_cpu(self) -> bool:
-        return runs_on_cpu(getattr(self.memory, "embedder", None))
 
 
 def as_memory(memory: Any) -> Memory:

@@ -7,7 +7,10 @@ step that was the largest cost of a request the memory serves (BENCHMARKS.md). :
 (the loaded model's own weights and tokenizer) as embedding, six encoder layers, mean pooling
 and L2 normalisation written out once; on CUDA the input is padded to a bucket of 16-256 word
 pieces (padded keys masked out, padded rows left out of the mean) and each bucket's forward is
-captured as a graph on first use, so a key costs one replay and one copy back.
+captured as a graph on first use, so a key costs one replay and one copy back. On CUDA the
+embedding runs on a stream of its own: a key embedded while the target prefills (a lookup
+started ahead of it) neither queues behind the prefill's kernels nor waits for them to copy
+its vector back.
 
 The vectors agree with ``encode``'s to float32 rounding (a test checks ~1e-6 on the CPU); a
 vector only chooses which remembered completions are drafted, never an output.
@@ -15,6 +18,7 @@ vector only chooses which remembered completions are drafted, never an output.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from typing import Any
@@ -48,10 +52,11 @@ class OneTextForward:
         self.head_dim = int(cfg.hidden_size) // self.heads
         self._graphs: dict[int, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._lock = threading.Lock()
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def embed(self, text: str) -> np.ndarray:
         ids = self.tokenizer(text, truncation=True, max_length=self.max_length)["input_ids"]
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), _on(self._stream):
             if not self.cuda_graphs:
                 x = torch.tensor(ids, dtype=torch.long, device=self.device)
                 out = self._forward(x, torch.ones(len(ids), dtype=torch.bool, device=self.device))
@@ -108,3 +113,8 @@ class OneTextForward:
         weights = mask.to(x.dtype)[:, None]  # [n, 1]
         pooled = (x * weights).sum(0) / weights.sum().clamp(min=1e-9)
         return torch.nn.functional.normalize(pooled, dim=0)  # [dim]
+
+
+def _on(stream: Any) -> Any:
+    """The CUDA work of a block on ``stream`` (None: where it is, on the CPU)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)

@@ -1,6 +1,7 @@
 """The memory's one worker thread, and the vectors of the latest keys.
 
-Two kinds of work leave a call for the worker, in order: a key embedded ahead of its lookup
+Three kinds of work leave a call for the worker, in order: a lookup started ahead of the
+call's own (``CompletionMemory.prefetch``), a key embedded ahead of its lookup
 (:meth:`KeyVectors.prefetch`) and writes handed over behind a call (a record, its credits).
 Every later read of the memory first waits for the writes handed over before it
 (:meth:`Worker.settle`), so a call still drafts from every completion recorded before it.

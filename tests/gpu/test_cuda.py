@@ -125,6 +125,28 @@ def test_a_worker_embedding_on_the_gpu_leaves_the_engines_captures_alone(gpu_spe
     assert got == want
 
 
+def test_a_key_is_embedded_beside_the_default_streams_work_not_behind_it():
+    # A lookup started ahead embeds its key while the target prefills: on a stream of its
+    # own, the key's vector comes back while work queued before it on the default stream
+    # still runs (on the default stream it would wait for all of it).
+    import numpy as np
+
+    from agentspec.memory.embedder import MiniLMEmbedder
+
+    embedder = MiniLMEmbedder(device="cuda")
+    embedder.warmup()
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    for _ in range(400):  # tens of milliseconds of queued work on the default stream
+        a = (a @ a).clamp_(-1, 1)
+    vector = embedder.embed(["user: list the files in the project"])[0]
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert busy, "the key's embedding waited for the default stream's work"
+    again = embedder.embed(["user: list the files in the project"])[0]
+    np.testing.assert_allclose(vector, again, atol=1e-6)
+
+
 def test_the_fused_forward_is_on_by_default_and_within_bf16_rounding_of_the_modules(gpu_spec):
     assert gpu_spec.target.fused is not None
     prompt = gpu_spec.encode(GROUNDED[1])

@@ -586,7 +586,7 @@ def test_speculator_warmup_warms_the_memory_and_takes_a_memory_without_warmup(sp
 
 
 @pytest.mark.slow
-def test_a_speculator_prefetches_its_key_only_where_asked_or_on_an_accelerator(spec):
+def test_a_speculator_looks_up_ahead_only_where_asked_or_on_an_accelerator(spec):
     from agentspec import SpecConfig, Speculator
     from agentspec.drafters.policy import DEFAULT_COST
 
@@ -595,15 +595,34 @@ def test_a_speculator_prefetches_its_key_only_where_asked_or_on_an_accelerator(s
     for prefetch in (None, True):
         embedder = SlowEmbedder()
         embedder.gate.set()
-        memory = CompletionMemory(InMemoryStore(), embedder=embedder)
+        store = FetchNotingStore()
+        memory = CompletionMemory(store, embedder=embedder)
+        memory.record(scope="default", model=spec.target.fingerprint, request_text="r",
+                      key_text="user: Name three colours please.", completion_text="Red",
+                      completion_ids=[1, 2])
         run = Speculator(spec.target, memory=memory, cost=DEFAULT_COST,
                          config=SpecConfig(prefetch_key=prefetch))
         outputs.append(run.generate(prompt, 8).token_ids)
-        assert len(embedder.texts) == 1  # the lookup and the record took the one vector
-        # The CPU default embeds in the lookup, on the caller's thread.
-        assert embedder.threads[0].startswith("agentspec-embed") is bool(prefetch)
+        assert len(embedder.texts) == 2  # the record's key, then the call's (its lookup and record)
+        # The CPU default looks up in the drafter's begin, on the caller's thread; asked,
+        # the whole lookup (its embedding, its rows' fetch) runs on the worker ahead.
+        assert embedder.threads[1].startswith("agentspec-embed") is bool(prefetch)
+        assert len(store.threads) == 1
+        assert store.threads[0].startswith("agentspec-embed") is bool(prefetch)
         memory.close()
     assert outputs[0] == outputs[1]
+
+
+class FetchNotingStore(InMemoryStore):
+    """Notes the thread of every row fetch."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads = []
+
+    def get_many(self, ids):
+        self.threads.append(threading.current_thread().name)
+        return super().get_many(ids)
 
 
 class ThreadNotingStore(InMemoryStore):

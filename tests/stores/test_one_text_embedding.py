@@ -83,15 +83,3 @@ def test_one_text_replays_a_cuda_graph_with_encodes_vector(minilm):
         gpu.embed([TEXTS[2]])
         times.append(time.perf_counter() - start)
     assert float(np.median(times)) < 2e-3  # encode took ~9 ms a key on an H100
-
-
-def test_a_call_embeds_its_key_ahead_only_for_an_embedder_on_the_cpu():
-    # The prefetch default (a target off the CPU) also asks where the embedder runs: one on
-    # the GPU embeds a key in one graph replay, no worker thread needed.
-    from types import SimpleNamespace
-
-    from agentspec.memory.embedder import runs_on_cpu as on_cpu
-
-    assert on_cpu(MiniLMEmbedder(device="cpu")) and not on_cpu(MiniLMEmbedder(device="cuda:1"))
-    assert on_cpu(SimpleNamespace()) and on_cpu(SimpleNamespace(device="cpu"))
-    assert not on_cpu(SimpleNamespace(device="cuda"))

@@ -41,8 +41,8 @@ def test_a_request_renders_its_prompt_once_and_gives_the_key_before_tokenising()
     events: list[str] = []
     request = Request.build(CountingTokenizer(events), MESSAGES, 16, sampling=None, stop=["\n"],
                             scope=None, record=True, session=None, keyed=True,
-                            on_key=lambda key: events.append(f"key:{key}"))
-    assert events == ["key:system: tools: ls\nuser: list", "template", "encode"]
+                            on_key=lambda key, scope: events.append(f"key:{key}@{scope}"))
+    assert events == ["key:system: tools: ls\nuser: list@default", "template", "encode"]
     assert request.key_text == "system: tools: ls\nuser: list"
     assert request.prompt_ids == tuple(ord(c) % 50 for c in "<system>tools: ls<user>list<assistant>")
     assert request.text.startswith('[{"role": "system"')
@@ -53,7 +53,8 @@ def test_a_request_renders_its_prompt_once_and_gives_the_key_before_tokenising()
 def test_the_scope_is_the_calls_then_the_sessions_and_no_key_without_a_memory():
     events: list[str] = []
     tok = CountingTokenizer(events)
-    kw = dict(sampling=None, stop=(), record=False, keyed=False, on_key=events.append)
+    kw = dict(sampling=None, stop=(), record=False, keyed=False,
+              on_key=lambda key, scope: events.append(key))
     assert Request.build(tok, "hi", 4, scope=None, session=FakeSession(), **kw).scope == "session-scope"
     mine = Request.build(tok, "hi", 4, scope="mine", session=FakeSession(), **kw)
     assert mine.scope == "mine" and mine.key_text == "" and "hi" not in events  # no key asked
@@ -107,7 +108,6 @@ def test_a_users_memory_hears_the_end_of_a_request_as_credits_then_its_record():
     assert list(memory.completions(scope="s", model="m")) == []  # it has none
     memory.prefetch("k")  # neither prefetch nor warmup: nothing to do, nothing raised
     memory.warmup()
-    assert memory.embeds_on_cpu
 
 
 def test_a_users_memory_that_writes_behind_gives_the_future():
