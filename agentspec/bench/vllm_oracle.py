@@ -10,6 +10,8 @@ the drafts, sets the pace.
 
 A row's request is found by its prompt (the longest known prompt the row starts with, whose
 known output agrees with what the row has generated so far); a row matching none gets no draft.
+The pairs file may grow while the engine runs (the side-by-side bench tells the oracle each
+output as plain generates it): a row matching none reads it again when it has changed.
 Bench only: nothing else imports it, and it imports nothing from vLLM.
 """
 
@@ -43,10 +45,23 @@ class OracleProposer:
         path = (extra.get(OPTION) or {}).get("pairs") if isinstance(extra, dict) else None
         if not path:
             raise ValueError(f"the oracle proposer needs additional_config[{OPTION!r}]['pairs']")
-        pairs = json.loads(Path(path).read_text())
+        self.path = Path(path)
+        self.known: list[tuple[np.ndarray, list[int]]] = []
+        self._read: tuple[int, int, int] | None = None
+        self._load()
+
+    def _load(self) -> bool:
+        """Read the pairs file if it changed since the last read; whether it did."""
+        st = self.path.stat()
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)  # the file is replaced, and grows
+        if stamp == self._read:
+            return False
+        self._read = stamp
+        pairs = json.loads(self.path.read_text())
         # Longest prompts first: a prompt that extends another is the better match.
         self.known = sorted(((np.asarray(p, dtype=np.int64), list(o)) for p, o in pairs),
                             key=lambda po: -len(po[0]))
+        return True
 
     def load_model(self, model: Any = None) -> None:
         """vLLM's hook (nothing to load)."""
@@ -59,6 +74,12 @@ class OracleProposer:
 
     def draft(self, row: np.ndarray, total: int) -> list[int]:
         """The known continuation of the row's first ``total`` tokens, ``k`` at most."""
+        found = self._find(row, total)
+        if found is None and self._load():
+            found = self._find(row, total)
+        return found or []
+
+    def _find(self, row: np.ndarray, total: int) -> list[int] | None:
         for prompt, output in self.known:
             n = len(prompt)
             if n > total or not np.array_equal(row[:n], prompt):
@@ -66,4 +87,4 @@ class OracleProposer:
             done = total - n
             if done <= len(output) and row[n:total].tolist() == output[:done]:
                 return output[done : done + self.k]
-        return []
+        return None

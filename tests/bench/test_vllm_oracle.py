@@ -58,3 +58,27 @@ def test_without_pairs_it_says_what_is_missing():
                              additional_config={})
     with pytest.raises(ValueError, match="agentspec_oracle"):
         OracleProposer(config)
+
+
+def test_a_pairs_file_that_grows_is_read_again_for_a_row_it_did_not_know(tmp_path):
+    config = _config(tmp_path, [[[1, 2], [10, 11]]], k=2)
+    oracle = OracleProposer(config)
+    rows = _rows([5, 6, 7])
+    assert oracle.propose([[7]], np.array([3]), rows) == [[]]  # not known yet
+    path = tmp_path / "pairs.json"
+    path.write_text(json.dumps([[[1, 2], [10, 11]], [[5, 6], [7, 8, 9]]]))  # plain told it
+    assert oracle.propose([[7]], np.array([3]), rows) == [[8, 9]]
+
+
+def test_methods_take_turns_in_a_rotating_order_with_the_oracle_after_plain():
+    from agentspec.bench.vllm import turn_order
+
+    kids = [SimpleNamespace(method=m) for m in ("plain", "suffix", "agentspec", "oracle")]
+    orders = [[c.method for c in turn_order(kids, t)] for t in range(4)]
+    assert [o[0] for o in orders] == ["plain", "suffix", "agentspec", "plain"]
+    for order in orders:
+        assert sorted(order) == sorted(c.method for c in kids)
+        assert order.index("plain") < order.index("oracle")
+    # Without an oracle the rotation is plain: each method leads one turn.
+    three = kids[:3]
+    assert [turn_order(three, t)[0].method for t in range(3)] == ["plain", "suffix", "agentspec"]
