@@ -215,6 +215,18 @@ def _read_json(path: str | None) -> dict[str, Any] | None:
     return data
 
 
+def _spawn_args(*flags: str) -> dict[str, Any]:
+    """``subprocess`` arguments of an engine process: this module with ``flags``."""
+    return {"args": [sys.executable, "-m", "agentspec.bench.vllm", *flags],
+            "env": {**os.environ, "TOKENIZERS_PARALLELISM": "false"}}
+
+
+def _failed(method: str, code: int | None, log: Path | None) -> RuntimeError:
+    """An engine process's failure, with the end of its output when it went to ``log``."""
+    tail = "" if log is None else "\n" + "\n".join(log.read_text().splitlines()[-30:])
+    return RuntimeError(f"the {method} engine failed (exit {code}){tail}")
+
+
 def run_child(spec: dict[str, Any], *, timeout: float | None = None,
               log: Path | None = None) -> dict[str, Any]:
     """:func:`run_engine` in a process of its own (vLLM spawns its engine processes; one
@@ -225,16 +237,14 @@ def run_child(spec: dict[str, Any], *, timeout: float | None = None,
         spec_file.write_text(json.dumps(spec))
         sink = None if log is None else log.open("w")
         try:
-            proc = subprocess.run([sys.executable, "-m", "agentspec.bench.vllm", "--child",
-                                   str(spec_file), "--child-out", str(out_file)],
-                                  timeout=timeout, stdout=sink, stderr=sink,
-                                  env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            proc = subprocess.run(**_spawn_args("--child", str(spec_file), "--child-out",
+                                                str(out_file)),
+                                  timeout=timeout, stdout=sink, stderr=sink)
         finally:
             if sink is not None:
                 sink.close()
         if proc.returncode != 0 or not out_file.is_file():
-            tail = "" if log is None else "\n" + "\n".join(log.read_text().splitlines()[-30:])
-            raise RuntimeError(f"the {spec['method']} engine failed (exit {proc.returncode}){tail}")
+            raise _failed(spec["method"], proc.returncode, log)
         data: dict[str, Any] = json.loads(out_file.read_text())
         return data
 
@@ -266,10 +276,9 @@ class Child:
         spec_file.write_text(json.dumps(spec))
         self.log = log
         with log.open("w") as sink:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "agentspec.bench.vllm", "--serve", str(spec_file),
-                 "--address", str(listener.address), "--authkey", authkey],
-                stdout=sink, stderr=sink, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+            self.proc = subprocess.Popen(**_spawn_args(
+                "--serve", str(spec_file), "--address", str(listener.address),
+                "--authkey", authkey), stdout=sink, stderr=sink)
         self.conn = listener.accept()
         self.start_seconds = self._answer()
 
@@ -281,9 +290,7 @@ class Child:
     def _answer(self) -> Any:
         while not self.conn.poll(1.0):
             if self.proc.poll() is not None:
-                tail = "\n".join(self.log.read_text().splitlines()[-30:])
-                raise RuntimeError(f"the {self.method} engine failed (exit "
-                                   f"{self.proc.returncode})\n{tail}")
+                raise _failed(self.method, self.proc.returncode, self.log)
         return self.conn.recv()
 
     def close(self) -> None:
@@ -307,6 +314,33 @@ def turn_order(children: list[Any], turn: int) -> list[Any]:
     return order
 
 
+def _one_at_a_time(children: list[Child], lines: int) -> dict[str, dict[str, Any]]:
+    """The one-stream pass: the methods take turns request by request (plain's output of
+    each told to the oracle before its turn). Per method: seconds, outputs and counters."""
+    oracle = next((c for c in children if c.method == "oracle"), None)
+    runs: dict[str, list[dict[str, Any]]] = {c.method: [] for c in children}
+    for i in range(lines):
+        for child in turn_order(children, i):
+            runs[child.method].append(child.call("run", [i]))
+            if child.method == "plain" and oracle is not None:
+                oracle.call("know", i, runs["plain"][-1]["outputs"][0])
+    return {m: {"seconds": sum(r["seconds"] for r in rs),
+                "outputs": [r["outputs"][0] for r in rs],
+                "accepted": sum(r["accepted"] for r in rs),
+                "drafted": sum(r["drafted"] for r in rs)} for m, rs in runs.items()}
+
+
+def _together(children: list[Child], repeats: int) -> dict[str, dict[str, Any]]:
+    """The n-stream passes: every line submitted at once, the methods taking turns pass by
+    pass, ``repeats`` times; per method its median pass and every pass's seconds."""
+    reps: dict[str, list[dict[str, Any]]] = {c.method: [] for c in children}
+    for turn in range(repeats):
+        for child in turn_order(children, turn):
+            reps[child.method].append(child.call("run", together=True))
+    return {m: dict(sorted(rs, key=lambda r: r["seconds"])[len(rs) // 2],
+                    repeat_seconds=[r["seconds"] for r in rs]) for m, rs in reps.items()}
+
+
 def side_by_side(specs: list[dict[str, Any]], *, repeats: int, tmp: Path,
                  report_progress: Any = None) -> list[dict[str, Any]]:
     """Every method's engine alive at once, its passes interleaved with the others': at one
@@ -327,30 +361,9 @@ def side_by_side(specs: list[dict[str, Any]], *, repeats: int, tmp: Path,
                 child.call("warmup")
             results = {c.method: {"method": c.method, "start_seconds": c.start_seconds,
                                   "passes": []} for c in children}
-            lines = len(specs[0]["measure"])
             for n in specs[0]["streams"]:
-                if n == 1:
-                    runs: dict[str, list[dict[str, Any]]] = {c.method: [] for c in children}
-                    for i in range(lines):
-                        for child in turn_order(children, i):
-                            runs[child.method].append(child.call("run", [i]))
-                            if child.method == "plain":
-                                for other in children:
-                                    if other.method == "oracle":
-                                        other.call("know", i, runs["plain"][-1]["outputs"][0])
-                    merged = {m: {"seconds": sum(r["seconds"] for r in rs),
-                                  "outputs": [r["outputs"][0] for r in rs],
-                                  "accepted": sum(r["accepted"] for r in rs),
-                                  "drafted": sum(r["drafted"] for r in rs)}
-                              for m, rs in runs.items()}
-                else:
-                    reps: dict[str, list[dict[str, Any]]] = {c.method: [] for c in children}
-                    for turn in range(repeats):
-                        for child in turn_order(children, turn):
-                            reps[child.method].append(child.call("run", together=True))
-                    merged = {m: dict(sorted(rs, key=lambda r: r["seconds"])[len(rs) // 2],
-                                      repeat_seconds=[r["seconds"] for r in rs])
-                              for m, rs in reps.items()}
+                merged = (_one_at_a_time(children, len(specs[0]["measure"])) if n == 1
+                          else _together(children, repeats))
                 for child in children:
                     got = merged[child.method]
                     p = pass_result(n, got["seconds"], got["outputs"], got["accepted"],
