@@ -103,6 +103,9 @@ class SpecConfig:
         record: whether a call records its completion into the memory when the call does not
             say (``generate``/``stream``'s ``record=``); ``AGENTSPEC_RECORD=0`` in the
             environment turns recording off above both.
+        max_batch: the most calls one :class:`~agentspec.Speculator` steps at once, each a
+            sequence of the target's KV pool and rows of the same forwards; more wait, first
+            come first served.
     """
 
     max_draft_tokens: int = 64
@@ -118,6 +121,7 @@ class SpecConfig:
     prefetch_key: bool | None = None
     write_behind: bool = True
     record: bool = True
+    max_batch: int = 16
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
@@ -137,3 +141,5 @@ class SpecConfig:
             raise ValueError(f"write_behind must be True or False, got {self.write_behind!r}")
         if self.record not in (True, False):
             raise ValueError(f"record must be True or False, got {self.record!r}")
+        if type(self.max_batch) is not int or self.max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {self.max_batch!r}")

@@ -20,6 +20,17 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class StepShare:
+    """The rest of a batched step as one request's draft sizing sees it: the tokens the other
+    requests' rows are expected to yield, the rows they take (prompt chunks included) and the
+    seconds they add to the forward beyond their rows (their keys read)."""
+
+    tokens: float = 0.0
+    rows: int = 0
+    seconds: float = 0.0
+
+
 @dataclass
 class DraftContext:
     """What a drafter may look at. Owned and updated by the decode loop.
@@ -37,6 +48,16 @@ class DraftContext:
         credits: ``(memory, record id)`` -> the accepted draft tokens that remembered
             completion drafted in this request; drafters add to it, and each memory hears its
             own when the request ends (:meth:`Memory.finish`).
+        keep_hidden: a drafter that reads the target's final hidden rows (the draft head)
+            sets it in ``begin``; the decode loop then keeps them.
+        hidden: the last step's final hidden rows ``[rows, hidden]`` (row 0 the root's, row
+            ``i + 1`` draft node ``i``'s) where ``keep_hidden``, else None; row ``r`` was
+            computed at position ``hidden_position + r``. Read only: never decides a token.
+        step_share: set by the scheduler before each ``propose`` of a batched step: what the
+            step's other rows cost and yield (:class:`StepShare`), so a draft is sized by its
+            marginal cost in that forward; None: the request is alone.
+        expected_tokens: set by a drafter that sizes its drafts (the chain): the tokens its
+            last proposal is expected to yield, the accepted and the next one.
 
     Per-request drafter state lives here (:meth:`state`), not on the drafter: the steps of
     several calls may interleave (streams on several threads take turns on one model).
@@ -50,6 +71,11 @@ class DraftContext:
     sampling: SamplingParams | None = None
     generator: torch.Generator | None = None
     credits: Counter[tuple[Any, int]] = field(default_factory=Counter, repr=False, compare=False)
+    keep_hidden: bool = False
+    hidden: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    hidden_position: int = -1
+    step_share: StepShare | None = None
+    expected_tokens: float = 1.0
     _states: dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -131,13 +157,14 @@ class Memory(Protocol):
 class StepObserver(Protocol):
     """Watches each step of the decode loop, read only (never decides a token).
 
-    ``wants_hidden``: the step's forward keeps the target's final hidden rows
-    (``target.hidden``, row 0 the root's, row ``i + 1`` node ``i``'s), read in :meth:`step`.
+    ``wants_hidden``: the step's forward keeps the target's final hidden rows, handed to
+    :meth:`step` (``[rows, hidden]``: row 0 the root's, row ``i + 1`` node ``i``'s; None
+    where the forward could not keep them).
     """
 
     wants_hidden: bool
 
-    def step(self, target: Any, draft: Draft, verdict: Verdict) -> None: ...
+    def step(self, hidden: torch.Tensor | None, draft: Draft, verdict: Verdict) -> None: ...
 
 
 @runtime_checkable

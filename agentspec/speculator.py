@@ -1,16 +1,17 @@
 """The facade users hold: ``Speculator.generate``, ``stream`` and ``session``.
 
 Calls from several threads (or asyncio tasks in worker threads) share the one target through
-:class:`~agentspec.turns.Turns`: ``generate`` takes one turn for the whole call, a
-:class:`Stream` one turn per step, given back before its text reaches the caller. A stream
-that is abandoned, closed early or raised into therefore holds nothing; a step that follows
-another call's restores its own KV first (:func:`~agentspec.decoding.loop.decode`), so outputs do not
-depend on how calls interleave.
+its :class:`~agentspec.scheduler.Scheduler`: every live call is a sequence of the target's KV
+pool and a row group of the same forwards, each step carrying them all. A call's output does
+not depend on which others share its steps (each row's bits are its own). A stream that is
+abandoned, closed early or raised into frees its sequence at once or at the next step; a slow
+one is paused, never blocks the others.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future
@@ -18,22 +19,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentspec.config import SamplingParams, SpecConfig
-from agentspec.decoding.loop import NoDrafter, Step, decode
+from agentspec.decoding.loop import Decoding, NoDrafter, Step
 from agentspec.decoding.sampling import make_generator
 from agentspec.drafters.chain import DrafterChain
 from agentspec.drafters.head_rows import RowKeeper
 from agentspec.drafters.policy import CostModel, measure_cost
 from agentspec.engine.load import load_target
+from agentspec.engine.sequence import Sequence as KVSequence
 from agentspec.engine.target import HFTarget
 from agentspec.errors import warn_once
 from agentspec.home import agentspec_home, recording_allowed
 from agentspec.memory.foreign import REQUIRED, as_memory
 from agentspec.protocols import DraftContext, Drafter, Memory
 from agentspec.request import Request
+from agentspec.scheduler import Job, Scheduler
 from agentspec.session import Session, current_session, tool_loop
 from agentspec.stream import Stream
 from agentspec.text import Prompt, TextDeltas, encode_prompt
-from agentspec.turns import Turns
 from agentspec.types import Finished, Generation, GenerationStats, Record
 
 
@@ -74,8 +76,9 @@ class _Run:
 class Speculator:
     """Exact speculative decoding on one target model with draftless drafters.
 
-    Thread-safe: calls from several threads take turns on the target, first come first
-    served, and each output is what the call would give alone (see the module docstring).
+    Thread-safe: calls from several threads are batched into the same forwards (up to
+    ``SpecConfig.max_batch`` at once, the rest wait first come first served), and each output
+    is what the call would give alone (see the module docstring).
 
     Args:
         target: the loaded model (see :func:`agentspec.load_target`).
@@ -113,8 +116,9 @@ class Speculator:
         self.drafters = list(drafters) if drafters is not None else self._default_drafters()
         self._cost = cost
         self._chain: DrafterChain | None = None
-        # One model, one KV: calls take turns, first come first served (batch size 1 per call).
-        self._turns = Turns()
+        # One model, one KV pool: every live call is a sequence of it, all stepped together.
+        self._scheduler = Scheduler(target, max_batch=self.config.max_batch)
+        self._chain_lock = threading.Lock()
 
     @classmethod
     def from_pretrained(cls, name: str = "smollm2-135m-instruct", *, speculate: bool = True,
@@ -152,9 +156,9 @@ class Speculator:
         forward cost (cached per model and device), check which forward widths share one
         reduction order (:meth:`HFTarget.check_widths`) and load the memory's embedder and
         index library (``CompletionMemory.warmup``)."""
-        with self._turns:
+        with self._scheduler.exclusive():
             self.target.check_widths()
-            self._drafter()
+        self._drafter()
         if self._memory is not None:
             self._memory.warmup()
 
@@ -216,11 +220,8 @@ class Speculator:
         """
         stream = self.stream(prompt, max_new_tokens, sampling=sampling, stop=stop, scope=scope,
                              record=record)
-        # One turn for the whole call: no caller code runs before it ends, and consecutive
-        # steps keep the KV (a stream's steps may interleave with other calls').
-        with self._turns:
-            for _ in stream:
-                pass
+        for _ in stream:
+            pass
         assert stream.generation is not None
         return stream.generation
 
@@ -254,22 +255,30 @@ class Speculator:
         deltas = TextDeltas(self.tokenizer, request.stops)
         keeper = RowKeeper() if (request.record and self._memory is not None
                                  and self.config.head_rows) else None
-        with self._turns:
-            drafter = self._drafter()
-        steps = decode(self.target, drafter, context, sampling=request.sampling,
-                       max_new_tokens=request.max_new_tokens, stop_token_ids=self.stop_token_ids,
-                       generator=generator,
-                       grammar_drafts=self.speculate and self.config.grammar_drafts,
-                       lazy_masks=self.config.lazy_masks,
-                       observers=() if keeper is None else (keeper,))
+        drafter = self._drafter()
+
+        def loop(seq: KVSequence) -> Decoding:
+            return Decoding(self.target, seq, drafter, context, sampling=request.sampling,
+                            max_new_tokens=request.max_new_tokens,
+                            stop_token_ids=self.stop_token_ids, generator=generator,
+                            grammar_drafts=self.speculate and self.config.grammar_drafts,
+                            lazy_masks=self.config.lazy_masks,
+                            observers=() if keeper is None else (keeper,))
+
+        job = Job(list(request.prompt_ids), loop,
+                  on_abandon=functools.partial(self._end, request, context, None))
+        self._scheduler.submit(job)
         finished = False
         try:
-            while (step := self._step(steps, run)) is not None:
+            while (step := self._scheduler.next(job)) is not None:
+                if run.steps == 0:
+                    run.cached_tokens = job.cached_tokens
+                    run.first_token_seconds = time.perf_counter() - run.started
                 run.count(step)
                 run.token_ids.extend(step.new_tokens)
                 delta, hit_stop = deltas.push(step.new_tokens)
                 if delta:
-                    yield delta  # a stream holds no turn here
+                    yield delta
                 if step.stopped or hit_stop:
                     run.finish_reason = "stop"
                     if hit_stop:
@@ -277,13 +286,14 @@ class Speculator:
                     break
             finished = True
         finally:
-            # Ends the drafters' request (decode's own cleanup) holding a turn, without waiting
-            # for one: this may run in a finaliser of an abandoned stream, whose drafts' credits
-            # still reach the memory.
-            if finished:
-                self._turns.run_soon(steps.close)
-            else:
-                self._turns.run_soon(functools.partial(self._abandon, steps, request, context))
+            # Abandoned, failed or cut by a stop string: the sequence goes back to the pool
+            # (now, or at the next step); an abandoned call's drafts' credits still reach the
+            # memory (on_abandon).
+            if not finished:
+                self._scheduler.cancel(job)
+        if job.state != "ended":  # a stop string ended it before its steps did
+            job.on_abandon = None  # its credits go with its record, below
+            self._scheduler.close(job)
         tail = deltas.flush()
         if tail:
             yield tail
@@ -293,12 +303,6 @@ class Speculator:
             session.observe(generation)
         self._end(request, context, generation, keeper)
         return generation
-
-    def _abandon(self, steps: Generator[Step, None, None], request: Request,
-                 context: DraftContext) -> None:
-        """An abandoned (or failed) stream: the drafters' cleanup, then its credits."""
-        steps.close()
-        self._end(request, context, None)
 
     def _end(self, request: Request, context: DraftContext, generation: Generation | None,
              keeper: RowKeeper | None = None) -> None:
@@ -353,16 +357,6 @@ class Speculator:
         except Exception:  # the lookup runs again and meets the error there
             return
 
-    def _step(self, steps: Generator[Step, None, None], run: _Run) -> Step | None:
-        """The next step of a generation, computed holding a turn (the first one prefills:
-        how much of the prompt the target did not compute is read in the same turn)."""
-        with self._turns:
-            step = next(steps, None)
-            if run.steps == 0:
-                run.cached_tokens = self.target.reused_tokens
-                run.first_token_seconds = time.perf_counter() - run.started
-            return step
-
     def session(self, name: str, *, scope: str = "default") -> Session:
         """A context manager grouping the calls of one agent task; see :mod:`agentspec.session`."""
         return Session(self, name, scope=scope)
@@ -375,11 +369,14 @@ class Speculator:
     def _drafter(self) -> Drafter:
         if not self.speculate or not self.drafters:
             return NoDrafter()
-        if self._chain is None:  # kept across calls: per-source acceptance is learned over time
-            cost = self._cost if isinstance(self._cost, CostModel) else self._measure_cost()
-            self._chain = DrafterChain(self.drafters, cost=cost,
-                                       trees=self.config.trees and self.target.supports_trees,
-                                       max_depth=self.config.max_draft_tokens)
+        with self._chain_lock:
+            if self._chain is None:  # kept across calls: acceptance is learned over time
+                with self._scheduler.exclusive():  # measuring the cost runs forwards
+                    cost = self._cost if isinstance(self._cost, CostModel) else self._measure_cost()
+                self._chain = DrafterChain(self.drafters, cost=cost,
+                                           trees=self.config.trees and self.target.supports_trees,
+                                           max_depth=self.config.max_draft_tokens)
+                self._scheduler.cost = cost  # sizes drafts and prompt chunks in batched steps
         return self._chain
 
     def _measure_cost(self) -> CostModel:

@@ -1,16 +1,17 @@
 """The decode loop: propose -> sanitise -> score -> verify -> commit -> observe, one target
 pass per step.
 
-A generator of :class:`Step`, so streaming and ``generate`` are the same code. Invariant between
-steps: the target's KV holds every committed token but the last one. Another call may use the
-target between two steps (the Speculator's turns): a step first restores the KV for its own
-tokens (prefix reuse, the same bits: ``tests/integration/test_invariance.py``), so
-interleaving never changes an output.
+:class:`Decoding` is one request's loop cut at the forward: :meth:`Decoding.plan` proposes and
+constrains the step's draft and returns its rows; the forward that scores them may carry other
+requests' rows too (the scheduler's batched steps, :mod:`agentspec.scheduler`);
+:meth:`Decoding.conclude` verifies, commits and observes. :func:`decode` runs it alone on the
+target's own sequence, a generator of :class:`Step`. Invariant between steps: the request's
+sequence holds every committed token but the last one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -19,11 +20,14 @@ from agentspec.config import SamplingParams
 from agentspec.decoding.sampling import Mask
 from agentspec.decoding.untrusted import Guarded
 from agentspec.decoding.verify import cut_at_spine, verify
-from agentspec.engine.target import HFTarget
+from agentspec.engine.plan import Member
+from agentspec.engine.sequence import Sequence as KVSequence
+from agentspec.engine.target import HFTarget, draft_member
+from agentspec.engine.torch_thread import for_device
 from agentspec.grammar.state import GrammarState
 from agentspec.protocols import DraftContext, Drafter, StepObserver
 from agentspec.text import cut_at_stop
-from agentspec.tree import depths
+from agentspec.tree import depths, sub_draft
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
 
@@ -59,16 +63,12 @@ class NoDrafter:
         pass
 
 
-def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
-           sampling: SamplingParams, max_new_tokens: int, stop_token_ids: frozenset[int],
-           generator: torch.Generator | None = None,
-           grammar_drafts: bool = True,
-           lazy_masks: bool = True,
-           observers: Sequence[StepObserver] = ()) -> Generator[Step, None, None]:
-    """Generate up to ``max_new_tokens`` tokens after ``context.tokens``, appending to it.
+class Decoding:
+    """One request's decode loop between forwards, on sequence ``seq`` of ``target``.
 
     Args:
-        target: the model; its KV is reset here.
+        target: the model (its forward scores the rows :meth:`plan` returns).
+        seq: the request's sequence, holding every prompt token but the last (prefilled).
         drafter: any source of drafts; untrusted: its drafts are sanitised, and if it raises
             it is logged once and the call goes on as plain decoding.
         context: the prompt tokens (extended in place with every committed token).
@@ -84,69 +84,125 @@ def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
             the draft head's training rows are kept this way). Read only: no token depends
             on them.
     """
-    grammar = None if sampling.grammar is None else GrammarState(
-        sampling.grammar, target.tokenizer, vocab_size=target.vocab_size,
-        eos_ids=sorted(stop_token_ids), device=target.device)
-    # 1. Prefill: the KV takes every prompt token but the last.
-    target.start(context.tokens)
-    guarded = Guarded(drafter, vocab_size=target.vocab_size, max_nodes=target.max_draft_nodes)
-    guarded.begin(context)
-    try:
-        yield from _steps(target, guarded, context, sampling, max_new_tokens, stop_token_ids,
-                          generator, grammar, grammar_drafts, lazy_masks and sampling.greedy,
-                          tuple(observers))
-    finally:
-        guarded.end(context)
-        if grammar is not None:
-            grammar.close()  # its matcher serves the next call of the same grammar
 
+    def __init__(self, target: HFTarget, seq: KVSequence, drafter: Drafter,
+                 context: DraftContext, *, sampling: SamplingParams, max_new_tokens: int,
+                 stop_token_ids: frozenset[int], generator: torch.Generator | None = None,
+                 grammar_drafts: bool = True, lazy_masks: bool = True,
+                 observers: Sequence[StepObserver] = ()) -> None:
+        self.target, self.seq, self.context = target, seq, context
+        self.sampling, self.max_new_tokens = sampling, max_new_tokens
+        self.stop_token_ids, self.generator = stop_token_ids, generator
+        self.grammar_drafts = grammar_drafts
+        self.lazy_masks = lazy_masks and sampling.greedy
+        self.observers = tuple(observers)
+        self.grammar = None if sampling.grammar is None else GrammarState(
+            sampling.grammar, target.tokenizer, vocab_size=target.vocab_size,
+            eos_ids=sorted(stop_token_ids), device=target.device)
+        self.drafter = Guarded(drafter, vocab_size=target.vocab_size,
+                               max_nodes=target.max_draft_nodes)
+        self.produced = 0
+        self.done = False
+        # One uniform per output position, so a seeded sample does not depend on the drafts.
+        self._uniforms = None if sampling.greedy else torch.rand(
+            max_new_tokens, generator=generator, device=target.device)  # [max_new_tokens]
+        self._draft: Draft = EMPTY_DRAFT
+        self._allowed: Mask = None
 
-def _steps(target: HFTarget, drafter: Guarded, context: DraftContext, sampling: SamplingParams,
-           max_new_tokens: int, stop_token_ids: frozenset[int],
-           generator: torch.Generator | None, grammar: GrammarState | None,
-           grammar_drafts: bool, lazy_masks: bool,
-           observers: tuple[StepObserver, ...] = ()) -> Iterator[Step]:
-    produced = 0
-    keep_hidden = any(o.wants_hidden for o in observers)
-    # One uniform per output position, so a seeded sample does not depend on the drafts.
-    uniforms = None if sampling.greedy else torch.rand(
-        max_new_tokens, generator=generator, device=target.device)  # [max_new_tokens]
-    while produced < max_new_tokens:
-        # 2. Propose, leaving room for the recovered/bonus token; drafts are untrusted (the
-        # guard sanitises them).
-        room = max_new_tokens - produced - 1
-        draft = drafter.propose(context, max_tokens=room)
-        # 2b. A grammar prunes what it forbids, adds what it forces, and masks every row.
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether the step's forward should keep the final hidden rows (an observer or a
+        drafter reads them)."""
+        return self.context.keep_hidden or any(o.wants_hidden for o in self.observers)
+
+    def begin(self) -> None:
+        self.drafter.begin(self.context)
+
+    def end(self) -> None:
+        """The drafters' end of the request; the grammar's matcher back for the next one."""
+        try:
+            self.drafter.end(self.context)
+        finally:
+            if self.grammar is not None:
+                self.grammar.close()
+
+    def plan(self, max_nodes: int | None = None) -> Member:
+        """Steps 2 and 2b: propose a draft (untrusted: the guard sanitises it, leaving room for
+        the recovered or bonus token), let a grammar prune what it forbids, add what it forces
+        and mask every row; the rows to score: the last committed token, then the draft.
+        ``max_nodes``: the draft's first nodes only (depth first: the spine first), where a
+        batched step has fewer rows left."""
+        room = self.max_new_tokens - self.produced - 1
+        draft = self.drafter.propose(self.context, max_tokens=room)
+        cap = self.target.max_draft_nodes if max_nodes is None else min(
+            max_nodes, self.target.max_draft_nodes)
+        if draft.num_nodes > cap:
+            draft = sub_draft(draft, list(range(cap)))
         allowed: Mask = None
-        if grammar is not None:
-            draft, allowed = grammar.constrain(draft, room=max(room, 0),
-                                               max_nodes=target.max_draft_nodes,
-                                               force=grammar_drafts, lazy=lazy_masks)
-        # 3. Score the last committed token and the whole draft in one forward, on a KV that
-        # holds this generation: checked here, after the drafters ran (one may have used the
-        # target for a call of its own) and after other calls since our last step.
-        if not target.holds(context.tokens):
-            target.start(context.tokens)
-        logits = target.score(context.tokens[-1], draft,
-                              keep_hidden=keep_hidden)  # [num_nodes + 1, vocab_size]
-        # 4. Verify exactly (one host sync), deciding only on spine rows.
-        rows = None if uniforms is None else uniforms[_row_offsets(draft, produced)]
-        verdict = cut_at_spine(draft, verify(draft, logits, sampling, generator, uniforms=rows,
-                                             allowed=allowed))
-        for observer in observers:
-            observer.step(target, draft, verdict)
-        # 5. Commit: the KV keeps the accepted path only.
-        target.commit(draft, verdict)
-        new_tokens, stopped = cut_at_stop(verdict.new_tokens, stop_token_ids)
+        if self.grammar is not None:
+            draft, allowed = self.grammar.constrain(draft, room=max(room, 0), max_nodes=cap,
+                                                    force=self.grammar_drafts, lazy=self.lazy_masks)
+        self._draft, self._allowed = draft, allowed
+        return draft_member(self.seq, self.context.tokens[-1], draft)
+
+    def conclude(self, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> Step:
+        """Steps 4 to 6 on the planned rows' ``logits`` ``[num_nodes + 1, vocab_size]``: verify
+        exactly (one host sync), deciding only on spine rows; commit the accepted path into
+        the sequence; let the drafters learn from it."""
+        draft, context = self._draft, self.context
+        rows = None if self._uniforms is None else self._uniforms[_row_offsets(draft, self.produced)]
+        verdict = cut_at_spine(draft, verify(draft, logits, self.sampling, self.generator,
+                                             uniforms=rows, allowed=self._allowed))
+        for observer in self.observers:
+            observer.step(hidden, draft, verdict)
+        position = self.seq.kv_len
+        self.target.commit_on(self.seq, context.tokens[-1], verdict)
+        new_tokens, stopped = cut_at_stop(verdict.new_tokens, self.stop_token_ids)
         context.tokens.extend(new_tokens)
-        produced += len(new_tokens)
-        if grammar is not None:
-            grammar.advance(new_tokens)
-        # 6. Observe: drafters learn from what was accepted.
-        drafter.observe(context, draft, verdict)
-        yield Step(draft, verdict, new_tokens, stopped)
-        if stopped:
-            return
+        self.produced += len(new_tokens)
+        if self.grammar is not None:
+            self.grammar.advance(new_tokens)
+        context.hidden, context.hidden_position = hidden, (position if hidden is not None else -1)
+        self.drafter.observe(context, draft, verdict)
+        self.done = stopped or self.produced >= self.max_new_tokens
+        return Step(draft, verdict, new_tokens, stopped)
+
+
+def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
+           sampling: SamplingParams, max_new_tokens: int, stop_token_ids: frozenset[int],
+           generator: torch.Generator | None = None, grammar_drafts: bool = True,
+           lazy_masks: bool = True,
+           observers: Sequence[StepObserver] = ()) -> Generator[Step, None, None]:
+    """Generate up to ``max_new_tokens`` tokens after ``context.tokens`` on the target's own
+    sequence, one forward a step, appending to ``context.tokens`` (see :class:`Decoding` for
+    the arguments). Another call may use the target between two steps: a step then first
+    restores the sequence for its own tokens (prefix reuse, the same bits), so interleaving
+    never changes an output."""
+    # 1. Prefill: the sequence takes every prompt token but the last. On the CPU every step
+    # runs on the torch thread (one OpenMP team: agentspec.engine.torch_thread).
+    for_device(target.device, target.start, context.tokens)
+    loop = Decoding(target, target.seq, drafter, context, sampling=sampling,
+                    max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                    generator=generator, grammar_drafts=grammar_drafts, lazy_masks=lazy_masks,
+                    observers=observers)
+    loop.begin()
+    try:
+        while not loop.done:
+            yield for_device(target.device, _one_step, target, loop)
+    finally:
+        loop.end()
+
+
+def _one_step(target: HFTarget, loop: Decoding) -> Step:
+    member = loop.plan()
+    # 3. Score the last committed token and the whole draft in one forward, on a sequence
+    # that holds this generation: checked after the drafters ran (one may have used the
+    # target for a call of its own).
+    if not target.holds(loop.context.tokens):
+        target.start(loop.context.tokens)
+    logits = target.run([member], hidden=loop.wants_hidden)[0]
+    assert logits is not None
+    return loop.conclude(logits, member.hidden)
 
 
 def _row_offsets(draft: Draft, produced: int) -> torch.Tensor:

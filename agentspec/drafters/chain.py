@@ -31,8 +31,10 @@ from agentspec.drafters.policy import (
     DEFAULT_COST,
     Acceptance,
     CostModel,
+    SharedCost,
     best_subtree,
     best_tree_rate,
+    node_probabilities,
 )
 from agentspec.protocols import DraftContext, Drafter
 from agentspec.tree import common_prefix_len, depths, spine_length, sub_draft
@@ -148,8 +150,16 @@ class DrafterChain:
             d.begin(context)
 
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
+        """The best proposal by expected tokens per second; in a batched step
+        (``context.step_share``) by the whole step's, each node against its marginal row. Sets
+        ``context.expected_tokens``."""
         req = self._request(context)
-        best, best_rate = EMPTY_DRAFT, 1.0 / self.cost.seconds(0)
+        share = context.step_share
+        cost: CostModel | SharedCost = self.cost if share is None else SharedCost(
+            self.cost, share.rows, share.seconds)
+        base = 0.0 if share is None else share.tokens
+        best, best_rate = EMPTY_DRAFT, (1.0 + base) / cost.seconds(0)
+        best_expected = 1.0
         req.proposals = []
         tokens = context.tokens
         start = max(req.paired, 1)  # add the pairs that end at tokens not covered yet
@@ -166,7 +176,7 @@ class DrafterChain:
             skipped = self._skipped[drafter.name] + 1
             if (skipped * self.cost.seconds(0) < PROBE_RATIO * self.propose_seconds[drafter.name]
                     and self._best_rate(drafter.name, max_tokens,
-                                        self.propose_seconds[drafter.name]) <= best_rate):
+                                        self.propose_seconds[drafter.name], cost, base) <= best_rate):
                 self._skipped[drafter.name] = skipped
                 continue
             self._skipped[drafter.name] = 0
@@ -185,10 +195,14 @@ class DrafterChain:
             spine = spine_length(draft.parents)
             req.proposals.append((keys[:spine], draft.token_ids[:spine]))
             rates = {k: self.rate(k) for k in set(keys)}
-            keep, rate = best_subtree(draft.parents, [rates[k] for k in keys], self.cost, spent,
-                                      self.alternatives[drafter.name].alpha)
+            alphas = [rates[k] for k in keys]
+            alternative = self.alternatives[drafter.name].alpha
+            keep, rate = best_subtree(draft.parents, alphas, cost, spent, alternative, base=base)
             if keep and rate > best_rate:
                 best, best_rate = sub_draft(draft, keep), rate
+                probs = node_probabilities(draft.parents, alphas, alternative)
+                best_expected = 1.0 + sum(probs[i] for i in keep)
+        context.expected_tokens = best_expected
         return best
 
     @staticmethod
@@ -231,13 +245,14 @@ class DrafterChain:
         acc = self._acceptance(key)
         return acc.alpha_over(self.rate(coarser)) if coarser else acc.alpha
 
-    def _best_rate(self, name: str, max_tokens: int, spent: float) -> float:
+    def _best_rate(self, name: str, max_tokens: int, spent: float,
+                   cost: CostModel | SharedCost, base: float) -> float:
         """The best rate any draft from source ``name`` could reach, chain or tree, by the
         best of its acceptance classes (``memory`` and ``memory/follow``: which one a
         proposal gets is known only once it is made)."""
         alpha = max(self.rate(key) for key in list(self.acceptance)
                     if key == name or key.startswith((name + "/", name + "|")))
-        return best_tree_rate(alpha, self.cost, spent, max_depth=max_tokens,
+        return best_tree_rate(alpha, cost, spent, max_depth=max_tokens, base=base,
                               alternative=self.alternatives[name].alpha if self.trees else 0.0)
 
     def _timed(self, req: _Request, name: str, seconds: float) -> float:

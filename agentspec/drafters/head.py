@@ -251,7 +251,6 @@ class HeadDrafter:
         self.home = home
         self._fixed = dict(heads or {})
         self._files: dict[str, tuple[float, RecurrentHead | None]] = {}
-        target.keep_hidden = True
 
     def head_for(self, scope: str) -> RecurrentHead | None:
         """The head of ``scope``: given, or loaded from its file (reloaded when it changes)."""
@@ -272,6 +271,7 @@ class HeadDrafter:
         return context.state(self, _Hidden)
 
     def begin(self, context: DraftContext) -> None:
+        context.keep_hidden = True  # the decode loop keeps each step's final hidden rows
         self.head_for(context.scope)  # a (re)load happens here, before the timed steps
 
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
@@ -314,8 +314,7 @@ class HeadDrafter:
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         """Keep the hidden row that predicted the step's last token (a spine row)."""
         state = self._state(context)
-        hidden = getattr(self.target, "hidden", None)
-        start = getattr(self.target, "hidden_position", -1)
+        hidden, start = context.hidden, context.hidden_position
         # Row 0 is the root; node i is row i + 1 (a verdict's path is on the spine).
         row = verdict.path[-1] + 1 if verdict.path else 0
         if hidden is None or row >= hidden.shape[0]:

@@ -23,7 +23,6 @@ import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -97,8 +96,8 @@ class RowKeeper:
     def __init__(self) -> None:
         self.rows: list[torch.Tensor] = []
 
-    def step(self, target: Any, draft: Draft, verdict: Verdict) -> None:
-        hidden = target.hidden  # [num_nodes + 1, hidden], or None where it was not kept
+    def step(self, hidden: torch.Tensor | None, draft: Draft, verdict: Verdict) -> None:
+        # hidden: [num_nodes + 1, hidden], or None where it was not kept
         if hidden is not None:
             self.rows.append(hidden[[0, *(i + 1 for i in verdict.path)]].to("cpu", torch.float16))
 

@@ -11,6 +11,7 @@ CPU it is far from a line (scoring 2-3 tokens can cost more than 4-8).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import time
@@ -33,7 +34,8 @@ _TABLE_NODES = 130  # covers the 64-node tree budget and the 64-token depth boun
 # 8: a probe stored with the curve, re-timed whenever the cache is read.
 # 9: the target's forward widths stored with the curve (finer CPU widths; a curve measured at
 #    other widths is measured again).
-COST_CACHE_VERSION = 9
+# 10: the KV pool's attention; the seconds a token of KV adds (kv_per_token) stored with it.
+COST_CACHE_VERSION = 10
 # The probe: forwards of 1 and 8 rows over a short context, best of a few rounds.
 PROBE_SIZES = (0, 7)
 PROBE_CONTEXT = 64
@@ -54,6 +56,9 @@ class CostModel:
     base: float
     per_token: float
     points: tuple[tuple[int, float], ...] = ()
+    # Seconds each token of another sequence's KV adds to a batched forward (its keys read):
+    # the curve is measured over one sequence's KV.
+    kv_per_token: float = 0.0
     # seconds(n) for n < _TABLE_NODES, computed once: the policy asks for it per node per step.
     _table: tuple[float, ...] = field(default=(), init=False, repr=False, compare=False)
 
@@ -123,16 +128,32 @@ def best_length(alpha: float, max_length: int, cost: CostModel, overhead: float 
     return best
 
 
-def best_tree_rate(alpha: float, cost: CostModel, overhead: float = 0.0, *, max_depth: int,
-                   alternative: float | None = None, max_nodes: int = 64) -> float:
+@dataclass(frozen=True)
+class SharedCost:
+    """A forward's seconds as one request's draft sizing sees them inside a batched step:
+    ``cost`` (by rows beyond the first) at the step's other ``rows`` plus the draft's, plus the
+    ``extra`` seconds the other rows add beyond their count (their keys read)."""
+
+    cost: CostModel
+    rows: int
+    extra: float = 0.0
+
+    def seconds(self, draft_nodes: int) -> float:
+        return self.cost.seconds(self.rows + draft_nodes) + self.extra
+
+
+def best_tree_rate(alpha: float, cost: CostModel | SharedCost, overhead: float = 0.0, *,
+                   max_depth: int, alternative: float | None = None, max_nodes: int = 64,
+                   base: float = 0.0) -> float:
     """The highest expected tokens per second any draft of up to ``max_nodes`` nodes and
     ``max_depth`` deep can give from a source with these acceptances (chain or tree): the
     rate of the most probable nodes of the source's infinite tree (every node with a first
     child and endless alternatives, probabilities as :func:`node_probabilities` gives them).
-    ``alternative=0`` bounds chains. Used to skip asking a source that cannot win."""
+    ``alternative=0`` bounds chains; ``base``: tokens the step's other rows yield (a batched
+    step). Used to skip asking a source that cannot win."""
     beta = alpha if alternative is None else alternative
     miss = (1.0 - alpha) * beta
-    best_rate, total = 1.0 / cost.seconds(0), 1.0
+    best_rate, total = (1.0 + base) / cost.seconds(0), 1.0 + base
     # Nodes come off the heap most probable first: a node enters once the node it cannot be
     # more probable than is out (its first child and first alternative once it is; the k+1-th
     # alternative once the k-th is). Entries: (-p, the parent's p, sibling rank, depth).
@@ -192,19 +213,21 @@ def node_probabilities(parents: tuple[int, ...] | list[int], alpha: float | Sequ
 
 
 def best_subtree(parents: tuple[int, ...] | list[int], alpha: float | Sequence[float],
-                 cost: CostModel, overhead: float = 0.0,
-                 alternative: float | None = None) -> tuple[list[int], float]:
+                 cost: CostModel | SharedCost, overhead: float = 0.0,
+                 alternative: float | None = None, *, base: float = 0.0) -> tuple[list[int], float]:
     """The nodes worth verifying and the expected tokens per second they give.
 
     Keeps the ``n`` most probable nodes (always a subtree: parents are at least as probable
     as their children and come first on ties), ``n`` maximising expected tokens, ``1 + sum
     of P(node)``, per second of ``cost(n) + overhead``. ``([], plain rate)`` when no draft pays.
     ``alpha``: one acceptance rate, or one per node (:func:`node_probabilities`). For a chain
-    of one rate this is :func:`best_length`.
+    of one rate this is :func:`best_length`. In a batched step ``cost`` is a
+    :class:`SharedCost` and ``base`` the tokens the step's other rows yield: a node is kept
+    only where it raises the whole step's rate.
     """
     probs = node_probabilities(parents, alpha, alternative)
     order = sorted(range(len(probs)), key=lambda i: (-probs[i], i))
-    best_n, best_rate, total = 0, 1.0 / cost.seconds(0), 1.0
+    best_n, best_rate, total = 0, (1.0 + base) / cost.seconds(0), 1.0 + base
     for n, node in enumerate(order, 1):
         if probs[node] < 1e-4:  # further nodes add nothing measurable
             break
@@ -281,17 +304,11 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    # The synthetic prompts' rows are of no later call's use: kept out of the target's prefix
-    # cache (not saved while measuring, dropped from the KV after).
-    prefix_cache = getattr(target, "prefix_cache", None)
-    if prefix_cache is not None:
-        target.prefix_cache = None
-    try:
+    # The synthetic prompts' rows are of no later call's use: measured on a scratch sequence
+    # the pool never caches (HFTarget.uncached).
+    uncached = getattr(target, "uncached", None)
+    with uncached() if callable(uncached) else contextlib.nullcontext():
         return _cached_or_measured(target, sizes, context, repeats, cache_file)
-    finally:
-        if prefix_cache is not None:
-            target.crop(0)
-            target.prefix_cache = prefix_cache
 
 
 def _cached_or_measured(target: Any, sizes: tuple[int, ...] | None, context: int, repeats: int,
@@ -306,7 +323,8 @@ def _cached_or_measured(target: Any, sizes: tuple[int, ...] | None, context: int
             data = json.loads(cache_file.read_text())
             if data.get("version") == COST_CACHE_VERSION and data.get("widths", []) == widths:
                 cached = CostModel(float(data["base"]), float(data["per_token"]),
-                                   tuple((int(t), float(sec)) for t, sec in data["points"]))
+                                   tuple((int(t), float(sec)) for t, sec in data["points"]),
+                                   float(data["kv_per_token"]))
                 then = [float(x) for x in data["probe"]]
                 now = probe_cost(target)
                 if all(n >= STALE_RATIO * t for n, t in zip(now, then, strict=True)):
@@ -314,18 +332,23 @@ def _cached_or_measured(target: Any, sizes: tuple[int, ...] | None, context: int
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache file is measured again
 
-    model = _measure(target, sizes, context, repeats)
+    model, measured_at = _measure(target, sizes, context, repeats)
+    probe = now if now is not None else probe_cost(target)  # taken moments ago: reused
+    # The narrowest forward at the curve's context against the probe's, at PROBE_CONTEXT.
+    kv = max(0.0, (model.seconds(0) - probe[0]) / max(measured_at - PROBE_CONTEXT, 1))
+    model = CostModel(model.base, model.per_token, model.points, kv)
     if cache_file is not None:
-        probe = now if now is not None else probe_cost(target)  # taken moments ago: reused
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         cache_file.write_text(json.dumps({"version": COST_CACHE_VERSION, "base": model.base,
                                           "per_token": model.per_token,
                                           "points": [list(p) for p in model.points],
-                                          "probe": probe, "widths": widths}))
+                                          "kv_per_token": kv, "probe": probe,
+                                          "widths": widths}))
     return model
 
 
-def _measure(target: Any, sizes: tuple[int, ...] | None, context: int, repeats: int) -> CostModel:
+def _measure(target: Any, sizes: tuple[int, ...] | None, context: int,
+             repeats: int) -> tuple[CostModel, int]:
     widest = max(sizes) if sizes else 63
     context = max(2, min(context, target.max_context - widest - (len(sizes) if sizes else 12) * (repeats + 1) - 2))
     prompt = [1 + t % (target.vocab_size - 1) for t in range(context)]
@@ -335,7 +358,7 @@ def _measure(target: Any, sizes: tuple[int, ...] | None, context: int, repeats: 
         sizes = tuple(w - 1 for w in widths) if widths else (0, 1, 2, 3, 5, 7, 11, 15, 23, 31, 47, 63)
     sizes = tuple(sorted(set(sizes)))
     best = dict(zip(sizes, _fastest_rounds(target, prompt[-1], sizes, repeats), strict=True))
-    return CostModel.fit(cost_points(best, widths))
+    return CostModel.fit(cost_points(best, widths)), context
 
 
 def probe_cost(target: Any, *, rounds: int = 3) -> list[float]:

@@ -212,6 +212,19 @@ def set_decoder_layers(model: Any, layers: Any) -> None:
     base_model(model).layers = layers
 
 
+def kv_shapes(model: Any) -> list[tuple[int, int, Any]]:
+    """Each decoder layer's ``(kv_heads, head_dim, dtype)``: the KV pool's buffers."""
+    config = getattr(model.config, "text_config", None) or model.config
+    dtype = next(model.parameters()).dtype
+    out = []
+    for layer in decoder_layers(model):
+        attn = layer.self_attn
+        dim = int(attn.head_dim)
+        groups = int(getattr(attn, "num_key_value_groups", 1))
+        out.append((int(config.num_attention_heads) // groups, dim, dtype))
+    return out
+
+
 def eos_token_ids(model: Any) -> Any:
     """``generation_config.eos_token_id``: an int, a list of them or None."""
     return model.generation_config.eos_token_id

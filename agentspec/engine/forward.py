@@ -1,17 +1,19 @@
-"""One fixed-width forward of the target over a :class:`~agentspec.engine.kv.FixedKV`.
+"""The engine's forward over the KV pool: rows of any number of sequences in, logits out.
 
-Every forward that produces a committed token (prefill chunks, plain steps, verifications)
-goes through :class:`FixedForward`: a width from one measured reduction class, rows written
-at KV slots ``kv_len + row``, and a ``[width, capacity]`` mask built on the device from a
-``[width, width]`` ancestor matrix. Inputs live in static buffers, so on CUDA the forward is
-captured once as a CUDA graph (:meth:`FixedForward.capture`) and replayed per step; on the CPU
-the same code runs eagerly.
+Every forward that produces a committed token (prompt chunks, plain steps, verifications,
+whatever sequences share them) goes through :class:`Forward`: its rows laid out by
+:mod:`agentspec.engine.plan` at a width of one measured reduction class, each sequence's rows
+written into the pool at positions ``kv_len + depth`` and attending that sequence's own keys.
+On the CPU the model's modules run it (linear layers on oneDNN, :func:`engine_kernels`); on
+CUDA the fused forward runs it (:mod:`agentspec.engine.fused`), replayed as a CUDA graph per
+width.
 
-Row ``r`` of a forward is *canonical* when it sits at slot ``kv_len + r`` = its position and
-attends exactly the slots ``[0, kv_len + r]``: the rows of a chain (and a tree's spine, see
+Row ``r`` of a sequence is *canonical* when it sits at position ``kv_len + r`` and attends
+exactly the positions ``[0, kv_len + r]``: the rows of a chain (and a tree's spine, see
 :func:`agentspec.tree.spine_length`). A canonical row's logits and KV are bitwise the same
-whatever else its forward holds, because its keys sit in the same slots and every kernel
-sees the same shapes (``tests/integration/test_invariance.py``).
+whatever else its forward holds, because its keys sit at the same positions and every kernel
+sees the same shapes (``tests/integration/test_invariance.py``,
+``tests/integration/test_batching.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from agentspec.engine.kv import FixedKV, live_keys, verifying_attention
+from agentspec.engine import compat
+from agentspec.engine.kv import FULL, SLIDING, PoolCache, laid_out, verifying_attention
+from agentspec.engine.plan import Layout, Member, class_width, lay_out
+from agentspec.engine.pool import BLOCK as SPLIT_BLOCK
+from agentspec.engine.pool import KVPool
+from agentspec.engine.torch_thread import for_device
 
 if TYPE_CHECKING:
     from agentspec.engine.fused.llama import FusedLlama
@@ -144,107 +151,222 @@ def capture_graph(run: Callable[[], Any]) -> tuple[Any, Any]:
     return graph, out
 
 
-class FixedForward:
-    """Static inputs and outputs of one forward of ``width`` rows over ``kv``.
+
+
+class Forward:
+    """One model's forward over ``pool``: :meth:`run` takes the rows of any number of
+    sequences (:class:`~agentspec.engine.plan.Member`) and returns each one's logits.
 
     Args:
         model: the transformers causal LM.
-        kv: the KV whose buffers the forward reads and writes (its capacity is fixed).
-        width: rows per forward.
-        sliding_window: the model's window, when it has sliding-window layers (their mask
-            also hides keys more than ``sliding_window - 1`` positions behind a query).
+        pool: the KV pool its sequences live in.
+        widths: the forward widths, smallest first, all of one reduction class: a forward's
+            rows, and each sequence's rows in attention, are padded to the narrowest that
+            holds them.
+        sliding_window: the model's window, when it has sliding-window layers.
         fused: run this fused forward (:mod:`agentspec.engine.fused`) instead of the model's
             modules.
+        cuda_graphs: replay the fused forward as CUDA graphs, one per width.
     """
 
-    def __init__(self, model: Any, kv: FixedKV, width: int, *,
-                 sliding_window: int | None = None, fused: FusedLlama | None = None) -> None:
-        self.model, self.kv, self.width, self.window = model, kv, width, sliding_window
-        self.fused = fused
-        self._scratch: tuple[torch.Tensor, ...] | None = None
-        device = next(model.parameters()).device
-        # Host staging (pinned on CUDA: faster copies to the device): the ids, depths and
-        # kv_len (int64) and the ancestor matrix (bool) share one byte buffer, so a forward's
-        # inputs reach the device in one copy.
+    def __init__(self, model: Any, pool: KVPool, widths: tuple[int, ...], *,
+                 sliding_window: int | None = None, fused: FusedLlama | None = None,
+                 cuda_graphs: bool = False) -> None:
+        self.model, self.pool, self.widths, self.window = model, pool, widths, sliding_window
+        self.fused, self.cuda_graphs = fused, cuda_graphs
+        self.device = next(model.parameters()).device
+        pool.define_layers(compat.kv_shapes(model))
+        self._hidden: torch.Tensor | None = None
+        self._hook: Any = None
+        self._fused_runs: dict[tuple[int, int, bool, int], _FusedRun] = {}
+
+    def run(self, members: list[Member], *, width: int | None = None, wq: int | None = None,
+            hidden: bool = False) -> list[torch.Tensor | None]:
+        """One forward of ``members``' rows; each member's logits ``[rows, vocab]`` (None
+        where it wants none). Its rows' keys and values are in the pool afterwards, at
+        positions ``kv_len + depth`` (its committed length does not move: :meth:`commit
+        <agentspec.engine.sequence.Sequence.commit>` does that). ``hidden``: also keep the
+        final hidden rows of the members that want logits (:attr:`Member.hidden`).
+
+        ``width`` and ``wq`` force the forward's and attention's widths (the width probe)."""
+        if self.fused is not None:
+            return self._fused_run(members, width)
+        for m in members:
+            m.seq.reserve(m.seq.kv_len + len(m.ids))
+        layout = lay_out(members, self.widths, window=self.window, device=self.device,
+                         width=width, wq=wq)
+        # On the CPU on the torch thread (agentspec.engine.torch_thread: one OpenMP team).
+        logits, kept = for_device(self.device, self._compute, layout, hidden)
+        return _split(layout, logits, kept)
+
+    def _compute(self, layout: Layout, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with torch.inference_mode():
+            logits = self._modules(layout, hidden)
+        return logits, self._take_hidden() if hidden else None
+
+    def _modules(self, layout: Layout, hidden: bool) -> torch.Tensor:
+        masks: Any = FULL if self.window is None else {"full_attention": FULL,
+                                                        "sliding_attention": SLIDING}
+        keep: Any = 0 if layout.logit_rows is None else layout.logit_rows
+        if hidden and self._hook is None:
+            head = self.model.get_output_embeddings()
+            self._hook = head.register_forward_pre_hook(self._keep_hidden)
+        self._hidden = None
+        _CAPTURING.forward = self if hidden else None
+        try:
+            with engine_kernels(self.model), laid_out(layout, self.pool):
+                out = self.model(input_ids=layout.ids[None], position_ids=layout.positions[None],
+                                 attention_mask=masks, past_key_values=PoolCache(self.pool, layout),
+                                 use_cache=True, logits_to_keep=keep)
+        finally:
+            _CAPTURING.forward = None
+        logits: torch.Tensor = out.logits[0]  # [rows kept, vocab_size]
+        return logits
+
+    def rows_taken(self, n: int) -> int:
+        """Rows ``n`` rows of one sequence take in a forward (the fused forward's whole row
+        tiles)."""
+        if self.fused is None:
+            return n
+        from agentspec.engine.fused import kernels
+
+        return -(-n // kernels.BLOCK_M) * kernels.BLOCK_M
+
+    def _fused_run(self, members: list[Member], width: int | None) -> list[torch.Tensor | None]:
+        """The fused forward: each member's rows padded to whole row tiles (padding rows see
+        only themselves and are written past the committed length), members that want logits
+        first, junk tiles after; one staging copy; replayed as a CUDA graph per width."""
+        from agentspec.engine.fused import kernels
+
+        tile = kernels.BLOCK_M
+        order = sorted(range(len(members)), key=lambda i: not members[i].logits)
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        tiles: list[tuple[int, int, int, list[int]]] = []
+        starts: dict[int, int] = {}
+        anc_parts: list[tuple[int, np.ndarray]] = []
+        logit_rows = 0
+        for i in order:
+            m = members[i]
+            n, kv = len(m.ids), m.seq.kv_len
+            padded = -(-n // tile) * tile
+            m.seq.reserve(kv + padded)
+            depth = [*m.depth, *range(n, padded)]
+            row0 = len(ids)
+            starts[i] = row0
+            ids += [*m.ids, *[m.ids[-1]] * (padded - n)]
+            pos += [kv + d for d in depth]
+            slots += m.seq.slots(torch.tensor([kv + r for r in range(padded)])).tolist()
+            anc = np.eye(padded, dtype=bool)
+            anc[:n, :n] = m.anc
+            anc_parts.append((row0, anc))
+            tiles += [(kv, row0, padded, m.seq.table)] * (padded // tile)
+            if m.logits:
+                logit_rows = row0 + padded
+        total = width or class_width(max(len(ids), 1), self.widths)
+        junk = total - len(ids)
+        ids += [0] * junk
+        pos += [0] * junk
+        slots += [-1] * junk
+        tiles += [(0, 0, 0, [])] * (junk // tile)
+        splits = 1 << max(0, max((-(-(t[0] + t[2]) // SPLIT_BLOCK) for t in tiles), default=1) - 1).bit_length()
+        anc_all = np.zeros((total, total), dtype=bool)
+        for row0, anc in anc_parts:
+            anc_all[row0 : row0 + anc.shape[0], row0 : row0 + anc.shape[0]] = anc
+        staged = kernels.staging(ids, pos, slots, tiles, splits)
+        logits = for_device(self.device, self._fused_compute, total, splits, staged, anc_all,
+                            logit_rows)
+        out: list[torch.Tensor | None] = []
+        for i, m in enumerate(members):
+            out.append(logits[starts[i] : starts[i] + len(m.ids)] if m.logits else None)
+        return out
+
+    def _fused_compute(self, width: int, splits: int, staged: list[int], anc: np.ndarray,
+                       logit_rows: int) -> torch.Tensor:
+        assert self.fused is not None
+        key = (width, splits, logit_rows > 0, self.pool.generation)
+        run = self._fused_runs.get(key)
+        if run is None:
+            run = self._fused_runs[key] = _FusedRun(self.fused, self.pool, width, splits,
+                                                    logits=logit_rows > 0, device=self.device)
+        run.stage(staged, anc)
+        with torch.inference_mode():
+            if self.cuda_graphs and run.graph is None:
+                run.capture()
+            return run.run(None if run.graph is not None else logit_rows)
+
+    def _keep_hidden(self, module: Any, args: tuple[Any, ...]) -> None:
+        # The output embedding is the model's, shared by every fork and by other code (the
+        # bench's transformers baselines): keep only this forward's own, in this thread.
+        if getattr(_CAPTURING, "forward", None) is self:
+            self._hidden = args[0][0]  # [rows kept, hidden]
+
+    def _take_hidden(self) -> torch.Tensor | None:
+        out, self._hidden = self._hidden, None
+        return out
+
+
+class _FusedRun:
+    """One fused forward shape's static inputs, scratch and (on CUDA) graph."""
+
+    def __init__(self, fused: FusedLlama, pool: KVPool, width: int, splits: int, *,
+                 logits: bool, device: torch.device) -> None:
+        from agentspec.engine.fused import kernels
+
+        self.fused, self.pool, self.width, self.logits = fused, pool, width, logits
+        size = kernels.staging_size(width, splits)
         pin = device.type == "cuda"
-        ints = 8 * (2 * width + 1)
-        self._host_bytes = torch.zeros(ints + width * width, dtype=torch.uint8, pin_memory=pin)
-        self._bytes = torch.zeros(ints + width * width, dtype=torch.uint8, device=device)
-        self._host = self._host_bytes[:ints].view(torch.long)
-        self._host_anc = self._host_bytes[ints:].view(torch.bool).view(width, width)
-        self._ins = self._bytes[:ints].view(torch.long)  # ids, depth, kv_len
-        self._anc = self._bytes[ints:].view(torch.bool).view(width, width)
-        self._rows = torch.arange(width, device=device)
-        self._slots = torch.zeros(width, dtype=torch.long, device=device)
-        self._cols = torch.arange(kv.capacity, device=device)
-        self.logits: torch.Tensor | None = None  # [width, vocab_size] after a run
-        self._graph: Any = None
-        self._live = kv.capacity  # KV slots the staged forward can attend (host copy)
+        self._host = torch.zeros(size, dtype=torch.long, pin_memory=pin)
+        self._host_anc = torch.zeros((width, width), dtype=torch.bool, pin_memory=pin)
+        self.ins = torch.zeros(size, dtype=torch.long, device=device)
+        self.anc = torch.zeros((width, width), dtype=torch.bool, device=device)
+        self.scratch = fused.scratch(width, splits)
+        self.graph: Any = None
+        self._out: torch.Tensor | None = None
 
-    def load(self, ids: list[int], depth: list[int], anc: np.ndarray, kv_len: int) -> None:
-        """Stage one forward's inputs: ``n <= width`` rows of token ids, their depths below
-        the first row (position = ``kv_len + depth``), and ``anc[r, c]`` = row ``r`` attends
-        row ``c`` of this forward (itself included). Missing rows are padding."""
-        w, n = self.width, len(ids)
-        host = self._host.numpy()
-        host[:n], host[n:w] = ids, ids[-1]
-        host[w : w + n], host[w + n : 2 * w] = depth, np.arange(n, w)
-        host[2 * w] = kv_len
-        self._live = kv_len + w
-        full = self._host_anc.numpy()
-        full[:] = False
-        full[:n, :n] = anc
-        full[np.arange(n, w), np.arange(n, w)] = True  # padding rows see only themselves
-        # A blocking copy: the staging buffer is written again by the next ``load`` (a
-        # prefill's next chunk comes before any host sync), so the copy must be done first.
-        self._bytes.copy_(self._host_bytes)
+    def stage(self, staged: list[int], anc: np.ndarray) -> None:
+        self._host.numpy()[:] = staged
+        self._host_anc.numpy()[:] = anc
+        # Blocking copies: the host buffers are written again by the next forward's stage.
+        self.ins.copy_(self._host)
+        self.anc.copy_(self._host_anc)
 
-    def run(self, *, logits: bool = True) -> torch.Tensor:
-        """The forward on the staged inputs (a graph replay once captured). ``logits=False``
-        (a prefill chunk) lets an eager forward skip the output head but for the last row."""
-        if self._graph is not None:
-            self._graph.replay()
-        else:  # eager: attention reads only the KV blocks up to the last row (exact, faster)
-            with live_keys(self._live):
-                self.compute(None if logits else 1)
-        assert self.logits is not None
-        return self.logits
+    def _compute(self, logit_rows: int | None) -> torch.Tensor:
+        first = None if logit_rows is None else max(logit_rows, 1)
+        if not self.logits:
+            first = 1
+        return self.fused.forward(self.ins, self.anc, self.width, self.pool, self.scratch, first)
 
     def capture(self) -> None:
-        """Record the forward as a CUDA graph (inputs must be staged: the warm-up forwards
-        write only the slots from ``kv_len`` on, which hold nothing committed)."""
-        self._graph, _ = capture_graph(self.compute)
+        """Record the forward as a CUDA graph (every row's logits when any are wanted)."""
+        self.graph, self._out = capture_graph(lambda: self._compute(None))
 
-    @property
-    def captured(self) -> bool:
-        """Whether :meth:`run` replays a CUDA graph (the target captures a forward once)."""
-        return self._graph is not None
+    def run(self, logit_rows: int | None) -> torch.Tensor:
+        if self.graph is not None:
+            self.graph.replay()
+            assert self._out is not None
+            return self._out
+        return self._compute(logit_rows)
 
-    def compute(self, logits_to_keep: int | None = None) -> None:
-        """The forward on the staged inputs, eagerly, over the whole KV: what a CUDA graph
-        records (:meth:`capture`; the bench counts its operations). Sets :attr:`logits`."""
-        w = self.width
-        if self.fused is not None:
-            if self._scratch is None:
-                self._scratch = self.fused.scratch(w, self.kv.capacity)
-            self.logits = self.fused.forward(self._ins, self._anc, w, self.kv, self._scratch,
-                                             logits_to_keep)
-            return
-        ids, depth, kv_len = self._ins[:w], self._ins[w : 2 * w], self._ins[2 * w]
-        positions = kv_len + depth  # [width]
-        self._slots.copy_(kv_len + self._rows)
-        self.kv.slots = self._slots
-        rel = self._cols - kv_len  # [capacity]: slot relative to this forward's first row
-        inside = (rel >= 0) & (rel < w)
-        block = self._anc[:, rel.clamp(0, w - 1)] & inside  # [width, capacity]
-        mask = (self._cols < kv_len)[None, :] | block  # [width, capacity], True = attend
-        masks: Any = mask[None, None]
-        if self.window is not None:
-            key_pos = torch.where(inside, kv_len + depth[rel.clamp(0, w - 1)], self._cols)
-            near = key_pos[None, :] > positions[:, None] - self.window  # [width, capacity]
-            masks = {"full_attention": masks, "sliding_attention": (mask & near)[None, None]}
-        with engine_kernels(self.model):
-            out = self.model(input_ids=ids[None], position_ids=positions[None],
-                             attention_mask=masks, past_key_values=self.kv, use_cache=True,
-                             logits_to_keep=logits_to_keep or 0)
-        self.logits = out.logits[0]  # [width, vocab_size]
+
+# The forward whose hidden rows are being kept in this thread.
+_CAPTURING = threading.local()
+
+
+def _split(layout: Layout, logits: torch.Tensor,
+           hidden: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """Each member's rows of the forward's logits (and hidden rows, onto the members)."""
+    out: list[torch.Tensor | None] = []
+    at = 0
+    for m in layout.members:
+        n = len(m.ids)
+        if not m.logits:
+            out.append(None)
+            continue
+        start = m.row0 if layout.logit_rows is None else at
+        out.append(logits[start : start + n])
+        if hidden is not None:
+            m.hidden = hidden[start : start + n]
+        at += n
+    return out

@@ -31,6 +31,7 @@ from agentspec.engine.packages import (  # noqa: F401 - GEMMA_TURNS: where it wa
     not_installed,
 )
 from agentspec.engine.target import HFTarget
+from agentspec.engine.torch_thread import for_device
 from agentspec.errors import ModelNotAvailableError, NotFoundError
 from agentspec.home import model_dir
 
@@ -233,6 +234,14 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = No
     torch_dtype = as_dtype(dtype)
     device = as_device(device)
     torch_dtype = torch_dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    # On the CPU the load (a GGUF's dequantising, the weights' copies) runs on the torch
+    # thread: the thread every later forward runs on (agentspec.engine.torch_thread).
+    return for_device(torch.device(device), _load, name_or_path, device, torch_dtype,
+                      prefix_cache_bytes)
+
+
+def _load(name_or_path: str, device: str, torch_dtype: Any,
+          prefix_cache_bytes: int | None) -> HFTarget:
     name, source = resolve_model(name_or_path)
     model_config(name_or_path, source)
     tokenizer = compat.load_tokenizer(source)

@@ -1,27 +1,37 @@
-"""The target model and its KV state.
+"""The target model: its identity, its forward, the KV pool its sequences live in.
 
-``HFTarget`` keeps the invariant of the decode loop: between steps the KV holds every committed
-token but the last one. ``score`` runs one forward over the last committed token and a draft
-(chain or tree); ``commit`` keeps the accepted path's KV rows and drops the rest.
+``HFTarget`` is what the engine holds once per model: :class:`~agentspec.engine.model.ModelIdentity`
+(fingerprint, stop tokens), the :class:`~agentspec.engine.forward.Forward` (widths, probed
+once; the modules or the fused kernels) and a :class:`~agentspec.engine.pool.KVPool`. Every
+generation is a :class:`~agentspec.engine.sequence.Sequence` in the pool; :meth:`HFTarget.run`
+computes one forward over the rows of any number of them (the scheduler's batched steps).
+
+For a single caller the target also keeps one sequence of its own and the decode loop's
+invariant on it (between steps the KV holds every committed token but the last one):
+``start`` prefills a prompt, ``score`` runs one forward over the last committed token and a
+draft (chain or tree), ``commit`` keeps the accepted path's rows and drops the rest.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
-from agentspec.engine import compat, malloc, prefix
-from agentspec.engine.forward import FixedForward
-from agentspec.engine.kv import FixedKV
+from agentspec.engine import compat, malloc
+from agentspec.engine.forward import Forward
+from agentspec.engine.model import ModelIdentity
+from agentspec.engine.model import fingerprint as fingerprint
+from agentspec.engine.plan import Member
+from agentspec.engine.pool import DEFAULT_CACHE_BYTES, KVPool, PoolStats
+from agentspec.engine.sequence import Sequence as KVSequence
+from agentspec.engine.torch_thread import device_work
 from agentspec.errors import UnsupportedModelError, warn_once
-from agentspec.tree import ancestor_matrix, common_prefix_len, depths
+from agentspec.tree import ancestor_matrix, depths
 from agentspec.types import Draft, Verdict
 
 # The CPU's forward widths. A draft is scored at the narrowest width that holds it, so every
@@ -64,69 +74,58 @@ def ordered_widths(widths: Sequence[int], name: str = "widths", shown: str | Non
     return out
 
 
-# The target whose ``score`` forward is running in this thread (its hidden rows are kept).
-_CAPTURING = threading.local()
 
 # check_widths results per model: one probe per loaded model, not per HFTarget over it.
 _WIDTH_CLASS: weakref.WeakKeyDictionary[
-    Any, dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...]]]] = (
+    Any, dict[tuple[Any, ...], tuple[tuple[int, ...], tuple[int, ...], bool]]] = (
     weakref.WeakKeyDictionary())
 
 
-# Config entries that say where and how a model was loaded, not what it is: the folder it was
-# read from (another user's $AGENTSPEC_HOME, a moved cache), the transformers release that
-# wrote the config, the dtype it was loaded in.
-_NOT_IDENTITY = ("_name_or_path", "transformers_version", "dtype", "torch_dtype")
+def causal(n: int) -> np.ndarray:
+    """The ancestor matrix of a chain of ``n`` rows: each row sees itself and those before."""
+    return np.tril(np.ones((n, n), dtype=bool))
 
 
-def fingerprint(name: str, model: Any, tokenizer: Any) -> str:
-    """Model + tokenizer identity: memory entries of another fingerprint are never drafted from.
-
-    The same model loaded from another folder, by another transformers release or in another
-    dtype has the same fingerprint, so agents on several machines share one memory's rows and
-    heads (outputs still depend on the dtype; drafts are only drafts)."""
-    config = json.loads(model.config.to_json_string(use_diff=False))
-    for key in _NOT_IDENTITY:
-        config.pop(key, None)
-    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
-    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    return f"{name}:{h.hexdigest()[:16]}"
+def draft_member(seq: KVSequence, last_token: int, draft: Draft) -> Member:
+    """The rows a step scores for ``seq``: its last committed token (the root) and the draft's
+    nodes, each seeing the root and its ancestors."""
+    n = draft.num_nodes
+    anc = np.zeros((n + 1, n + 1), dtype=bool)
+    anc[:, 0] = True
+    anc[1:, 1:] = ancestor_matrix(draft.parents)
+    return Member(seq, [last_token, *draft.token_ids], [0, *depths(draft.parents)], anc)
 
 
 class HFTarget:
-    """A transformers causal LM and the KV of the one generation in progress (batch size 1).
+    """A transformers causal LM, its forward and the KV pool of its generations.
 
-    Every forward runs at a width from :attr:`widths` over a :class:`~agentspec.engine.kv.FixedKV`
-    (see :mod:`agentspec.engine.forward`), so a committed token's logits and KV rows are bitwise the
-    same whatever the drafts: the output is a pure function of the request, in bf16 too.
+    Every forward runs at a width from one measured reduction class over the pool (see
+    :mod:`agentspec.engine.forward`), so a committed token's logits and KV rows are bitwise the
+    same whatever the drafts and whatever other sequences share the forward: the output is a
+    pure function of the request, in bf16 too.
 
     Args:
-        reuse_prefix: keep the KV rows of the longest common prefix between a new prompt and
-            what the KV already holds: the calls of an agent share their system prompt, tool
-            docs and earlier turns, so most of a prompt's prefill is skipped. The rows are the
-            same bits a fresh prefill computes (``tests/integration/test_invariance.py``).
+        reuse_prefix: a generation holds the rows of the longest prefix its prompt shares with
+            what its sequence holds or the pool has cached (an agent's calls share their system
+            prompt, tool docs and earlier turns), instead of prefilling them. The same bits a
+            fresh prefill computes (``tests/integration/test_invariance.py``).
         widths: the forward widths, smallest first, all of one reduction class. Default on
             the CPU :data:`CPU_WIDTHS` (2 to 64 rows; a 1-row product runs another kernel than
-            2+ rows), checked on first use (:meth:`check_widths`). On CUDA one width, 64,
-            captured as a CUDA graph (cuBLAS picks kernels by row count; the forward is
-            launch-bound anyway).
-        cuda_graphs: capture the forwards as CUDA graphs (CUDA only; default on).
-        prefill_widths: wider forwards for prompt chunks only, kept where they compute the
-            same bits as the widest of ``widths`` (:meth:`check_widths`). Default on the CPU
-            :data:`CPU_PREFILL_WIDTHS` (a wide chunk costs far less per token than a 64-row
-            one); none on CUDA, where a captured 64-row graph is cheap.
+            2+ rows), checked on first use (:meth:`check_widths`). On CUDA without the fused
+            forward one width, 64 (cuBLAS picks kernels by row count).
+        cuda_graphs: capture the fused forward as CUDA graphs (CUDA only; default on).
+        prefill_widths: wider forwards, kept where they compute the same bits as the widest of
+            ``widths`` (:meth:`check_widths`): prompt chunks, and steps carrying many
+            sequences' rows. Default on the CPU :data:`CPU_PREFILL_WIDTHS`.
         fused: the fused forward (:mod:`agentspec.engine.fused`: a Llama-family model in six
             Triton kernels a layer instead of its modules): ``None`` (default) on CUDA where
-            the model is covered, falling back to the modules (with a warning) if its kernels
-            fail; ``True``: required (a clear error where the model is not covered; on the
-            CPU only under Triton's interpreter, for tests); ``False``: the modules. Its
-            default widths are :data:`FUSED_WIDTHS` and :data:`FUSED_PREFILL_WIDTHS`.
-        prefix_cache_bytes: the budget of the prefix cache (:mod:`agentspec.engine.prefix`): rows
-            of earlier calls that a new prompt would overwrite are kept, in blocks of 64
-            tokens, and a later prompt that starts with them gets them back instead of
-            prefilling them (interleaved agents, tool sets and conversations each keep their
-            system prompt's rows). ``None``: 512 MiB; 0: off (and off without
-            ``reuse_prefix``). Exact: the same rows a prefill computes.
+            the model is covered; ``True``: required (a clear error where the model is not
+            covered; on the CPU only under Triton's interpreter, for tests); ``False``: the
+            modules. Its default widths are :data:`FUSED_WIDTHS` and
+            :data:`FUSED_PREFILL_WIDTHS`.
+        prefix_cache_bytes: the budget of blocks the pool keeps after their sequences end, for
+            later prompts that start with them (:mod:`agentspec.engine.pool`). ``None``: 512
+            MiB; 0: none kept (and none without ``reuse_prefix``).
     """
 
     def __init__(self, model: Any, tokenizer: Any, *, name: str = "model",
@@ -143,6 +142,7 @@ class HFTarget:
         if not cuda:  # the engine's large CPU temporaries: reused, not mapped anew (engine.malloc)
             malloc.tune()
         self.fused = None
+        self._fused_optional, self._fused_ran = fused is None, False
         if fused or (fused is None and cuda):
             from agentspec.engine.fused.llama import select
 
@@ -160,35 +160,28 @@ class HFTarget:
         wide = default_wide if prefill_widths is None else tuple(prefill_widths)
         self.prefill_widths = ordered_widths([w for w in wide if w > self.widths[-1]],
                                              "prefill_widths", str(prefill_widths))
-        self._kv_ids: list[int] = []  # the token ids whose rows the KV holds, in order
-        budget = prefix.DEFAULT_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
+        budget = DEFAULT_CACHE_BYTES if prefix_cache_bytes is None else prefix_cache_bytes
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise ValueError(f"prefix_cache_bytes must be an int >= 0, got {prefix_cache_bytes!r}")
-        self.prefix_cache = prefix.PrefixCache(budget) if budget and reuse_prefix else None
-        # Prompt tokens whose rows the last ``start`` did not compute (held or restored).
-        self.reused_tokens = 0
-        self._root = -1  # the last committed token, scored by ``score``
+        self.prefix_cache_bytes = budget if reuse_prefix else 0
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self._fingerprint: str | None = None
-        self._fused_optional = fused is None
-        self._fused_ran = False
-        self._kv: FixedKV | None = None
-        self._kv_len = 0
-        self._forwards: dict[int, FixedForward] = {}
+        self._identity: ModelIdentity | None = None
+        self._refuse_unrollbackable()
+        self.pool = KVPool(self.device, cache_bytes=self.prefix_cache_bytes)
+        self.forward = Forward(model, self.pool, self._all_widths(),
+                               sliding_window=self.sliding_window, fused=self.fused,
+                               cuda_graphs=self.cuda_graphs)
+        self.seq = KVSequence(self.pool)  # a single caller's generation
+        self._root = -1  # the last committed token, scored by ``score``
         self._widths_checked = widths is not None and len(self.widths) == 1 and not self.prefill_widths
-        # Set by a drafter that reads the target's final hidden state (the draft head): then
-        # ``score`` keeps ``hidden`` [rows, hidden], row r at position ``hidden_position + r``.
-        # Read only (a hook on the output embedding's input): never used to decide a token.
-        self.keep_hidden = False
+        self.batches = True  # whether forwards may carry several sequences (check_widths)
+        # The final hidden rows of the last ``score(keep_hidden=True)``: row r at position
+        # ``hidden_position + r``. Read only: never used to decide a token.
         self.hidden: torch.Tensor | None = None
         self.hidden_position = -1
-        self._hook: Any = None
-        self._lm_input: torch.Tensor | None = None
-        self._refuse_unrollbackable()
-        # Tree drafts need a custom boolean 4-D mask: sdpa takes it as is (eager would add it as
-        # numbers, so other attention paths verify chains);
-        # sliding-window models also need a mask per layer type.
+        # Tree drafts need a tree mask in the engine's attention (the fused forward's too);
+        # other attention paths verify chains.
         attention = compat.attention_implementation(model)
         self.supports_trees = attention == "sdpa" or self.fused is not None
         if not self.supports_trees:
@@ -197,28 +190,36 @@ class HFTarget:
             warn_once(f"{name}: sliding-window layers cannot take a tree mask; verifying chains only")
             self.supports_trees = False
 
+    def _all_widths(self) -> tuple[int, ...]:
+        return (*self.widths, *self.prefill_widths)
+
+    @property
+    def identity(self) -> ModelIdentity:
+        if self._identity is None:
+            self._identity = ModelIdentity.of(self.name, self.model, self.tokenizer,
+                                              (compat.eos_token_ids(self.model),
+                                               self.tokenizer.eos_token_id))
+        return self._identity
+
     @property
     def fingerprint(self) -> str:
-        if self._fingerprint is None:
-            self._fingerprint = fingerprint(self.name, self.model, self.tokenizer)
-        return self._fingerprint
+        return self.identity.fingerprint
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
         """The tokens that end a generation: the model's generation config's and the
         tokenizer's end-of-sequence ids."""
-        ids: set[int] = set()
-        for source in (compat.eos_token_ids(self.model), self.tokenizer.eos_token_id):
-            if isinstance(source, int):
-                ids.add(source)
-            elif source:
-                ids.update(int(i) for i in source)
-        return frozenset(ids)
+        return self.identity.stop_token_ids
 
     @property
     def max_draft_nodes(self) -> int:
         """The most draft nodes one forward scores (the root takes a row)."""
         return self.widths[-1] - 1
+
+    @property
+    def widest(self) -> int:
+        """The most rows one forward takes (a prompt chunk, or a step of many sequences)."""
+        return self._all_widths()[-1]
 
     def _refuse_unrollbackable(self) -> None:
         cfg = self.model.config
@@ -240,243 +241,256 @@ class HFTarget:
                 f"prompt plus max_new_tokens is {total_tokens} tokens, more than the model's "
                 f"context of {self.max_context}")
 
+    @device_work
     @torch.inference_mode()
     def check_widths(self) -> tuple[int, ...]:
-        """Measure which widths share one reduction order; keep the class of the widest.
+        """Measure which widths share one reduction order, and whether a forward's rows are
+        the same bits beside other sequences' rows; keep the class of the widest.
 
         Scores the same rows at every width over an empty KV and compares the logits bitwise.
         Widths whose rows differ are dropped (with a warning): padding to a wider forward
-        costs speed, a width of another class would let drafts change outputs.
+        costs speed, a width of another class would let drafts change outputs. Then two
+        sequences' steps are scored alone and together (:meth:`batch_probe`); where they
+        differ, forwards carry one sequence each (:attr:`batches` False, with a warning).
         """
-        if not self._widths_checked:
-            self._widths_checked = True
-            known = _WIDTH_CLASS.setdefault(self.model, {})
-            asked = (self.widths, self.prefill_widths, str(self.device),
-                     str(next(self.model.parameters()).dtype),
-                     torch.get_num_threads())  # CPU kernels split rows by thread count
-            if asked in known:  # probed already on another HFTarget of this model
-                self.widths, self.prefill_widths = known[asked]
-                return self.widths
-            if self.fused is not None:  # its first forward: one that fails falls back here
-                n = self.widths[0]
-                self._forward_rows([0] * n, list(range(n)), np.tril(np.ones((n, n), dtype=bool)))
-            gen = torch.Generator().manual_seed(0)
-            n = self.widths[0]
+        if self._widths_checked:
+            return self.widths
+        self._widths_checked = True
+        known = _WIDTH_CLASS.setdefault(self.model, {})
+        asked = (self.widths, self.prefill_widths, str(self.device),
+                 str(next(self.model.parameters()).dtype), self.fused is not None,
+                 torch.get_num_threads())  # CPU kernels split rows by thread count
+        if asked in known:  # probed already on another HFTarget of this model
+            self.widths, self.prefill_widths, self.batches = known[asked]
+            self.forward.widths = self._all_widths()
+            return self.widths
+        if self.fused is not None:  # its first forward: one that fails falls back here
+            self._probe([0] * self.widths[0], self.widths[0])
+        gen = torch.Generator().manual_seed(0)
+        n = self.widths[0]
+        ids = torch.randint(0, self.vocab_size, (n,), generator=gen).tolist()
+        rows = {w: self._probe(ids, w) for w in self.widths}
+        same = tuple(w for w in self.widths if torch.equal(rows[w], rows[self.widths[-1]]))
+        if same != self.widths:
+            warn_once(f"{self.name}: forward widths {sorted(set(self.widths) - set(same))} "
+                      f"compute rows in another order on this {self.device.type}; using {same}")
+            self.widths = same
+        if self.prefill_widths:
+            # A prompt chunk's rows must be the bits a decode-width forward gives them (a
+            # prefix written by one call is reused by the next): a whole widest-width chain,
+            # compared row for row.
+            n = self.widths[-1]
             ids = torch.randint(0, self.vocab_size, (n,), generator=gen).tolist()
-            anc = np.tril(np.ones((n, n), dtype=bool))
-            rows = {w: self._forward_rows(ids, list(range(n)), anc, width=w) for w in self.widths}
-            same = tuple(w for w in self.widths if torch.equal(rows[w], rows[self.widths[-1]]))
-            if same != self.widths:
-                warn_once(f"{self.name}: forward widths {sorted(set(self.widths) - set(same))} "
-                          f"compute rows in another order on this {self.device.type}; using {same}")
-                self.widths = same
-            if self.prefill_widths:
-                # A prompt chunk's rows must be the bits a decode-width forward gives them (a
-                # prefix written by one call is reused by the next): a whole widest-width
-                # chain, compared row for row.
-                n = self.widths[-1]
-                ids = torch.randint(0, self.vocab_size, (n,), generator=gen).tolist()
-                anc = np.tril(np.ones((n, n), dtype=bool))
-                ref = self._forward_rows(ids, list(range(n)), anc, width=n)
-                kept = tuple(w for w in self.prefill_widths if torch.equal(
-                    self._forward_rows(ids, list(range(n)), anc, width=w), ref))
-                if kept != self.prefill_widths:
-                    warn_once(f"{self.name}: prefill widths "
-                              f"{sorted(set(self.prefill_widths) - set(kept))} compute rows in "
-                              f"another order on this {self.device.type}; using {kept}")
-                    self.prefill_widths = kept
-            known[asked] = (self.widths, self.prefill_widths)
+            ref = self._probe(ids, n)
+            kept = tuple(w for w in self.prefill_widths if torch.equal(self._probe(ids, w), ref))
+            if kept != self.prefill_widths:
+                warn_once(f"{self.name}: prefill widths "
+                          f"{sorted(set(self.prefill_widths) - set(kept))} compute rows in "
+                          f"another order on this {self.device.type}; using {kept}")
+                self.prefill_widths = kept
+        self.forward.widths = self._all_widths()
+        self.batches = self.batch_probe(gen)
+        if not self.batches:
+            warn_once(f"{self.name}: a sequence's rows differ beside other sequences' on this "
+                      f"{self.device.type}; every forward carries one sequence")
+        known[asked] = (self.widths, self.prefill_widths, self.batches)
         return self.widths
 
-    def _forward_rows(self, ids: list[int], depth: list[int], anc: np.ndarray, *,
-                      width: int | None = None, logits: bool = True) -> torch.Tensor:
-        """Logits ``[len(ids), vocab_size]`` of rows written at slots ``kv_len + row``
-        (``logits=False``: the KV rows are what counts; the logits may be fewer)."""
-        n = len(ids)
-        if width is None:
-            width = next((w for w in (*self.widths, *self.prefill_widths) if w >= n), None)
-            if width is None:
-                widest = (self.prefill_widths or self.widths)[-1]
-                raise ValueError(f"a forward of {n} rows is wider than the widest, {widest}")
-        self._reserve(self._kv_len + width)
-        forward = self._forwards.get(width)
-        if forward is None:
-            assert self._kv is not None
-            forward = FixedForward(self.model, self._kv, width, sliding_window=self.sliding_window,
-                                   fused=self.fused)
-            self._forwards[width] = forward
-        forward.load(ids, depth, anc, self._kv_len)
+    def _probe(self, ids: list[int], width: int) -> torch.Tensor:
+        """Logits of a chain of ``ids`` over an empty KV in a forward of ``width`` rows."""
+        seq = KVSequence(self.pool, cached=False)
         try:
-            if self.cuda_graphs and not forward.captured:
-                try:
-                    forward.capture()
-                except RuntimeError as exc:  # the same forward still runs eagerly, just slower
-                    if self.fused is not None and not self._fused_ran:
-                        raise
-                    warn_once(f"{self.name}: CUDA graph capture failed ({exc}); running eagerly")
-                    self.cuda_graphs = False
-            out = forward.run(logits=logits)[:n]
+            out = self._forward([Member(seq, ids, list(range(len(ids))), causal(len(ids)))],
+                                width=width, wq=width)[0]
+            assert out is not None
+            return out.clone()
+        finally:
+            seq.release()
+
+    def batch_probe(self, gen: torch.Generator) -> bool:
+        """Whether sequences' rows are the same bits in one forward as alone: two sequences of
+        other lengths (one past a block), a chain and a tree, and a prompt chunk beside them
+        where the widest forward has room for it."""
+        seqs = [KVSequence(self.pool, cached=False) for _ in range(3)]
+        try:
+            for seq, length in zip(seqs, (300, 41, 0), strict=True):
+                ids = torch.randint(0, self.vocab_size, (length,), generator=gen).tolist()
+                self._prefill_rows(seq, ids)
+            tree = Draft((5, 6, 7, 8), (-1, 0, 0, 2), "probe")
+            chain = Draft.chain([9, 10, 11], "probe")
+            makes = [lambda: draft_member(seqs[0], 3, tree), lambda: draft_member(seqs[1], 4, chain)]
+            room = self.widest - sum(self.forward.rows_taken(n) for n in (5, 4))
+            chunk_len = min(70, room)
+            if chunk_len > 0:
+                chunk = torch.randint(0, self.vocab_size, (chunk_len,), generator=gen).tolist()
+                makes.append(lambda: Member(seqs[2], chunk, list(range(chunk_len)),
+                                            causal(chunk_len)))
+            alone = [self._forward([make()])[0] for make in makes]
+            together = self._forward([make() for make in reversed(makes)])[::-1]
+            return all(a is not None and b is not None and torch.equal(a, b)
+                       for a, b in zip(alone, together, strict=True))
+        finally:
+            for seq in seqs:
+                seq.release()
+
+    @device_work
+    @torch.inference_mode()
+    def run(self, members: list[Member], *, hidden: bool = False) -> list[torch.Tensor | None]:
+        """One forward over the rows of ``members`` (any sequences of this target's pool): each
+        member's logits ``[rows, vocab_size]``, None where it wants none (see
+        :meth:`Forward.run <agentspec.engine.forward.Forward.run>`)."""
+        self.check_widths()
+        return self._forward(members, hidden=hidden)
+
+    def _forward(self, members: list[Member], **kwargs: Any) -> list[torch.Tensor | None]:
+        """The forward, falling back to the modules where the fused forward fails before it
+        ever ran (a Triton or driver its kernels do not compile on; nothing it wrote is
+        committed), with a warning."""
+        try:
+            out = self.forward.run(members, **kwargs)
         except Exception as exc:  # noqa: BLE001 - a kernel that fails before it ever ran
             if self.fused is None or self._fused_ran or not self._fused_optional:
                 raise
             warn_once(f"{self.name}: the fused forward failed ({type(exc).__name__}: {exc}); "
                       "running the model's modules")
             self._unfuse()
-            return self._forward_rows(ids, depth, anc, logits=logits)
+            kwargs.pop("width", None)
+            kwargs.pop("wq", None)
+            return self.forward.run(members, **kwargs)
         self._fused_ran = self.fused is not None
         return out
 
     def _unfuse(self) -> None:
-        """Back to the module path, with its widths (the fused forward's first run failed:
-        nothing it wrote is committed)."""
+        """Back to the module path, with its widths (probed again on the CPU)."""
         self.fused = None
-        self._forwards.clear()
         cuda = self.device.type == "cuda"
         self.widths, self.prefill_widths = _default_widths(False, cuda)
-        if not cuda:  # the CPU's widths are probed again (check_widths)
+        self.forward = Forward(self.model, self.pool, self._all_widths(),
+                               sliding_window=self.sliding_window)
+        self.supports_trees = compat.attention_implementation(self.model) == "sdpa"
+        if not cuda:
             self._widths_checked = False
 
-    def _reserve(self, rows: int) -> None:
-        """Grow the KV to hold ``rows`` rows (the committed rows are copied over). The rows of
-        a forward do not depend on the capacity, so growing never changes an output; on CUDA
-        it re-captures the graphs, and says so."""
-        capacity = self._kv.capacity if self._kv is not None else 0
-        if rows <= capacity:
-            return
-        step = 1024 if self.device.type == "cuda" else 256
-        new = -(-max(rows, capacity + capacity // 2, 512) // step) * step
-        if self._kv is None:
-            self._kv = FixedKV(new)
-        else:
-            self._kv = self._kv.resized(new, self._kv_len)
-            if self.cuda_graphs:
-                warn_once(f"{self.name}: KV capacity grown from {capacity} to {new} tokens; "
-                          "CUDA graphs are captured again")
-        self._forwards.clear()
+    def new_sequence(self) -> KVSequence:
+        """A sequence of this target's pool, for one generation (:meth:`prefill`, :meth:`run`,
+        :meth:`commit_on`; ``release()`` when it ends)."""
+        return KVSequence(self.pool)
 
+    @device_work
+    def prefill_chunks(self, seq: KVSequence, prompt_ids: Sequence[int]) -> list[list[int]]:
+        """Hold what ``seq`` and the pool already have of every prompt token but the last
+        (``reuse_prefix``), and return the rest in chunks of the widest width, in order."""
+        wanted = list(prompt_ids[:-1])
+        keep = seq.start(wanted, reuse=self.reuse_prefix)
+        chunk = self.widest
+        return [wanted[b : b + chunk] for b in range(keep, len(wanted), chunk)]
+
+    def _prefill_rows(self, seq: KVSequence, ids: list[int]) -> None:
+        """Write ``ids``' rows after ``seq``'s committed ones and commit them."""
+        chunk = self.widest
+        for b in range(0, len(ids), chunk):
+            part = ids[b : b + chunk]
+            self._forward([Member(seq, part, list(range(len(part))), causal(len(part)),
+                                  logits=False)])
+            seq.commit(part)
+
+    @device_work
     @torch.inference_mode()
     def start(self, prompt_ids: list[int]) -> None:
-        """Prepare the KV for a new generation: every prompt token but the last.
-
-        Rows of the longest common prefix with what the KV holds are kept (``reuse_prefix``);
-        only the rest of the prompt is prefilled, in chunks of the widest width (a prefill
-        width where one is kept), the last chunk in the narrowest width that holds it.
-        """
+        """Prepare the target's own sequence for a new generation: every prompt token but the
+        last. Rows it holds or the pool has cached are kept (``reuse_prefix``); the rest is
+        prefilled in chunks of the widest width, the last chunk at the narrowest width that
+        holds it."""
         self.check_widths()
-        wanted = list(prompt_ids[:-1])
-        keep = common_prefix_len(self._kv_ids, wanted) if self.reuse_prefix else 0
-        cache = self.prefix_cache
-        if cache is not None and self._kv is not None:
-            if not prefix.uniform_layers(self._kv.keys):
-                warn_once(f"{self.name}: KV layers of different shapes; no prefix cache")
-                cache = self.prefix_cache = None
-            else:
-                if keep < len(self._kv_ids):  # rows this prompt overwrites: kept for later
-                    cache.save(self._kv_ids, self._kv.keys, self._kv.values)
-                chain = cache.longest(wanted)
-                if len(chain) * prefix.BLOCK > keep:
-                    self._kv_len = keep
-                    self._reserve(len(chain) * prefix.BLOCK)
-                    assert self._kv is not None
-                    keep = cache.restore(chain, self._kv.keys, self._kv.values, held=keep)
-        self._kv_len, self._kv_ids = keep, wanted[:keep]
-        self.reused_tokens = keep
-        chunk = (self.prefill_widths or self.widths)[-1]
-        causal = np.tril(np.ones((chunk, chunk), dtype=bool))
-        for begin in range(keep, len(wanted), chunk):
-            ids = wanted[begin : begin + chunk]
-            self._forward_rows(ids, list(range(len(ids))), causal[: len(ids), : len(ids)],
-                               logits=False)
-            self._kv_len += len(ids)
-            self._kv_ids.extend(ids)
+        for part in self.prefill_chunks(self.seq, prompt_ids):
+            self._prefill_rows(self.seq, part)
 
     def holds(self, tokens: list[int]) -> bool:
-        """Whether the KV holds exactly ``tokens`` but the last one (the decode loop's
-        invariant); False after another generation used this target."""
-        return len(self._kv_ids) == len(tokens) - 1 and self._kv_ids == tokens[:-1]
+        """Whether the target's sequence holds exactly ``tokens`` but the last one (the decode
+        loop's invariant); False after another generation used it."""
+        return self.seq.kv_len == len(tokens) - 1 and self.seq.ids == tokens[:-1]
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens whose rows the last ``start`` did not compute (held or cached)."""
+        return self.seq.reused_tokens
+
+    @property
+    def kv_len(self) -> int:
+        return self.seq.kv_len
+
+    @property
+    def prefix_stats(self) -> PoolStats:
+        """What the pool reused and holds (:class:`~agentspec.engine.pool.PoolStats`)."""
+        return self.pool.stats
 
     def fork(self) -> HFTarget:
-        """Another target on the same weights with a KV (and a prefix cache) of its own
-        (cheap: no copy of the weights)."""
+        """Another target on the same weights with a pool of its own (cheap: no copy of the
+        weights)."""
         twin = HFTarget(self.model, self.tokenizer, name=self.name, reuse_prefix=self.reuse_prefix,
                         widths=self.widths, cuda_graphs=self.cuda_graphs,
                         prefill_widths=self.prefill_widths,
-                        prefix_cache_bytes=self.prefix_cache.max_bytes if self.prefix_cache else 0,
+                        prefix_cache_bytes=self.prefix_cache_bytes,
                         fused=self.fused is not None)
-        twin._widths_checked = self._widths_checked
+        twin._widths_checked, twin.batches = self._widths_checked, self.batches
+        twin._identity = self._identity
         return twin
 
+    @contextmanager
+    def uncached(self) -> Iterator[None]:
+        """Run the single-caller calls inside on a scratch sequence whose rows the pool never
+        caches (the cost measurement's synthetic prompts are of no later call's use); the
+        target's own sequence is back after."""
+        own, self.seq = self.seq, KVSequence(self.pool, cached=False)
+        try:
+            yield
+        finally:
+            self.seq.release()
+            self.seq = own
+
+    @device_work
     @torch.inference_mode()
     def score(self, last_token: int, draft: Draft, *, keep_hidden: bool = False) -> torch.Tensor:
-        """One forward over the last committed token and the draft.
+        """One forward over the last committed token and the draft, on the target's sequence.
 
-        ``keep_hidden`` (or :attr:`keep_hidden` set by a drafter that reads them): keep the
-        forward's final hidden rows in :attr:`hidden` until the next forward.
+        ``keep_hidden``: keep the forward's final hidden rows in :attr:`hidden` until the next
+        forward.
 
         Returns:
             logits ``[num_nodes + 1, vocab_size]``: row 0 predicts after the last committed
             token, row ``i + 1`` after draft node ``i``. Rows off the draft's spine
             (:func:`~agentspec.tree.spine_length`) are exact only up to float rounding.
         """
-        self.check_widths()
+        member = draft_member(self.seq, last_token, draft)
         self._root = last_token
-        n = draft.num_nodes
-        anc = np.zeros((n + 1, n + 1), dtype=bool)
-        anc[:, 0] = True
-        anc[1:, 1:] = ancestor_matrix(draft.parents)
-        depth = [0, *depths(draft.parents)]
-        keep = keep_hidden or self.keep_hidden
-        if keep and self._hook is None:
-            self._hook = self.model.get_output_embeddings().register_forward_pre_hook(
-                self._keep_lm_input)
-        self._lm_input = None
-        _CAPTURING.target = self if keep else None
-        try:
-            logits = self._forward_rows([last_token, *draft.token_ids], depth, anc)
-        finally:
-            _CAPTURING.target = None
-        lm_input, self._lm_input = self._lm_input, None
-        if keep and lm_input is not None:
-            self.hidden = lm_input[0, : n + 1]  # [num_nodes + 1, hidden]
-            self.hidden_position = self._kv_len
-        else:
-            self.hidden, self.hidden_position = None, -1
+        logits = self.run([member], hidden=keep_hidden)[0]
+        assert logits is not None
+        self.hidden, self.hidden_position = member.hidden, (self.seq.kv_len if keep_hidden else -1)
         return logits
 
-    def _keep_lm_input(self, module: Any, args: tuple[Any, ...]) -> None:
-        # The output embedding is the model's, shared by every fork and by other code (the
-        # bench's transformers baselines): keep only this target's own scoring forward, in
-        # this thread, not another's that passes through the same module meanwhile.
-        if getattr(_CAPTURING, "target", None) is self:
-            self._lm_input = args[0]  # [1, rows, hidden]: the final hidden states
-
+    @device_work
     @torch.inference_mode()
     def crop(self, num_tokens: int) -> None:
-        """Keep the first ``num_tokens`` KV rows: a draft model rolled back to a committed prefix."""
-        if not 0 <= num_tokens <= self._kv_len:
-            raise ValueError(f"crop needs 0 <= num_tokens <= {self._kv_len}, got {num_tokens}")
-        self._kv_len = num_tokens
-        del self._kv_ids[num_tokens:]
+        """Keep the first ``num_tokens`` rows of the target's sequence: a draft model rolled
+        back to a committed prefix."""
+        if not 0 <= num_tokens <= self.seq.kv_len:
+            raise ValueError(f"crop needs 0 <= num_tokens <= {self.seq.kv_len}, got {num_tokens}")
+        self.seq.truncate(num_tokens)
 
-    @torch.inference_mode()
+    @device_work
     def commit(self, draft: Draft, verdict: Verdict) -> None:
-        """Keep the root and the accepted path in the KV; drop every other draft row.
+        """Keep the root (the token :meth:`score` scored first) and the accepted path in the
+        target's sequence (see :meth:`commit_on`)."""
+        self.commit_on(self.seq, self._root, verdict)
 
-        A path along the spine is already in place; another path's rows are gathered into
-        place on the device (no host sync).
-        """
-        root_end = self._kv_len + 1  # the root's row is now in the KV
+    @device_work
+    @torch.inference_mode()
+    def commit_on(self, seq: KVSequence, root: int, verdict: Verdict) -> None:
+        """Keep the root (the last committed token, scored as row 0) and the accepted path in
+        ``seq``; every other draft row is dropped. A path along the spine is already in place;
+        another path's rows are gathered into place on the device (no host sync)."""
+        start = seq.kv_len + 1  # the root's row is now in the KV
         path = list(verdict.path)
-        if path != list(range(len(path))) and self._kv is not None:
-            src = torch.tensor([root_end + i for i in path], device=self.device)
-            dst = torch.arange(root_end, root_end + len(path), device=self.device)
-            for buf in (*self._kv.keys, *self._kv.values):
-                buf.index_copy_(2, dst, buf.index_select(2, src))
-        self._kv_len = root_end + len(path)
-        self._kv_ids.append(self._root)
-        self._kv_ids.extend(verdict.accepted)
-
-    @property
-    def kv_len(self) -> int:
-        return self._kv_len
-
+        if path != list(range(len(path))):
+            seq.move_rows([start + i for i in path], list(range(start, start + len(path))))
+        seq.commit([root, *verdict.accepted])

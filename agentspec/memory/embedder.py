@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from agentspec.engine import torch_thread
 from agentspec.engine.packages import MINILM, not_installed
 
 MINILM_PACKAGE = MINILM.requirements[0].split("==")[0]
@@ -127,12 +128,28 @@ class MiniLMEmbedder:
         if not texts:
             return np.zeros((0, self.dim), np.float32)
         model = self._load()
+        _one_thread_off_the_torch_thread()
         cut = [t[-self.max_chars :] for t in texts]
         if len(cut) == 1:
             return self._one.embed(cut[0])[None, :]  # [1, dim]
         vecs = model.encode(cut, batch_size=self.batch_size, normalize_embeddings=True,
                             convert_to_numpy=True, show_progress_bar=False)
         return np.ascontiguousarray(vecs, np.float32)  # [n, dim]
+
+
+_THREADS = threading.local()
+
+
+def _one_thread_off_the_torch_thread() -> None:
+    """Embed on one CPU thread anywhere but the engine's torch thread (the memory's worker,
+    writing behind a call): a second OpenMP team would slow every forward of the engine
+    (:mod:`agentspec.engine.torch_thread`); torch's thread count is per thread."""
+    if getattr(_THREADS, "done", False) or torch_thread.inside():
+        return
+    import torch
+
+    torch.set_num_threads(1)
+    _THREADS.done = True
 
 
 def _pack_linears(model: Any) -> None:

@@ -91,13 +91,14 @@ def _rows_everywhere(model) -> list[torch.Tensor]:
              dict(widths=(32,), prefill_widths=())]
     for n, kw in enumerate(cases):
         t = target(model, **kw)
-        if n == 2:  # a larger KV: more attention splits, read further
-            t._reserve(1100)
+        if n == 2:  # a larger pool, the sequence's blocks elsewhere in it
+            others = [t.pool.allocate() for _ in range(5)]
+            for block in others[::2]:
+                t.pool.drop(block)
         junk = [PROMPT[n], PROMPT[n + 1]] * n
         logits = scored(t, PROMPT, Draft.chain(chain + junk, "x"))
         out.append(logits[: 1 + len(chain)])
-        assert t._kv is not None
-        out.append(torch.stack([t._kv.keys[-1][0, :, :69], t._kv.values[-1][0, :, :69]]))
+        out.append(torch.stack(t.seq.read(len(t.pool.keys) - 1, 69)))
     return out
 
 

@@ -1,8 +1,8 @@
 """The fused forward's Triton kernels and their launchers.
 
 A decoder layer is six kernels: RMSNorm fused into the query/key/value product, whose epilogue
-applies rotary embedding and writes the keys and values into the KV; attention over the
-fixed-capacity KV in key splits; the splits' combination; the output product with the residual
+applies rotary embedding and writes the keys and values into the KV pool; attention over each
+row tile's own sequence in splits of one pool block each; the splits' combination; the output product with the residual
 add in its epilogue; RMSNorm fused into the gate/up product with SiLU-and-multiply in its
 epilogue; and the down product with the residual add. The output head is one more product with
 the final RMSNorm fused in. Each launcher allocates nothing but its outputs, so a forward of
@@ -13,9 +13,10 @@ that row's inputs and the keys it may see, never on how many rows its forward ha
 row sits among them or how long the KV is. Every product here is computed in tiles of a fixed
 shape (:data:`BLOCK_M` rows, :data:`BLOCK_K` deep, reduced in order along the inner dimension),
 so a row's bits are the same in a forward of 16 rows or of 512; attention reduces keys in
-blocks fixed by their slot (:data:`BLOCK_N`, :data:`SPLIT`) and skips blocks a row sees
-nothing of (a skipped block leaves that row's state unchanged, so reading more of the KV never
-changes a row). Rounding follows transformers' Llama modules (a bf16 rounding wherever they
+blocks fixed by their position (:data:`BLOCK_N`, :data:`SPLIT`: one pool block a split) and
+skips blocks a row sees nothing of (a skipped block leaves that row's state unchanged, so
+reading more of the KV never changes a row). A tile's rows are one sequence's, so rows of other
+sequences in the same forward change nothing either. Rounding follows transformers' Llama modules (a bf16 rounding wherever they
 round), so the fused path stays within bf16 rounding of the module path it replaces.
 
 Without CUDA the kernels run in Triton's interpreter: the tests and the operation counter run
@@ -56,8 +57,9 @@ BLOCK_N = 64
 """Keys per attention block: a row's scores are reduced block by block from slot 0."""
 
 SPLIT = 256
-"""Keys per attention split: each split is a program of its own (a long context spreads over
-more of the GPU); a row's splits are combined in slot order."""
+"""Keys per attention split, the pool's block (:data:`agentspec.engine.pool.BLOCK`): each split
+is a program of its own (a long context spreads over more of the GPU); a row's splits are
+combined in position order."""
 
 _LISTENERS: list[Callable[[str], None]] = []
 _INSIDE = threading.local()
@@ -128,13 +130,14 @@ if AVAILABLE:
 
     @triton.jit
     def _qkv_rope(x_ptr, norm_ptr, eps, w_ptr, bias_ptr, ins_ptr, cos_ptr, sin_ptr,
-                  q_ptr, k_ptr, v_ptr, W, CAP, K: tl.constexpr, H: tl.constexpr,
+                  q_ptr, k_ptr, v_ptr, W, K: tl.constexpr, H: tl.constexpr,
                   KVH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-                  BK: tl.constexpr, HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr):
+                  BK: tl.constexpr, SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  F32_DOT: tl.constexpr):
         # Program (row tile, head): RMSNorm of the rows, their product with the head's
         # weights (its two halves apart, for the rotation), rotary embedding at the rows'
-        # positions (kv_len + depth), and the head written out: queries to q, keys and values
-        # into the KV at slots kv_len + row.
+        # positions, and the head written out: queries to q, keys and values into the pool at
+        # the rows' slots (block * SLOTS + offset; a junk row's slot is -1: not written).
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         head = tl.program_id(1)
         half: tl.constexpr = D // 2
@@ -156,93 +159,113 @@ if AVAILABLE:
         dt = q_ptr.dtype.element_ty
         x1 = lo.to(dt).to(tl.float32)  # the product's output, rounded as a bf16 linear's
         x2 = hi.to(dt).to(tl.float32)
-        kv_len = tl.load(ins_ptr + 2 * W)
-        slots = kv_len + rows
+        slot = tl.load(ins_ptr + 2 * W + rows)
+        keep = slot >= 0
+        at_kv = ((slot // SLOTS) * KVH) * SLOTS * D + (slot % SLOTS) * D  # [BM], head 0
         if head < H + KVH:  # queries and keys: rotated as apply_rotary_pos_emb rounds
-            pos = kv_len + tl.load(ins_ptr + W + rows)
+            pos = tl.load(ins_ptr + W + rows)
             c = tl.load(cos_ptr + pos[:, None] * D + dims[None, :]).to(tl.float32)
             s = tl.load(sin_ptr + pos[:, None] * D + dims[None, :]).to(tl.float32)
             out1 = ((x1 * c).to(dt).to(tl.float32) - (x2 * s).to(dt).to(tl.float32)).to(dt)
             out2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
             if head < H:
                 at = q_ptr + rows[:, None] * H * D + head * D + dims[None, :]
+                tl.store(at, out1)
+                tl.store(at + half, out2)
             else:
-                at = k_ptr + (head - H) * CAP * D + slots[:, None] * D + dims[None, :]
-            tl.store(at, out1)
-            tl.store(at + half, out2)
+                at = k_ptr + at_kv[:, None] + (head - H) * SLOTS * D + dims[None, :]
+                tl.store(at, out1, mask=keep[:, None])
+                tl.store(at + half, out2, mask=keep[:, None])
         else:
-            at = v_ptr + (head - H - KVH) * CAP * D + slots[:, None] * D + dims[None, :]
-            tl.store(at, x1.to(dt))
-            tl.store(at + half, x2.to(dt))
+            at = v_ptr + at_kv[:, None] + (head - H - KVH) * SLOTS * D + dims[None, :]
+            tl.store(at, x1.to(dt), mask=keep[:, None])
+            tl.store(at + half, x2.to(dt), mask=keep[:, None])
+
+    @triton.jit
+    def _tile(ins_ptr, W, tile, BM: tl.constexpr):
+        # A row tile's sequence: its committed length, the forward row its rows start at, and
+        # how many rows it has in this forward (0: a junk tile); where its block table starts.
+        tiles = W // BM
+        base = 3 * W
+        kv_len = tl.load(ins_ptr + base + tile)
+        row0 = tl.load(ins_ptr + base + tiles + tile)
+        n = tl.load(ins_ptr + base + 2 * tiles + tile)
+        return kv_len, row0, n, base + 3 * tiles
 
     @triton.jit
     def _attention_split(q_ptr, k_ptr, v_ptr, anc_ptr, ins_ptr, m_ptr, l_ptr, acc_ptr, scale,
-                         W, CAP, H: tl.constexpr, GROUPS: tl.constexpr,
-                         D: tl.constexpr, BM: tl.constexpr,
-                         BN: tl.constexpr, SPLIT_N: tl.constexpr, F32_DOT: tl.constexpr):
+                         W, H: tl.constexpr, KVH: tl.constexpr, GROUPS: tl.constexpr,
+                         D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         SLOTS: tl.constexpr, SPLITS: tl.constexpr, F32_DOT: tl.constexpr):
         # Program (head, row tile, split): the online softmax of BM query rows over the keys
-        # of one split, block by block from the split's first slot. A block where a row sees
-        # no key leaves that row's max, sum and accumulator as they were (bitwise), so the
+        # of one block of their sequence (positions split * SLOTS on, read from the pool block
+        # its table names), BN keys at a time from the block's first. A key block where a row
+        # sees no key leaves that row's max, sum and accumulator as they were (bitwise), so the
         # result does not depend on how far the loop reads. Writes the split's partial state.
         head = tl.program_id(0)
-        rows = tl.program_id(1) * BM + tl.arange(0, BM)
+        tile = tl.program_id(1)
+        rows = tile * BM + tl.arange(0, BM)
         split = tl.program_id(2)
         kvh = head // GROUPS
-        kv_len = tl.load(ins_ptr + 2 * W)
-        end = kv_len + W  # slots past the forward's last row hold nothing it may see
-        dims = tl.arange(0, D)
-        q = tl.load(q_ptr + rows[:, None] * H * D + head * D + dims[None, :])
-        m = tl.full([BM], float("-inf"), tl.float32)
-        total = tl.zeros([BM], tl.float32)
-        acc = tl.zeros([BM, D], tl.float32)
-        for b in range(0, SPLIT_N // BN):
-            start = split * SPLIT_N + b * BN
-            if start < end:
-                cols = start + tl.arange(0, BN)
-                real = cols < CAP
-                kv_at = kvh * CAP * D + cols[None, :] * D + dims[:, None]  # [D, BN]
-                k = tl.load(k_ptr + kv_at, mask=real[None, :], other=0.0)
-                scores = _dot(q, k, F32_DOT) * scale
-                rel = cols - kv_len
-                mine = (rel >= 0) & (rel < W)
-                anc = tl.load(anc_ptr + rows[:, None] * W + rel[None, :],
-                              mask=mine[None, :], other=0)
-                seen = ((cols[None, :] < kv_len) | (anc != 0)) & real[None, :]
-                scores = tl.where(seen, scores, float("-inf"))
-                top = tl.max(scores, axis=1)
-                any_seen = top > float("-inf")
-                new_m = tl.where(any_seen, tl.maximum(m, top), 0.0)
-                alpha = tl.where(any_seen, tl.exp(m - new_m), 1.0)
-                p = tl.where(seen, tl.exp(scores - new_m[:, None]), 0.0)
-                v = tl.load(v_ptr + kvh * CAP * D + cols[:, None] * D + dims[None, :],
-                            mask=real[:, None], other=0.0)
-                part = _dot(p.to(v.dtype), v, F32_DOT)
-                acc = tl.where(any_seen[:, None], acc * alpha[:, None] + part, acc)
-                total = tl.where(any_seen, total * alpha + tl.sum(p, axis=1), total)
-                m = tl.where(any_seen, new_m, m)
-        at = (split * W + rows) * H + head
-        tl.store(m_ptr + at, m)
-        tl.store(l_ptr + at, total)
-        tl.store(acc_ptr + at[:, None] * D + dims[None, :], acc)
+        kv_len, row0, n, table = _tile(ins_ptr, W, tile, BM)
+        end = kv_len + n  # positions past the tile's sequence's last row hold nothing it sees
+        if split * SLOTS < end:
+            block = tl.load(ins_ptr + table + tile * SPLITS + split)
+            base = (block * KVH + kvh) * SLOTS * D
+            dims = tl.arange(0, D)
+            q = tl.load(q_ptr + rows[:, None] * H * D + head * D + dims[None, :])
+            m = tl.full([BM], float("-inf"), tl.float32)
+            total = tl.zeros([BM], tl.float32)
+            acc = tl.zeros([BM, D], tl.float32)
+            for b in range(0, SLOTS // BN):
+                start = split * SLOTS + b * BN
+                if start < end:
+                    offs = b * BN + tl.arange(0, BN)
+                    cols = split * SLOTS + offs  # the keys' positions
+                    k = tl.load(k_ptr + base + offs[None, :] * D + dims[:, None])  # [D, BN]
+                    scores = _dot(q, k, F32_DOT) * scale
+                    rel = cols - kv_len
+                    mine = (rel >= 0) & (rel < n)
+                    anc = tl.load(anc_ptr + rows[:, None] * W + row0 + rel[None, :],
+                                  mask=mine[None, :], other=0)
+                    seen = (cols[None, :] < kv_len) | (anc != 0)
+                    scores = tl.where(seen, scores, float("-inf"))
+                    top = tl.max(scores, axis=1)
+                    any_seen = top > float("-inf")
+                    new_m = tl.where(any_seen, tl.maximum(m, top), 0.0)
+                    alpha = tl.where(any_seen, tl.exp(m - new_m), 1.0)
+                    p = tl.where(seen, tl.exp(scores - new_m[:, None]), 0.0)
+                    v = tl.load(v_ptr + base + offs[:, None] * D + dims[None, :])
+                    part = _dot(p.to(v.dtype), v, F32_DOT)
+                    acc = tl.where(any_seen[:, None], acc * alpha[:, None] + part, acc)
+                    total = tl.where(any_seen, total * alpha + tl.sum(p, axis=1), total)
+                    m = tl.where(any_seen, new_m, m)
+            at = (split * W + rows) * H + head
+            tl.store(m_ptr + at, m)
+            tl.store(l_ptr + at, total)
+            tl.store(acc_ptr + at[:, None] * D + dims[None, :], acc)
 
     @triton.jit
     def _attention_combine(m_ptr, l_ptr, acc_ptr, out_ptr, ins_ptr, W,
                            H: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr,
-                           SPLIT_N: tl.constexpr, BM: tl.constexpr, F32_DOT: tl.constexpr):
-        # Program (row tile, head): the splits' partial states added in slot order. A split a
-        # row sees nothing of adds nothing, so more splits (a larger KV) change no row.
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+                           SLOTS: tl.constexpr, BM: tl.constexpr, F32_DOT: tl.constexpr):
+        # Program (row tile, head): the splits' partial states added in position order. A
+        # split a row sees nothing of adds nothing, so more splits (a longer table) change no
+        # row. A junk tile (no sequence) writes zeros.
+        tile = tl.program_id(0)
+        rows = tile * BM + tl.arange(0, BM)
         head = tl.program_id(1)
         dims = tl.arange(0, D)
-        end = tl.load(ins_ptr + 2 * W) + W
-        top = tl.load(m_ptr + rows * H + head)
-        for s in range(1, SPLITS):
-            if s * SPLIT_N < end:
+        kv_len, row0, n, table = _tile(ins_ptr, W, tile, BM)
+        end = kv_len + n
+        top = tl.full([BM], float("-inf"), tl.float32)
+        for s in range(0, SPLITS):
+            if s * SLOTS < end:
                 top = tl.maximum(top, tl.load(m_ptr + (s * W + rows) * H + head))
         total = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
         for s in range(0, SPLITS):
-            if s * SPLIT_N < end:
+            if s * SLOTS < end:
                 at = (s * W + rows) * H + head
                 ms = tl.load(m_ptr + at)
                 seen = ms > float("-inf")
@@ -250,7 +273,7 @@ if AVAILABLE:
                 total = tl.where(seen, total + tl.load(l_ptr + at) * scale, total)
                 part = tl.load(acc_ptr + at[:, None] * D + dims[None, :])
                 acc = tl.where(seen[:, None], acc + part * scale[:, None], acc)
-        out = acc / total[:, None]
+        out = tl.where(total[:, None] > 0, acc / tl.where(total > 0, total, 1.0)[:, None], 0.0)
         tl.store(out_ptr + rows[:, None] * H * D + head * D + dims[None, :],
                  out.to(out_ptr.dtype.element_ty))
 
@@ -337,48 +360,70 @@ def qkv_rope(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tens
              bias: torch.Tensor | None, ins: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              keys: torch.Tensor, values: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
     """RMSNorm of ``x`` ``[width, hidden]``, its query/key/value product (``weight`` stacked
-    q, k, v), rotary embedding at positions ``kv_len + depth`` (``ins`` = ids, depths,
-    kv_len), keys and values written into the KV ``[kv_heads, capacity, dim]`` at slots
-    ``kv_len + row``. Returns the queries ``[width, heads * dim]``."""
+    q, k, v), rotary embedding at the rows' positions, keys and values written into the pool
+    layer ``[blocks, kv_heads, SLOTS, dim]`` at the rows' slots (``ins``: the forward's staging,
+    :func:`staging`). Returns the queries ``[width, heads * dim]``."""
     width, hidden = _rows(x), x.shape[1]
     _inner(hidden, "hidden sizes")
     dim = cos.shape[-1]
     q = torch.empty((width, heads * dim), dtype=x.dtype, device=x.device)
     _launch(_qkv_rope, (width // BLOCK_M, heads + 2 * kv_heads), x, norm, eps, weight,
             bias if bias is not None else weight, ins, cos, sin, q, keys, values, width,
-            keys.shape[-2], K=hidden, H=heads, KVH=kv_heads, D=dim, BM=BLOCK_M, BK=BLOCK_K,
+            K=hidden, H=heads, KVH=kv_heads, D=dim, BM=BLOCK_M, BK=BLOCK_K, SLOTS=SPLIT,
             HAS_BIAS=bias is not None)
     return q
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, anc: torch.Tensor,
               ins: torch.Tensor, scale: float, scratch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """Attention of ``q`` ``[width, heads * dim]`` over the KV ``[kv_heads, capacity, dim]``:
-    row ``r`` sees every slot below ``kv_len`` and slot ``kv_len + c`` where ``anc[r, c]``.
-    ``scratch``: the splits' partial state (:func:`attention_scratch`). Returns
-    ``[width, heads * dim]``."""
+    """Attention of ``q`` ``[width, heads * dim]`` over the pool layer ``[blocks, kv_heads,
+    SLOTS, dim]``: a row tile's rows see every position of their sequence below its committed
+    length, and the sequence's forward rows ``c`` where ``anc[r, row0 + c]`` (``ins``: the
+    staging, :func:`staging`). ``scratch``: the splits' partial state
+    (:func:`attention_scratch`). Returns ``[width, heads * dim]``."""
     width = _rows(q)
-    kv_heads, capacity, dim = keys.shape[-3:]
+    kv_heads, dim = keys.shape[1], keys.shape[3]
     heads = q.shape[1] // dim
     m, total, acc = scratch
     splits = m.shape[0]
     _launch(_attention_split, (heads, width // BLOCK_M, splits), q, keys, values, anc, ins,
-            m, total, acc, scale, width, capacity, H=heads, GROUPS=heads // kv_heads, D=dim,
-            BM=BLOCK_M, BN=BLOCK_N, SPLIT_N=SPLIT)
+            m, total, acc, scale, width, H=heads, KVH=kv_heads, GROUPS=heads // kv_heads, D=dim,
+            BM=BLOCK_M, BN=BLOCK_N, SLOTS=SPLIT, SPLITS=splits)
     out = torch.empty_like(q)
     _launch(_attention_combine, (width // BLOCK_M, heads), m, total, acc, out, ins, width,
-            H=heads, D=dim, SPLITS=splits, SPLIT_N=SPLIT, BM=BLOCK_M)
+            H=heads, D=dim, SPLITS=splits, SLOTS=SPLIT, BM=BLOCK_M)
     return out
 
 
-def attention_scratch(width: int, heads: int, dim: int, capacity: int,
+def attention_scratch(width: int, heads: int, dim: int, splits: int,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The partial state of attention's splits over a KV of ``capacity`` slots (maxima, sums,
-    accumulators), allocated once per forward shape."""
-    splits = -(-capacity // SPLIT)
+    """The partial state of attention's splits for sequences of up to ``splits`` blocks
+    (maxima, sums, accumulators), allocated once per forward shape."""
     return (torch.empty((splits, width, heads), dtype=torch.float32, device=device),
             torch.empty((splits, width, heads), dtype=torch.float32, device=device),
             torch.empty((splits, width, heads, dim), dtype=torch.float32, device=device))
+
+
+def staging_size(width: int, splits: int) -> int:
+    """int64 entries of a forward's staging (:func:`staging`)."""
+    tiles = width // BLOCK_M
+    return 3 * width + 3 * tiles + tiles * splits
+
+
+def staging(ids: list[int], positions: list[int], slots: list[int],
+            tiles: list[tuple[int, int, int, list[int]]], splits: int) -> list[int]:
+    """A fused forward's int64 inputs, in one buffer: per row its token id, position and pool
+    slot (``block * SLOTS + offset``; -1: not written), then per row tile of
+    :data:`BLOCK_M` rows its sequence's committed length, first forward row and row count (0:
+    a junk tile), then each tile's block table (``splits`` entries, the sequence's blocks in
+    position order)."""
+    kv = [t[0] for t in tiles]
+    row0 = [t[1] for t in tiles]
+    rows = [t[2] for t in tiles]
+    table: list[int] = []
+    for t in tiles:
+        table += t[3][:splits] + [0] * (splits - len(t[3][:splits]))
+    return [*ids, *positions, *slots, *kv, *row0, *rows, *table]
 
 
 def matmul_add(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
@@ -405,15 +450,15 @@ def norm_gate_up(x: torch.Tensor, norm: torch.Tensor, eps: float,
 
 
 def norm_matmul(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor,
-                last: int | None = None) -> torch.Tensor:
+                first: int | None = None) -> torch.Tensor:
     """RMSNorm(``x``) ``@ weight.T`` (the output head): ``[rows, n]``, for every row or the
-    last ``last`` rows' tile only."""
+    tiles of the first ``first`` rows only."""
     width, hidden = _rows(x), x.shape[1]
     _inner(hidden, "hidden sizes")
     n = weight.shape[0]
-    rows = width if last is None else -(-last // BLOCK_M) * BLOCK_M
+    rows = width if first is None else max(-(-first // BLOCK_M), 1) * BLOCK_M
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block = 64
     _launch(_norm_matmul, (rows // BLOCK_M, -(-n // block)), x, norm, eps, weight, out,
-            width - rows, K=hidden, N=n, BM=BLOCK_M, BN=block, BK=BLOCK_K)
-    return out if last is None else out[rows - last :]
+            0, K=hidden, N=n, BM=BLOCK_M, BN=block, BK=BLOCK_K)
+    return out

@@ -155,35 +155,27 @@ class FusedLlama:
         self.embed = base.embed_tokens
         self.head = model.get_output_embeddings().weight.detach()
 
-    def allocate(self, kv: Any) -> None:
-        """Give an empty :class:`~agentspec.engine.kv.FixedKV` its buffers, one pair a layer."""
-        if not kv.keys:
-            shape = (1, self.kv_heads, kv.capacity, self.dim)
-            for _ in self.layers:
-                kv.keys.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
-                kv.values.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+    def scratch(self, width: int, splits: int) -> tuple[torch.Tensor, ...]:
+        """Attention's split state for forwards of ``width`` rows over sequences of up to
+        ``splits`` pool blocks."""
+        return kernels.attention_scratch(width, self.heads, self.dim, splits, self.device)
 
-    def scratch(self, width: int, capacity: int) -> tuple[torch.Tensor, ...]:
-        """Attention's split state for forwards of ``width`` rows over ``capacity`` slots."""
-        return kernels.attention_scratch(width, self.heads, self.dim, capacity, self.device)
-
-    def forward(self, ins: torch.Tensor, anc: torch.Tensor, width: int, kv: Any,
-                scratch: tuple[torch.Tensor, ...], logits_to_keep: int | None = None) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` of one forward: ``ins`` holds the ``width`` token ids,
-        their depths and ``kv_len`` (:class:`~agentspec.engine.forward.FixedForward`'s
-        staging layout), ``anc`` ``[width, width]`` which of the forward's rows each row sees.
-        Rows are written to the KV at slots ``kv_len + row``. ``logits_to_keep``: only the
-        last rows' logits (a prefill chunk)."""
-        self.allocate(kv)
+    def forward(self, ins: torch.Tensor, anc: torch.Tensor, width: int, pool: Any,
+                scratch: tuple[torch.Tensor, ...], first_logits: int | None = None) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of one forward: ``ins`` is the staging of its ``width``
+        rows (:func:`~agentspec.engine.fused.kernels.staging`: ids, positions, pool slots, the
+        row tiles' sequences and block tables), ``anc`` ``[width, width]`` which of the
+        forward's rows each row sees. Rows are written into ``pool`` (a
+        :class:`~agentspec.engine.pool.KVPool`) at their slots. ``first_logits``: only the
+        first rows' tiles' logits (the rest are prompt chunks)."""
         h, kvh = self.heads, self.kv_heads
         residual = self.embed(ins[:width])  # [width, hidden]: the residual stream, in place
         for i, layer in enumerate(self.layers):
-            keys, values = kv.keys[i][0], kv.values[i][0]
+            keys, values = pool.keys[i], pool.values[i]
             q = kernels.qkv_rope(residual, layer.norm_in, layer.eps_in, layer.qkv,
                                  layer.qkv_bias, ins, self.cos, self.sin, keys, values, h, kvh)
             att = kernels.attention(q, keys, values, anc, ins, self.scale, scratch)
             kernels.matmul_add(att, layer.out, residual)
             act = kernels.norm_gate_up(residual, layer.norm_post, layer.eps_post, layer.gate_up)
             kernels.matmul_add(act, layer.down, residual)
-        return kernels.norm_matmul(residual, self.norm, self.norm_eps, self.head,
-                                   logits_to_keep or None)
+        return kernels.norm_matmul(residual, self.norm, self.norm_eps, self.head, first_logits)

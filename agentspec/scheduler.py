@@ -1,0 +1,392 @@
+"""The step scheduler: many requests, one model, one forward a step.
+
+Calls on one :class:`~agentspec.Speculator` from any number of threads become rows of the same
+forwards (continuous batching at step granularity). Each step:
+
+1. retire what was cancelled; admit waiting requests up to ``max_batch`` (a sequence each, its
+   prompt's cached prefix held, :meth:`HFTarget.prefill_chunks`);
+2. plan every decoding request's rows (:meth:`Decoding.plan`), one after the other, each draft
+   sized by its marginal cost in this forward (:class:`~agentspec.protocols.StepShare`): the
+   more rows the step carries, the likelier a node must be to earn its row, so drafts shrink
+   as load grows;
+3. give the prompts being prefilled what rows are left, oldest first, within a bound that keeps
+   the decoding requests' step time (``prefill_latency``);
+4. one forward over all of it (:meth:`HFTarget.run`);
+5. conclude each decoding request (verify, commit, observe) and hand it its step; commit the
+   prompt chunks; retire the finished.
+
+Nothing here changes a token: a row's bits depend neither on its forward's width, nor on its
+place, nor on the other sequences in it (:mod:`agentspec.engine.plan`), and each request
+samples from its own generator. So each output is what the request gives alone
+(``tests/integration/test_batching.py``).
+
+There is no engine thread. A caller that needs its next step and finds none waiting runs the
+next step itself, for every live request (leader and followers): a single caller runs every
+step on its own thread, as before, and many callers take turns leading steps that carry them
+all. A request's steps are queued for its caller (at most :data:`AHEAD` ahead: a stream
+consumed slowly is paused, not buffered without bound); a stream closed or dropped frees its
+sequence at the next step, or at once when no step is running.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentspec.decoding.loop import Decoding, Step
+from agentspec.engine.plan import Member
+from agentspec.engine.sequence import Sequence as KVSequence
+from agentspec.engine.target import HFTarget, causal
+from agentspec.engine.torch_thread import for_device
+from agentspec.protocols import StepShare
+
+logger = logging.getLogger("agentspec")
+
+AHEAD = 16
+"""Steps a request may run ahead of its caller; beyond, it waits for the caller to read."""
+
+
+class _Done:
+    """The event that ends a request's steps."""
+
+
+_DONE = _Done()
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in the scheduler.
+
+    Args:
+        prompt_ids: the prompt's token ids.
+        make: builds the request's decode loop on its sequence (at admission).
+        on_abandon: called once when the request ends without finishing (cancelled or
+            failed), after its drafters' ``end``: the Speculator books its drafts' credits.
+    """
+
+    prompt_ids: list[int]
+    make: Callable[[KVSequence], Decoding]
+    on_abandon: Callable[[], None] | None = None
+    seq: KVSequence | None = None
+    decoding: Decoding | None = None
+    chunks: deque[list[int]] = field(default_factory=deque)
+    events: deque[Any] = field(default_factory=deque)
+    cached_tokens: int = 0
+    admitted: float = 0.0
+    state: str = "new"  # new, waiting, prefill, decode, ended
+    cancelled: bool = False
+    _abandon_done: bool = False
+
+
+class Scheduler:
+    """The steps of every live request on ``target``.
+
+    Args:
+        target: the model.
+        max_batch: the most requests live at once (more wait, first come first served).
+        cost: seconds of a forward by rows beyond the first (``seconds(rows - 1)``; a
+            :class:`~agentspec.drafters.policy.CostModel`) and its ``kv_per_token``, for
+            sizing drafts and prompt chunks; None: no sizing (no drafts to size).
+        prefill_latency: a step that carries prompt rows beside decoding requests costs at
+            most this many times the step without them (at least one tile of rows).
+    """
+
+    def __init__(self, target: HFTarget, *, max_batch: int = 16, cost: Any = None,
+                 prefill_latency: float = 2.0) -> None:
+        if type(max_batch) is not int or max_batch < 1:
+            raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        if not prefill_latency >= 1.0:
+            raise ValueError(f"prefill_latency must be >= 1, got {prefill_latency!r}")
+        self.target, self.max_batch, self.cost = target, max_batch, cost
+        self.prefill_latency = prefill_latency
+        self._cond = threading.Condition(threading.Lock())  # not reentrant: see cancel()
+        self._waiting: deque[Job] = deque()
+        self._live: list[Job] = []
+        self._running = False
+        self._turn = 0  # rotates which request plans first
+        self.steps = 0
+
+    # -- callers ------------------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            job.state = "waiting"
+            self._waiting.append(job)
+
+    def next(self, job: Job) -> Step | None:
+        """The job's next step, running steps (for every live request) while none is queued;
+        None once it has finished. Raises what failed the request."""
+        while True:
+            with self._cond:
+                while True:
+                    if job.events:
+                        event = job.events.popleft()
+                        if event is _DONE:
+                            return None
+                        if isinstance(event, BaseException):
+                            raise event
+                        self._cond.notify_all()  # a paused request may run again
+                        return event  # type: ignore[no-any-return]
+                    if job.state == "ended":
+                        return None
+                    if not self._running:
+                        self._running = True
+                        break
+                    self._cond.wait()
+            try:
+                # On the CPU the whole step (drafts, forward, verification) runs on the torch
+                # thread: one OpenMP team for every caller (agentspec.engine.torch_thread).
+                for_device(self.target.device, self._step)
+            finally:
+                with self._cond:
+                    self._running = False
+                    self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """End ``job`` early (a stream closed or dropped). Never waits: this may run in a
+        garbage collector's finaliser, on a thread inside this scheduler's own lock, so the
+        job is retired here only when the lock and the engine are free, else by the next
+        step."""
+        job.cancelled = True
+        if not self._cond.acquire(blocking=False):
+            return
+        try:
+            if self._running:
+                return
+            self._running = True
+        finally:
+            self._cond.release()
+        try:
+            self._retire_cancelled()
+        finally:
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
+
+    def close(self, job: Job) -> None:
+        """End ``job`` early and wait until it is retired (its drafters ended, its sequence
+        back in the pool): a caller that stops reading a request it is done with."""
+        job.cancelled = True
+        while True:
+            with self._cond:
+                if job.state == "ended":
+                    return
+                if not self._running:
+                    self._running = True
+                    break
+                self._cond.wait()
+        try:
+            self._retire_cancelled()
+        finally:
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold the engine between steps (warm-up, building the drafters: work that runs
+        forwards of its own)."""
+        with self._cond:
+            while self._running:
+                self._cond.wait()
+            self._running = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
+
+    @property
+    def live(self) -> int:
+        """Requests admitted and not ended."""
+        return len(self._live)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for room."""
+        return len(self._waiting)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        self._retire_cancelled()
+        self._admit()
+        if not self._live:
+            return
+        prefilling = [j for j in self._live if j.state == "prefill"]
+        decoding = [j for j in self._live if j.state == "decode" and len(j.events) < AHEAD]
+        if not self.target.batches and decoding:  # a forward carries one sequence
+            prefilling, decoding = [], decoding[:1]
+        elif not self.target.batches:
+            prefilling = prefilling[:1]
+        members: list[tuple[Job, Member]] = []
+        budget = self.target.widest
+        prefill_rows = self._prefill_rows(len(decoding), prefilling)
+        share_tokens, share_rows = 0.0, prefill_rows
+        order = decoding[self._turn % len(decoding):] + decoding[: self._turn % len(decoding)] \
+            if decoding else []
+        self._turn += 1
+        for i, job in enumerate(order):
+            later = len(order) - i - 1  # each takes a root row at least
+            room = budget - share_rows - later
+            member = self._plan(job, StepShare(share_tokens + later, share_rows + later,
+                                               self._kv_seconds(order, job)), room)
+            if member is None:
+                continue
+            members.append((job, member))
+            share_rows += len(member.ids)
+            share_tokens += job.decoding.context.expected_tokens if job.decoding else 1.0
+        rows_left = budget - sum(len(m.ids) for _, m in members)
+        for job in prefilling:
+            if rows_left <= 0 or prefill_rows <= 0:
+                break
+            take = min(rows_left, prefill_rows, len(job.chunks[0]))
+            part = job.chunks[0][:take]
+            assert job.seq is not None
+            members.append((job, Member(job.seq, part, list(range(take)), causal(take),
+                                        logits=False)))
+            rows_left -= take
+            prefill_rows -= take
+        if not members:
+            return
+        self._forward(members)
+
+    def _plan(self, job: Job, share: StepShare, room: int) -> Member | None:
+        loop = job.decoding
+        assert loop is not None
+        try:
+            loop.context.step_share = share if self.cost is not None and share.rows else None
+            return loop.plan(max_nodes=max(room, 1) - 1)
+        except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+            self._fail(job, e)
+            return None
+
+    def _forward(self, members: list[tuple[Job, Member]]) -> None:
+        wants_hidden = any(j.decoding is not None and j.state == "decode" and j.decoding.wants_hidden
+                           for j, _ in members)
+        try:
+            logits = self.target.run([m for _, m in members], hidden=wants_hidden)
+        except Exception as e:  # noqa: BLE001 - every request of the step fails with it
+            for job, _ in members:
+                self._fail(job, e)
+            return
+        self.steps += 1
+        for (job, member), rows in zip(members, logits, strict=True):
+            if job.state == "prefill":
+                assert job.seq is not None
+                job.seq.commit(member.ids)
+                rest = job.chunks[0][len(member.ids):]
+                if rest:
+                    job.chunks[0] = rest
+                else:
+                    job.chunks.popleft()
+                if not job.chunks:
+                    job.state = "decode"
+                continue
+            assert job.decoding is not None and rows is not None
+            try:
+                step = job.decoding.conclude(rows, member.hidden)
+            except Exception as e:  # noqa: BLE001
+                self._fail(job, e)
+                continue
+            with self._cond:
+                job.events.append(step)
+            if job.decoding.done:
+                self._retire(job, _DONE)
+
+    # -- admission and retirement -------------------------------------------------------------
+
+    def _admit(self) -> None:
+        while True:
+            with self._cond:
+                limit = self.max_batch if self.target.batches else 1
+                if not self._waiting or len(self._live) >= limit:
+                    return
+                job = self._waiting.popleft()
+            if job.cancelled:
+                self._retire(job, _DONE, abandoned=True)
+                continue
+            try:
+                job.seq = self.target.new_sequence()
+                job.chunks = deque(self.target.prefill_chunks(job.seq, job.prompt_ids))
+                job.cached_tokens = job.seq.reused_tokens
+                job.decoding = job.make(job.seq)
+                job.decoding.begin()
+            except Exception as e:  # noqa: BLE001
+                self._fail(job, e)
+                continue
+            job.admitted = time.perf_counter()
+            job.state = "prefill" if job.chunks else "decode"
+            self._live.append(job)
+
+    def _retire_cancelled(self) -> None:
+        for job in [j for j in self._live if j.cancelled]:
+            self._retire(job, _DONE, abandoned=True)
+        with self._cond:
+            gone = [j for j in self._waiting if j.cancelled]
+            for job in gone:
+                self._waiting.remove(job)
+        for job in gone:
+            self._retire(job, _DONE, abandoned=True)
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        self._retire(job, error, abandoned=True)
+
+    def _retire(self, job: Job, event: Any, *, abandoned: bool = False) -> None:
+        """End a job: its drafters' end, its sequence back to the pool, its last event."""
+        if job.state == "ended":
+            return
+        if job in self._live:
+            self._live.remove(job)
+        try:
+            if job.decoding is not None:
+                job.decoding.end()
+        except Exception:  # noqa: BLE001 - a drafter's cleanup must not take the step down
+            logger.warning("a drafter's end of a request failed", exc_info=True)
+        finally:
+            if job.seq is not None:
+                job.seq.release()
+            with self._cond:
+                job.state = "ended"
+                job.events.append(event)
+                self._cond.notify_all()
+        if abandoned and job.on_abandon is not None and not job._abandon_done:
+            job._abandon_done = True
+            try:
+                job.on_abandon()
+            except Exception:  # noqa: BLE001
+                logger.warning("cleanup of an abandoned generation failed", exc_info=True)
+
+    # -- sizing -------------------------------------------------------------------------------
+
+    def _kv_seconds(self, order: list[Job], me: Job) -> float:
+        """Seconds the other requests' keys add to the forward beyond one sequence's (the
+        cost curve is measured over one sequence's KV)."""
+        per_token = float(getattr(self.cost, "kv_per_token", 0.0) or 0.0)
+        if not per_token:
+            return 0.0
+        return per_token * sum(j.seq.kv_len for j in order if j is not me and j.seq is not None)
+
+    def _prefill_rows(self, decoding: int, prefilling: list[Job]) -> int:
+        """Prompt rows this step may carry: every row of the widest forward when nothing is
+        decoding; else as many as keep the step within ``prefill_latency`` times its cost
+        without them (at least 16)."""
+        if not prefilling:
+            return 0
+        widest = self.target.widest
+        if not decoding or self.cost is None:
+            return widest - decoding
+        base = self.cost.seconds(decoding - 1)
+        rows = 16
+        while rows < widest - decoding and \
+                self.cost.seconds(decoding + rows) <= self.prefill_latency * base:
+            rows += 16
+        return min(rows, widest - decoding)
+
