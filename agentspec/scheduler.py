@@ -20,12 +20,13 @@ place, nor on the other sequences in it (:mod:`agentspec.engine.plan`), and each
 samples from its own generator. So each output is what the request gives alone
 (``tests/integration/test_batching.py``).
 
-There is no engine thread. A caller that needs its next step and finds none waiting runs the
-next step itself, for every live request (leader and followers): a single caller runs every
-step on its own thread, as before, and many callers take turns leading steps that carry them
-all. A request's steps are queued for its caller (at most :data:`AHEAD` ahead: a stream
-consumed slowly is paused, not buffered without bound); a stream closed or dropped frees its
-sequence at the next step, or at once when no step is running.
+There is no engine thread of its own. A caller that needs its next step and finds none queued
+runs the next step, for every live request (leader and followers; on the CPU the step itself
+runs on the torch thread, :mod:`agentspec.engine.torch_thread`): a single caller's steps are
+its own, and many callers take turns leading steps that carry them all. A request's steps are
+queued for its caller, so a stream read slowly runs ahead of its reader (at most its
+``max_new_tokens``) and holds nobody back; a stream closed or dropped frees its sequence at
+the next step, or at once when no step is running.
 """
 
 from __future__ import annotations
@@ -47,10 +48,6 @@ from agentspec.engine.torch_thread import for_device
 from agentspec.protocols import StepShare
 
 logger = logging.getLogger("agentspec")
-
-AHEAD = 16
-"""Steps a request may run ahead of its caller; beyond, it waits for the caller to read."""
-
 
 class _Done:
     """The event that ends a request's steps."""
@@ -131,7 +128,6 @@ class Scheduler:
                             return None
                         if isinstance(event, BaseException):
                             raise event
-                        self._cond.notify_all()  # a paused request may run again
                         return event  # type: ignore[no-any-return]
                     if job.state == "ended":
                         return None
@@ -221,7 +217,7 @@ class Scheduler:
         if not self._live:
             return
         prefilling = [j for j in self._live if j.state == "prefill"]
-        decoding = [j for j in self._live if j.state == "decode" and len(j.events) < AHEAD]
+        decoding = [j for j in self._live if j.state == "decode"]
         if not self.target.batches and decoding:  # a forward carries one sequence
             prefilling, decoding = [], decoding[:1]
         elif not self.target.batches:

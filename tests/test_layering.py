@@ -31,14 +31,14 @@ MAX_LINES = 500
 # in "=" matches that module alone: the package's face).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("agentspec.types", "agentspec.errors", "agentspec.home", "agentspec.text",
-     "agentspec.turns", "agentspec.tree", "agentspec.terminal"),
+     "agentspec.tree", "agentspec.terminal"),
     ("agentspec.grammar", "agentspec.stores"),
     ("agentspec.config", "agentspec.protocols"),
     ("agentspec.engine",),
     ("agentspec.memory", "agentspec.decoding"),
     ("agentspec.drafters",),
-    ("agentspec.request", "agentspec.session", "agentspec.stream", "agentspec.speculator",
-     "agentspec="),
+    ("agentspec.request", "agentspec.session", "agentspec.stream", "agentspec.scheduler",
+     "agentspec.speculator", "agentspec="),
     ("agentspec.adapters", "agentspec.bench"),
     ("agentspec.cli",),
 )

@@ -155,14 +155,14 @@ class Decoding:
                                              uniforms=rows, allowed=self._allowed))
         for observer in self.observers:
             observer.step(hidden, draft, verdict)
-        position = self.seq.kv_len
+        position = self.seq.kv_len if hidden is not None else -1  # the root's position
         self.target.commit_on(self.seq, context.tokens[-1], verdict)
         new_tokens, stopped = cut_at_stop(verdict.new_tokens, self.stop_token_ids)
         context.tokens.extend(new_tokens)
         self.produced += len(new_tokens)
         if self.grammar is not None:
             self.grammar.advance(new_tokens)
-        context.hidden, context.hidden_position = hidden, (position if hidden is not None else -1)
+        context.hidden, context.hidden_position = hidden, position
         self.drafter.observe(context, draft, verdict)
         self.done = stopped or self.produced >= self.max_new_tokens
         return Step(draft, verdict, new_tokens, stopped)

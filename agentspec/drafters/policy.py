@@ -324,7 +324,7 @@ def _cached_or_measured(target: Any, sizes: tuple[int, ...] | None, context: int
             if data.get("version") == COST_CACHE_VERSION and data.get("widths", []) == widths:
                 cached = CostModel(float(data["base"]), float(data["per_token"]),
                                    tuple((int(t), float(sec)) for t, sec in data["points"]),
-                                   float(data["kv_per_token"]))
+                                   float(data.get("kv_per_token", 0.0)))
                 then = [float(x) for x in data["probe"]]
                 now = probe_cost(target)
                 if all(n >= STALE_RATIO * t for n, t in zip(now, then, strict=True)):

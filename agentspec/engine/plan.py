@@ -111,7 +111,9 @@ def lay_out(members: list[Member], widths: tuple[int, ...], *, window: int | Non
     if total < real:
         raise ValueError(f"{real} rows do not fit a forward of {total}")
     write_rows = torch.arange(real)
-    slots = torch.cat([m.seq.slots(torch.tensor(pos[m.row0 : m.row0 + len(m.ids)]))
+    # Row r of a member is written at position kv_len + r (a chain's rows sit at their own
+    # positions; a tree's other branches at the next free ones, gathered into place if accepted).
+    slots = torch.cat([m.seq.slots(torch.arange(m.kv_len, m.kv_len + len(m.ids)))
                        for m in members]) if members else torch.zeros(0, dtype=torch.long)
     ids += [ids[-1] if ids else 0] * (total - real)
     pos += [0] * (total - real)

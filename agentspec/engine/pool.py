@@ -46,8 +46,8 @@ _ROOT = -1  # the parent of a sequence's first block in the trie
 
 @dataclass
 class PoolStats:
-    """Counters since the pool was made: prompts that found cached rows, the rows they did not
-    compute, the blocks sealed and evicted; what the pool holds now."""
+    """Counters since the pool was made: prompts that found rows here beyond those their
+    sequence held, and those rows; the blocks sealed and evicted; what the pool holds now."""
 
     hits: int = 0
     reused_tokens: int = 0
@@ -191,7 +191,7 @@ class KVPool:
             entry = self._key.pop(b, None)
             if entry is None:
                 continue
-            del self._children[entry[0]][entry[1]]
+            self._children.get(entry[0], {}).pop(entry[1], None)
             todo.extend(self._children.pop(b, {}).values())
             if b in self._lru:  # cached and unheld: nothing can find it any more
                 del self._lru[b]
@@ -241,6 +241,7 @@ class KVPool:
         return True
 
     def counted_hit(self, tokens: int) -> None:
+        """A prompt found ``tokens`` rows here beyond those its sequence held."""
         self._stats.hits += tokens > 0
         self._stats.reused_tokens += tokens
 

@@ -70,10 +70,10 @@ class Sequence:
                     table.append(own)
             self._drop_table()
             self.table, self.ids = table, wanted[:found]
+            self.pool.counted_hit(found - keep)
             keep = found
         else:
             self.truncate(keep)
-        self.pool.counted_hit(keep)
         self.reused_tokens = keep
         return keep
 
@@ -89,7 +89,9 @@ class Sequence:
         self.table, self.ids = [], []
 
     def _drop_table(self) -> None:
-        for block in self.table:
+        # Deepest first: a prefix ends more recent than its extensions in the pool's LRU, so
+        # an eviction takes the extensions before the prefix other prompts start with.
+        for block in reversed(self.table):
             self.pool.drop(block)
 
     # -- steps --------------------------------------------------------------------------------
@@ -110,24 +112,29 @@ class Sequence:
                 self.pool.seal(self.table[i], parent, self.ids[i * BLOCK : (i + 1) * BLOCK])
 
     def truncate(self, n: int) -> None:
-        """Keep the first ``n`` committed rows; the block the next row goes to becomes the
-        sequence's own to write (taken out of the trie, or copied where others read it)."""
+        """Keep the first ``n`` committed rows. The rows dropped stay findable (the full blocks
+        sealed already, the last partly filled one cached as a tail), and the block the next
+        row goes to becomes the sequence's own to write: a sealed one is copied, so the prefix
+        it caches stays intact for the prompts that come back to it."""
         if not 0 <= n <= self.kv_len:
             raise ValueError(f"truncate needs 0 <= n <= {self.kv_len}, got {n}")
-        del self.ids[n:]
+        old = self.kv_len
         keep = -(-n // BLOCK)
-        for block in self.table[keep:]:
+        last = old // BLOCK
+        if self.cached and old % BLOCK and keep <= last < len(self.table):
+            parent = self.table[last - 1] if last else None
+            self.pool.cache_tail(self.table[last], parent, self.ids[last * BLOCK : old])
+        del self.ids[n:]
+        for block in reversed(self.table[keep:]):
             self.pool.drop(block)
         del self.table[keep:]
         if n % BLOCK:
             block = self.table[-1]
-            if self.pool.holders(block) > 1:  # others read it: a copy of our rows
+            if self.pool.holders(block) > 1 or self.pool.sealed(block):
                 own = self.pool.allocate(after=self.table[-2] if len(self.table) > 1 else None)
                 self.pool.copy_rows(block, own, n % BLOCK)
                 self.pool.drop(block)
                 self.table[-1] = own
-            elif self.pool.sealed(block):
-                self.pool.unseal(block)
 
     def runs(self, blocks: int) -> list[tuple[int, int, int]]:
         """The first ``blocks`` blocks as runs of consecutive pool blocks:

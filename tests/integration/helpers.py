@@ -50,36 +50,31 @@ class OracleTreeDrafter:
 
 
 class CheckingTarget(HFTarget):
-    """An HFTarget that checks every scored row against a fresh forward of its full prefix."""
+    """An HFTarget that checks every scored row against a fresh forward of its full prefix:
+    the row's sequence's committed tokens, then the row's ancestors among its forward's rows
+    (whatever other sequences share the forward)."""
 
     def __init__(self, model, tokenizer, atol: float = 1e-4) -> None:
         super().__init__(model, tokenizer, name="checking")
         self.atol = atol
         self.checked_rows = 0
-        self.context: list[int] = []
-
-    def start(self, prompt_ids):
-        self.context = list(prompt_ids)
-        super().start(prompt_ids)
 
     def _fresh_last_logits(self, ids: list[int]) -> torch.Tensor:
         with torch.inference_mode():
             return self.model(input_ids=torch.tensor([ids]), logits_to_keep=1).logits[0, -1]
 
-    def score(self, last_token, draft, **kw):
-        logits = super().score(last_token, draft, **kw)
-        prefixes: list[list[int]] = []
-        for i, p in enumerate(draft.parents):
-            prefixes.append((prefixes[p] if p >= 0 else []) + [draft.token_ids[i]])
-        for row, extra in enumerate([[]] + prefixes):
-            fresh = self._fresh_last_logits(self.context + extra)
-            torch.testing.assert_close(logits[row], fresh, atol=self.atol, rtol=0)
-            self.checked_rows += 1
-        return logits
-
-    def commit(self, draft, verdict):
-        super().commit(draft, verdict)
-        self.context.extend(verdict.new_tokens)
+    def run(self, members, **kw):
+        out = super().run(members, **kw)
+        for member, logits in zip(members, out, strict=True):
+            if logits is None:
+                continue
+            n = len(member.ids)
+            for row in range(n):
+                path = [member.ids[c] for c in range(n) if member.anc[row, c]]
+                fresh = self._fresh_last_logits(member.seq.ids + path)
+                torch.testing.assert_close(logits[row], fresh, atol=self.atol, rtol=0)
+                self.checked_rows += 1
+        return out
 
 
 @functools.cache

@@ -214,7 +214,7 @@ class DraftDependentRows(HFTarget):
     def score(self, last_token, draft, **kw):
         logits = super().score(last_token, draft, **kw)
         if draft.num_nodes:
-            gen = torch.Generator().manual_seed(len(self._kv_ids))
+            gen = torch.Generator().manual_seed(self.kv_len)
             logits = logits + torch.randint(-1, 2, logits.shape, generator=gen).to(logits.dtype) / 8
         return logits
 
@@ -234,8 +234,7 @@ def test_rows_that_depend_on_the_draft_change_bf16_outputs():
 
 def _prefill_keys(target: HFTarget, ids: list[int]) -> list[torch.Tensor]:
     target.start(ids)
-    assert target._kv is not None
-    return [k[:, :, : target._kv_len].clone() for k in target._kv.keys]
+    return [target.seq.read(layer, target.kv_len)[0] for layer in range(len(target.pool.keys))]
 
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
@@ -254,12 +253,12 @@ def test_wide_prefill_chunks_write_the_rows_decode_widths_write(dtype_name):
                     f"in {dtype_name}: prompts are prefilled in decode widths only")
     widest = wide.prefill_widths[-1]
     assert len(ids) > widest + 64  # a widest chunk, then the rest in a narrower one
+    assert wide.widest == widest and narrow.widest == 64
     keys = _prefill_keys(wide, ids)
-    assert widest in wide._forwards and not any(w > 64 for w in narrow._forwards)
     ref = _prefill_keys(narrow, ids)
     assert all(torch.equal(a, b) for a, b in zip(keys, ref, strict=True))
     # The deliberately wrong prefill: transformers' own forward over the whole prompt.
     with torch.inference_mode():
         cache = wide.model(torch.tensor([ids[:-1]]), use_cache=True).past_key_values
-    own = [layer.keys for layer in cache.layers]
+    own = [layer.keys[0] for layer in cache.layers]
     assert not all(torch.equal(a, b.to(a.dtype)) for a, b in zip(own, ref, strict=True))

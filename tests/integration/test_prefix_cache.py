@@ -1,13 +1,14 @@
-"""The prefix cache restores exactly the rows a prefill computes (real model, fp32 and bf16).
+"""The pool's cached blocks are exactly the rows a prefill computes (real model, fp32 and bf16).
 
 Calls of two agents (two BFCL tool sets) interleave through one target, so every call after
-the first two finds its system prompt's rows in the cache, not in the KV; each call's logits,
-the prompt's last row and a draft's rows, must equal bitwise those of a target that prefills
-every prompt from scratch. bf16 is where a row computed after other tokens would show.
+the first two finds its system prompt's rows among the pool's cached blocks, not in its
+sequence; each call's logits, the prompt's last row and a draft's rows, must equal bitwise
+those of a target that prefills every prompt from scratch. bf16 is where a row computed after
+other tokens would show.
 
-The same file shows the check can fail: a cache that finds a block by its own tokens and its
-position, whatever came before it, restores rows computed after another prefix, and the logits
-differ.
+The same file shows the check can fail: a pool that finds a block by its own tokens and its
+position, whatever came before it, hands out rows computed after another prefix, and the
+logits differ.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from agentspec import Speculator
 from agentspec.engine.load import load_target
-from agentspec.engine.prefix import BLOCK, PrefixCache
+from agentspec.engine.pool import BLOCK, KVPool
 from agentspec.engine.target import HFTarget
 from agentspec.tree import common_prefix_len
 from agentspec.types import Draft
@@ -29,7 +30,7 @@ from tests.prompts import DATA, prompt_of, workload_lines
 pytestmark = pytest.mark.slow
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-PREFIX = 5 * BLOCK + 17  # tokens of each agent's system prompt kept (a tail off the blocks)
+PREFIX = 4 * BLOCK + 17  # tokens of each agent's system prompt kept (a tail off the blocks)
 
 
 @functools.cache
@@ -70,42 +71,42 @@ def test_restored_rows_are_the_rows_a_prefill_computes(dtype: str) -> None:
     cached, fresh = _pair(dtype)
     for n, ids in enumerate(_calls()):
         assert torch.equal(_rows(cached, ids), _rows(fresh, ids)), f"call {n} ({dtype})"
-        if n >= 2:  # the agent's system prompt came back from the cache, not from the KV
-            assert cached.reused_tokens == PREFIX // BLOCK * BLOCK
-    stats = cached.prefix_cache.stats
+        if n >= 2:  # the agent's system prompt came from the pool's cached blocks (its full
+            # blocks held by reference, its tail taken over), not from the sequence
+            assert cached.reused_tokens == PREFIX
+    stats = cached.prefix_stats
     a, b = _agents()
-    shared = common_prefix_len(a, b)  # the chat template's opening: held in the KV already
-    assert stats.hits == 2 and stats.restored_tokens == 2 * (PREFIX // BLOCK * BLOCK - shared)
+    shared = common_prefix_len(a, b)  # the chat template's opening: held by the sequence
+    assert stats.hits == 2 and stats.reused_tokens == 2 * (PREFIX - shared)
 
 
-class _TokensAndPositionOnly(PrefixCache):
+class _TokensAndPositionOnly(KVPool):
     """Deliberately wrong: a block is found by its tokens and position alone."""
 
-    def longest(self, ids: Sequence[int]) -> list:
-        blocks = {b.id: b for b in self._lru.values()}
+    def match(self, ids: Sequence[int]) -> tuple[list[int], int, int]:
+        def depth(block: int) -> int:
+            parent = self._key[block][0]
+            return 0 if parent < 0 else 1 + depth(parent)
 
-        def depth(block) -> int:
-            return 0 if not block.parent else 1 + depth(blocks[block.parent])
-
-        found = {(depth(b), b.tokens): b for b in blocks.values()}
-        chain = []
+        found = {(depth(b), key): b for b, (_, key) in self._key.items() if len(key) == BLOCK}
+        chain: list[int] = []
         for index, start in enumerate(range(0, len(ids) - BLOCK + 1, BLOCK)):
             block = found.get((index, tuple(ids[start : start + BLOCK])))
             if block is None:
                 break
             chain.append(block)
-        return chain
+        return chain, -1, 0
 
 
 @pytest.mark.parametrize("wrong", [False, True])
 def test_a_block_is_reused_only_after_its_own_prefix(wrong: bool) -> None:
     cached, fresh = _pair("fp32")
     if wrong:
-        cached.prefix_cache = _TokensAndPositionOnly(cached.prefix_cache.max_bytes)
+        cached.pool.__class__ = _TokensAndPositionOnly
     a, b = _agents()
-    x, y, shared = a[:BLOCK], b[:BLOCK], a[2 * BLOCK : 4 * BLOCK]
-    _rows(cached, y + b[BLOCK : 3 * BLOCK] + [11])  # caches y as a first block
-    _rows(cached, x + shared + [12])  # caches the shared blocks after x
+    x, y, shared = a[:BLOCK], b[:BLOCK], a[BLOCK : 3 * BLOCK]
+    _rows(cached, y + b[BLOCK : 3 * BLOCK] + [11])  # seals y as a first block
+    _rows(cached, x + shared + [12])  # seals the shared blocks after x
     # After y, the shared blocks' rows are not the ones computed after x: only y is reused.
     third = y + shared + [13]
     same = torch.equal(_rows(cached, third), _rows(fresh, third))
@@ -131,8 +132,11 @@ def test_measuring_the_cost_curve_leaves_nothing_in_the_prefix_cache(tmp_path) -
     cached, _ = _pair("fp32")
     a, _ = _agents()
     _rows(cached, a)
+    sealed = cached.prefix_stats.sealed_blocks
     for _ in range(2):  # measured, then read from its file after a probe
         measure_cost(cached, sizes=(0, 7), context=3 * BLOCK, repeats=1,
                      cache_file=tmp_path / "cost.json")
-    _rows(cached, a)  # the synthetic prompt's rows were neither saved nor left to be
-    assert cached.prefix_cache.stats.saved_blocks == 0
+    assert cached.prefix_stats.sealed_blocks == sealed  # no synthetic row was sealed
+    assert cached.holds(a)  # and the target's own sequence is as it was
+    _rows(cached, a)
+    assert cached.reused_tokens == len(a) - 1

@@ -64,9 +64,15 @@ class _NoRollback(CheckingTarget):
     """The deliberately wrong rollback: the committed length moves past every draft row, the
     rejected ones too, so the next forward attends tokens that were never accepted."""
 
-    def commit(self, draft, verdict):
-        super().commit(draft, verdict)
-        self._kv_len += draft.num_nodes - len(verdict.path)
+    def run(self, members, **kw):
+        self.scored = {id(m.seq): m.ids for m in members}
+        return super().run(members, **kw)
+
+    def commit_on(self, seq, root, verdict):
+        super().commit_on(seq, root, verdict)
+        # the rejected rows' tokens (in their slots' order) join the committed ones
+        draft = self.scored[id(seq)][1:]
+        seq.commit([t for i, t in enumerate(draft) if i not in verdict.path])
 
 
 @pytest.mark.slow

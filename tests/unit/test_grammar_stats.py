@@ -90,14 +90,19 @@ class TableTarget:
     def holds(self, tokens: list[int]) -> bool:
         return True
 
-    def score(self, last_token: int, draft: Draft, *, keep_hidden: bool = False) -> torch.Tensor:
-        base = tuple(self.committed[1:])  # the generated tokens (the prompt is one token)
-        prefixes: list[tuple[int, ...]] = []
-        for i, p in enumerate(draft.parents):
-            prefixes.append((prefixes[p] if p >= 0 else ()) + (draft.token_ids[i],))
-        return torch.stack([self.logits(base)] + [self.logits(base + q) for q in prefixes])
+    seq = None  # the decode loop's sequence: this fake keeps its committed tokens itself
 
-    def commit(self, draft: Draft, verdict: Any) -> None:
+    def run(self, members: list[Any], *, hidden: bool = False) -> list[torch.Tensor]:
+        """Each member's rows (the root, then draft nodes, each seeing its ancestors)."""
+        base = tuple(self.committed[1:])  # the generated tokens (the prompt is one token)
+        out = []
+        for m in members:
+            n = len(m.ids)
+            paths = [tuple(m.ids[c] for c in range(1, n) if m.anc[r, c]) for r in range(n)]
+            out.append(torch.stack([self.logits(base + path) for path in paths]))
+        return out
+
+    def commit_on(self, seq: Any, root: int, verdict: Any) -> None:
         self.committed.extend(verdict.new_tokens)
 
 

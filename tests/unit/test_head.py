@@ -94,13 +94,11 @@ def test_head_file_round_trip_and_fingerprint(target, tmp_path):
 def test_score_keeps_the_hidden_rows_the_logits_come_from(target):
     draft = Draft.chain([2, 3, 4], "t")
     target.start([1, 5, 6, 7])
-    target.keep_hidden = False
     plain = target.score(7, draft).clone()
     assert target.hidden is None
     twin = target.fork()
-    twin.keep_hidden = True
     twin.start([1, 5, 6, 7])
-    logits = twin.score(7, draft)
+    logits = twin.score(7, draft, keep_hidden=True)
     assert torch.equal(logits, plain)  # reading the hidden rows changes no logit
     assert twin.hidden is not None and twin.hidden.shape == (4, 16)
     assert twin.hidden_position == 3  # the root (7) sits at position 3
@@ -117,24 +115,30 @@ def test_hidden_rows_stay_the_targets_own_when_a_fork_runs_in_another_thread(tar
 
     draft = Draft.chain([2, 3, 4], "t")
     twin, other = target.fork(), target.fork()
-    twin.keep_hidden = True
     other.start([1, 9, 9, 9, 9, 8])
     twin.start([1, 5, 6, 7])
-    twin.score(7, draft)
+    twin.score(7, draft, keep_hidden=True)
     own = twin.hidden.clone()
-    forward = twin._forward_rows
+    forward = twin.forward._modules
+
+    workers: list[threading.Thread] = []
 
     def then_another(*args: object, **kwargs: object) -> torch.Tensor:
         out = forward(*args, **kwargs)
-        worker = threading.Thread(target=lambda: other.score(8, Draft.chain([2], "t")))
+        # Another fork's forward from another thread, before this one's rows are read (on the
+        # CPU it queues for the torch thread this forward runs on: it cannot be joined here).
+        worker = threading.Thread(target=lambda: other.score(8, Draft.chain([2], "t"),
+                                                             keep_hidden=True))
         worker.start()
-        worker.join()
+        workers.append(worker)
         return out
 
-    twin._forward_rows = then_another  # type: ignore[method-assign]
+    twin.forward._modules = then_another  # type: ignore[method-assign]
     twin.start([1, 5, 6, 7])
-    twin.score(7, draft)
-    assert torch.equal(twin.hidden, own)
+    twin.score(7, draft, keep_hidden=True)
+    for worker in workers:
+        worker.join()
+    assert workers and torch.equal(twin.hidden, own)
 
 
 def test_forks_in_two_threads_take_turns_forward_by_forward(target):
@@ -184,7 +188,9 @@ def test_drafter_is_absent_without_a_head_and_drafts_with_one(target, tmp_path):
     from agentspec.types import Verdict
 
     draft = Draft.chain([2, 3], "t")
-    twin.score(7, draft)
+    assert ctx.keep_hidden  # the drafter asked for the hidden rows in begin
+    twin.score(7, draft, keep_hidden=True)
+    ctx.hidden, ctx.hidden_position = twin.hidden, twin.hidden_position  # as the loop hands them
     verdict = Verdict((0,), (2,), 9)  # node 0 accepted, 9 recovered: the hidden row is row 1
     twin.commit(draft, verdict)
     ctx.tokens.extend([2, 9])
