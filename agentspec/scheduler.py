@@ -150,6 +150,9 @@ class Scheduler:
         job is retired here only when the lock and the engine are free, else by the next
         step."""
         job.cancelled = True
+        if job.state == "ended":  # it ended before its caller read its end: abandoned still
+            self._abandoned(job)
+            return
         if not self._cond.acquire(blocking=False):
             return
         try:
@@ -353,12 +356,19 @@ class Scheduler:
                 job.state = "ended"
                 job.events.append(event)
                 self._cond.notify_all()
-        if abandoned and job.on_abandon is not None and not job._abandon_done:
-            job._abandon_done = True
-            try:
-                job.on_abandon()
-            except Exception:  # noqa: BLE001
-                logger.warning("cleanup of an abandoned generation failed", exc_info=True)
+        if abandoned:
+            self._abandoned(job)
+
+    @staticmethod
+    def _abandoned(job: Job) -> None:
+        """The job's ``on_abandon``, once."""
+        if job.on_abandon is None or job._abandon_done:
+            return
+        job._abandon_done = True
+        try:
+            job.on_abandon()
+        except Exception:  # noqa: BLE001
+            logger.warning("cleanup of an abandoned generation failed", exc_info=True)
 
     # -- sizing -------------------------------------------------------------------------------
 

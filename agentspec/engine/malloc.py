@@ -24,7 +24,6 @@ import platform
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-M_ARENA_MAX = -8
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's largest on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 TRIM_THRESHOLD = 512 * 1024 * 1024
 ENV = "AGENTSPEC_MALLOC"
@@ -67,6 +66,4 @@ def _apply() -> str:
         return "off (mallopt refused)"
     if mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
         return "off (mallopt refused the trim threshold)"
-    if mallopt(M_ARENA_MAX, 1) != 1:
-        return "off (mallopt refused the arena count)"
     return "tuned"

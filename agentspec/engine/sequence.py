@@ -68,6 +68,7 @@ class Sequence:
                     self.pool.copy_rows(tail, own, rows)
                     self.pool.drop(tail)
                     table.append(own)
+            self._cache_tail()
             self._drop_table()
             self.table, self.ids = table, wanted[:found]
             self.pool.counted_hit(found - keep)
@@ -80,13 +81,18 @@ class Sequence:
     def release(self) -> None:
         """End the sequence: its blocks go back to the pool (sealed ones stay cached, and so
         does its last, partly filled block, under the tokens it holds)."""
+        self._cache_tail()
+        self._drop_table()
+        self.table, self.ids = [], []
+
+    def _cache_tail(self) -> None:
+        """Keep the partly filled last block findable under the tokens it holds, for a later
+        prompt that extends them (it is about to be dropped)."""
         n = self.kv_len
         last = n // BLOCK
         if self.cached and n % BLOCK and last < len(self.table):
             parent = self.table[last - 1] if last else None
             self.pool.cache_tail(self.table[last], parent, self.ids[last * BLOCK :])
-        self._drop_table()
-        self.table, self.ids = [], []
 
     def _drop_table(self) -> None:
         # Deepest first: a prefix ends more recent than its extensions in the pool's LRU, so
@@ -118,12 +124,9 @@ class Sequence:
         it caches stays intact for the prompts that come back to it."""
         if not 0 <= n <= self.kv_len:
             raise ValueError(f"truncate needs 0 <= n <= {self.kv_len}, got {n}")
-        old = self.kv_len
         keep = -(-n // BLOCK)
-        last = old // BLOCK
-        if self.cached and old % BLOCK and keep <= last < len(self.table):
-            parent = self.table[last - 1] if last else None
-            self.pool.cache_tail(self.table[last], parent, self.ids[last * BLOCK : old])
+        if keep <= self.kv_len // BLOCK:  # the last block is dropped: its rows stay findable
+            self._cache_tail()
         del self.ids[n:]
         for block in reversed(self.table[keep:]):
             self.pool.drop(block)

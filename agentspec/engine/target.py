@@ -259,7 +259,8 @@ class HFTarget:
         known = _WIDTH_CLASS.setdefault(self.model, {})
         asked = (self.widths, self.prefill_widths, str(self.device),
                  str(next(self.model.parameters()).dtype), self.fused is not None,
-                 torch.get_num_threads())  # CPU kernels split rows by thread count
+                 torch.get_num_threads(),  # CPU kernels split rows by thread count
+                 torch.backends.mkldnn.is_available())  # the CPU's products (engine_kernels)
         if asked in known:  # probed already on another HFTarget of this model
             self.widths, self.prefill_widths, self.batches = known[asked]
             self.forward.widths = self._all_widths()
@@ -316,9 +317,11 @@ class HFTarget:
             for seq, length in zip(seqs, (300, 41, 0), strict=True):
                 ids = torch.randint(0, self.vocab_size, (length,), generator=gen).tolist()
                 self._prefill_rows(seq, ids)
-            tree = Draft((5, 6, 7, 8), (-1, 0, 0, 2), "probe")
-            chain = Draft.chain([9, 10, 11], "probe")
-            makes = [lambda: draft_member(seqs[0], 3, tree), lambda: draft_member(seqs[1], 4, chain)]
+            tokens = torch.randint(0, self.vocab_size, (9,), generator=gen).tolist()
+            tree = Draft(tuple(tokens[:4]), (-1, 0, 0, 2), "probe")
+            chain = Draft.chain(tokens[4:7], "probe")
+            makes = [lambda: draft_member(seqs[0], tokens[7], tree),
+                     lambda: draft_member(seqs[1], tokens[8], chain)]
             room = self.widest - sum(self.forward.rows_taken(n) for n in (5, 4))
             chunk_len = min(70, room)
             if chunk_len > 0:
@@ -377,9 +380,11 @@ class HFTarget:
         return KVSequence(self.pool)
 
     @device_work
+    @torch.inference_mode()
     def prefill_chunks(self, seq: KVSequence, prompt_ids: Sequence[int]) -> list[list[int]]:
         """Hold what ``seq`` and the pool already have of every prompt token but the last
         (``reuse_prefix``), and return the rest in chunks of the widest width, in order."""
+        self.check_widths()  # the widest width is the probe's
         wanted = list(prompt_ids[:-1])
         keep = seq.start(wanted, reuse=self.reuse_prefix)
         chunk = self.widest

@@ -144,7 +144,7 @@ def test_gemma_tree_scoring_past_the_window(gemma):
     # The sliding mask matters: the plain tree mask on every layer gives other logits.
     draft = Draft(tokens, TREE_PARENTS, "test")
     windowless = HFTarget(gemma.model, gemma.tokenizer, name="windowless", widths=gemma.widths)
-    windowless.sliding_window = None  # the deliberately wrong mask: no window on any layer
+    windowless.forward.window = None  # the deliberately wrong mask: no window on any layer
     windowless.start(prompt_ids)
     wrong = windowless.score(prompt_ids[-1], draft)
     gemma.start(prompt_ids)

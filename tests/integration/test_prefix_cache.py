@@ -30,7 +30,7 @@ from tests.prompts import DATA, prompt_of, workload_lines
 pytestmark = pytest.mark.slow
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-PREFIX = 4 * BLOCK + 17  # tokens of each agent's system prompt kept (a tail off the blocks)
+PREFIX = 3 * BLOCK + 17  # tokens of each agent's system prompt kept (a tail off the blocks)
 
 
 @functools.cache
