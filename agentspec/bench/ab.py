@@ -76,7 +76,7 @@ def parse_widths(text: str | None) -> tuple[int, ...] | None:
     Raises:
         ValueError: a width that is not a positive integer, or widths not strictly increasing.
     """
-    from agentspec.engine.target import ordered_widths
+    from agentspec.engine.widths import ordered_widths
 
     if not text:
         return None

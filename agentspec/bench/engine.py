@@ -30,6 +30,7 @@ from agentspec.bench.prompts import ALL_PROMPTS
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.engine.load import load_target
 from agentspec.engine.target import HFTarget
+from agentspec.engine.torch_thread import on_torch_thread
 from agentspec.speculator import Speculator
 from agentspec.types import Draft, Verdict
 
@@ -63,16 +64,36 @@ _VIEWS = frozenset({
     "aten.split.Tensor", "aten.unbind.int"})
 
 
+def _filled(base: HFTarget, capacity: int, width: int, model: Any = None) -> tuple[HFTarget, Any]:
+    """A target on ``model`` (default the base's; else fused) and the member of a
+    ``width``-row chain after ``capacity - width`` committed positions of its sequence: a
+    forward that fills the sequence's ``capacity // KEY_BLOCK`` blocks and reads every one.
+    The committed positions hold no computed rows (zeros): the count is structural."""
+    from agentspec.engine.plan import Member
+    from agentspec.engine.target import causal
+
+    if capacity < 2 * width:
+        raise ValueError(f"capacity {capacity} is below two forwards of {width} rows")
+    target = HFTarget(model or base.model, base.tokenizer, name=base.name, reuse_prefix=False,
+                      fused=False if model is None else True,
+                      widths=(width,) if model is None else (16, 32, 64), prefill_widths=())
+    target.seq.reserve(capacity)
+    target.seq.ids = [7] * (capacity - width)
+    return target, Member(target.seq, [7] * width, list(range(width)), causal(width))
+
+
 def forward_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) -> dict[str, dict[str, int]]:
-    """Operations of one ``width``-row forward of the model's modules over a KV of each
-    capacity, read whole (the graph's forward; an eager CPU forward reads only the blocks up
-    to its last row)."""
-    import numpy as np
+    """Operations of one ``width``-row forward of the model's modules over a sequence whose KV
+    fills each capacity, read whole (on CUDA a graph's forward is one kernel an operation)."""
+    return on_torch_thread(_forward_ops, base, capacities, width)
+
+
+def _forward_ops(base: HFTarget, capacities: tuple[int, ...], width: int) -> dict[str, dict[str, int]]:
     from torch.utils._python_dispatch import TorchDispatchMode
     from transformers import AttentionInterface
 
     from agentspec.engine import kv
-    from agentspec.engine.forward import FixedForward
+    from agentspec.engine.plan import lay_out
 
     class Count(TorchDispatchMode):
         def __init__(self) -> None:
@@ -103,17 +124,15 @@ def forward_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) ->
     AttentionInterface.register(kv.ATTENTION, attention)
     try:
         for capacity in capacities:
-            if capacity < 2 * width:
-                raise ValueError(f"capacity {capacity} is below two forwards of {width} rows")
-            forward = FixedForward(base.model, kv.FixedKV(capacity), width,
-                                   sliding_window=base.sliding_window)
-            forward.load([7] * width, list(range(width)), np.tril(np.ones((width, width), bool)),
-                         capacity - 2 * width)
+            target, member = _filled(base, capacity, width)
+            forward = target.forward
+            layout = lay_out([member], forward.widths, window=forward.window,
+                             device=forward.device, width=width, wq=width)
             with torch.inference_mode():
-                forward.compute()  # the first forward allocates the KV
+                forward._modules(layout, False)  # the first packs the linear layers' weights
                 count.total = count.attention = 0
                 with count:
-                    forward.compute()
+                    forward._modules(layout, False)
             out[str(capacity)] = {"operations": count.total, "in attention": count.attention}
     finally:
         AttentionInterface.register(kv.ATTENTION, kv.agentspec_sdpa)
@@ -125,26 +144,28 @@ _ALLOCATIONS = frozenset({"aten.empty.memory_format", "aten.empty_like.default",
 
 
 def fused_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) -> dict[str, dict[str, int]]:
-    """Kernels of one ``width``-row fused forward (:mod:`agentspec.engine.fused`) over a KV of
-    each capacity: each Triton launch counts one, and so does every tensor operation outside
-    them that is no view or allocation (the embedding). The kernels are counted, not run
-    (outputs only allocated: the count is structural, and the CPU's interpreter is slow). A
-    float32 model is counted on a bf16 copy, the dtype the fused forward runs."""
+    """Kernels of one ``width``-row fused forward (:mod:`agentspec.engine.fused`) over a
+    sequence whose KV fills each capacity: each Triton launch counts one, and so does every
+    tensor operation outside them that is no view or allocation (the embedding), as a CUDA
+    graph of the forward holds them (the staging's copy before it is not). The kernels are
+    counted, not run (outputs only allocated: the count is
+    structural, and the CPU's interpreter is slow); the rows before are written by the modules.
+    A float32 model is counted on a bf16 copy, the dtype the fused forward runs."""
+    return on_torch_thread(_fused_ops, base, capacities, width)
+
+
+def _fused_ops(base: HFTarget, capacities: tuple[int, ...], width: int) -> dict[str, dict[str, int]]:
     import copy
 
-    import numpy as np
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from agentspec.engine import kv
-    from agentspec.engine.forward import FixedForward
     from agentspec.engine.fused import kernels
     from agentspec.engine.fused.llama import select, unsupported
 
     model = base.model
     if next(model.parameters()).dtype == torch.float32:
         model = copy.deepcopy(model).to(torch.bfloat16)
-    fused = select(model, required=False)  # the model's own, where a target built it already
-    if fused is None:
+    if select(model, required=False) is None:
         return {"unsupported": {str(unsupported(model)): 0}}
 
     class Count(TorchDispatchMode):
@@ -160,17 +181,18 @@ def fused_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) -> d
 
     out: dict[str, dict[str, int]] = {}
     for capacity in capacities:
-        forward = FixedForward(model, kv.FixedKV(capacity), width, fused=fused)
-        fused.allocate(forward.kv)  # the KV's buffers: allocated once, not per forward
-        forward.load([7] * width, list(range(width)), np.tril(np.ones((width, width), bool)),
-                     capacity - 2 * width)
+        target, member = _filled(base, capacity, width, model)
         count = Count()
 
         def launched(name: str, count: Count = count) -> None:
             count.kernels += 1
 
-        with torch.inference_mode(), kernels.launches_seen(launched, run=False), count:
-            forward.compute()
+        with torch.inference_mode(), kernels.launches_seen(launched, run=False):
+            target.forward.run([member], width=width)  # stages the inputs: not the graph's
+            (run,) = target.forward.fused_runs()
+            count.kernels = count.other = 0
+            with count:
+                run.run(None)  # what a CUDA graph of the forward holds
         out[str(capacity)] = {"operations": count.kernels + count.other,
                               "Triton kernels": count.kernels}
     return out

@@ -76,10 +76,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if head is None:
         print(f"no head for {target.fingerprint} in scope {args.scope!r}", file=sys.stderr)
         return 1
-    target.keep_hidden = True
     prompt = [1 + t % (target.vocab_size - 1) for t in range(args.context)]
     target.start(prompt)
-    target.score(prompt[-1], Draft())
+    target.score(prompt[-1], Draft(), keep_hidden=True)
     assert target.hidden is not None
     h = target.hidden[0].float().clone()
     out: dict[str, object] = {"model": target.fingerprint, "scope": args.scope,

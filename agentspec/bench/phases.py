@@ -3,21 +3,21 @@
     python -m agentspec.bench.phases --workload bfcl-live --systems agentspec-pld,agentspec
 
 Each system runs the workload's warmup lines untimed, then its measured lines with every phase
-of the decode loop timed: the prefill (``target.start``), the forwards (``target.score``), the
-commit, drafting (the chain's ``begin``/``propose``/``observe``/``end``), sanitising (every
+of the decode loop timed: the prompt's cached prefix found (``target.prefix``), the forwards
+(``target.forward``: prompt chunks and steps), the commit, drafting (the chain's ``begin``/``propose``/``observe``/``end``), sanitising (every
 proposal: the chain's sources' inside drafting, then the loop's), the grammar
 (``constrain``, ``advance``, its set-up), verification, and the memory's lookup, embedding and
-record (only on the calls' own thread: a write handed to the memory's worker thread counts as
-its hand-over, ``memory.record_behind``, and as the wait of a later read for it,
-``memory.settle``). On CUDA each timed call is bracketed by a device synchronisation, so a
+record (only on the thread the steps run on, the torch thread on the CPU: a write handed to
+the memory's worker thread counts as its hand-over, ``memory.record_behind``, and as the wait
+of a later read for it, ``memory.settle``). On CUDA each timed call is bracketed by a device synchronisation, so a
 phase holds its own kernels and not the next one's wait (and the whole runs a little slower
 than the bench). Prints, per system, each phase's milliseconds per request and per call;
 ``--out FILE`` writes them. Nested phases overlap: a chain's ``begin`` holds the memory's lookup,
 which holds its embedding.
 
-Host milliseconds per step: a request's time less its prefill and its forwards
-(``target.start`` and ``target.score``), per step: what the host adds to every step (drafting,
-verification, the commit, bookkeeping), the part a faster forward does not shrink.
+Host milliseconds per step: a request's time less its forwards (``target.forward``), per
+step: what the host adds to every step (drafting, verification, the commit, bookkeeping), the
+part a faster forward does not shrink.
 """
 
 from __future__ import annotations
@@ -34,20 +34,22 @@ from pathlib import Path
 from typing import Any
 
 from agentspec.bench.report import write_json
+from agentspec.engine.torch_thread import for_device
 
 SYSTEMS = ("agentspec-plain", "agentspec-pld", "agentspec-suffix", "agentspec")
 
 
 class PhaseClock:
-    """Accumulated seconds and calls per phase, while ``on``, on the thread that made it (the
-    calls' own thread: work the memory does behind them on its worker thread is not theirs)."""
+    """Accumulated seconds and calls per phase, while ``on``, on one thread: ``thread``, by
+    default the one that made it (the thread the steps run on: work the memory does behind
+    them on its worker thread is not theirs)."""
 
-    def __init__(self, sync: Callable[[], None] | None = None) -> None:
+    def __init__(self, sync: Callable[[], None] | None = None, thread: int | None = None) -> None:
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self.calls: Counter[str] = Counter()
         self.on = False
         self._sync = sync or (lambda: None)
-        self._thread = threading.get_ident()
+        self._thread = threading.get_ident() if thread is None else thread
 
     def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -102,7 +104,8 @@ def timing(clock: PhaseClock, targets: Sequence[Any] = ()) -> Iterator[PhaseCloc
     ]
     spots += [(DrafterChain, m, f"drafting.{m}") for m in ("begin", "propose", "observe", "end")]
     for target in targets:
-        spots += [(target, m, f"target.{m}") for m in ("start", "score", "commit")]
+        spots += [(target, "prefill_chunks", "target.prefix"), (target, "run", "target.forward"),
+                  (target, "commit_on", "target.commit")]
     with ExitStack() as stack:
         for owner, name, label in spots:
             stack.enter_context(_patched(owner, name, clock, label))
@@ -131,6 +134,8 @@ def profile(workload: str, systems: Sequence[str], *, model: str = "smollm2-135m
         import torch
 
         sync = torch.cuda.synchronize
+    # The steps' thread: on the CPU the torch thread (agentspec.engine.torch_thread).
+    steps_thread = for_device(target.device, threading.get_ident)
     config = BenchConfig(systems=("hf-greedy", *systems))
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="agentspec-phases-") as tmp:
@@ -141,7 +146,7 @@ def profile(workload: str, systems: Sequence[str], *, model: str = "smollm2-135m
             assert isinstance(system, SpecSystem)
             for item in items.warmup:
                 system.run(item, budget(item, config), None)
-            clock = PhaseClock(sync)
+            clock = PhaseClock(sync, steps_thread)
             steps, seconds, lines = 0, 0.0, list(items.measure)[:measure]
             with timing(clock, [system.spec.target]):
                 clock.on = True
@@ -150,7 +155,7 @@ def profile(workload: str, systems: Sequence[str], *, model: str = "smollm2-135m
                     steps += outcome.steps or 0
                     seconds += outcome.seconds
                 clock.on = False
-            forwards = clock.seconds["target.start"] + clock.seconds["target.score"]
+            forwards = clock.seconds["target.forward"]
             out[name] = {"requests": len(lines), "steps": steps, "seconds": seconds,
                          "host_ms_per_step": round(1e3 * (seconds - forwards) / max(steps, 1), 3),
                          "phases": {k: [clock.seconds[k], clock.calls[k]] for k in clock.seconds}}

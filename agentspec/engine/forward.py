@@ -296,6 +296,10 @@ class Forward:
                 run.capture()
             return run.run(None if run.graph is not None else logit_rows)
 
+    def fused_runs(self) -> list[_FusedRun]:
+        """The fused forward's shapes run so far (their staging, scratch and graphs)."""
+        return list(self._fused_runs.values())
+
     def _keep_hidden(self, module: Any, args: tuple[Any, ...]) -> None:
         # The output embedding is the model's, shared by every fork and by other code (the
         # bench's transformers baselines): keep only this forward's own, in this thread.

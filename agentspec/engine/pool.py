@@ -109,7 +109,8 @@ class KVPool:
     def _allocate(self, blocks: int) -> None:
         """Buffers of ``blocks`` blocks holding the old ones' rows (zeros elsewhere: stale rows
         are always finite)."""
-        keys, values = [], []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         for i, (heads, dim, dtype) in enumerate(self._shapes):
             for old, new in ((self.keys, keys), (self.values, values)):
                 buf = torch.zeros((blocks, heads, BLOCK, dim), dtype=dtype, device=self.device)

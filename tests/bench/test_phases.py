@@ -9,13 +9,13 @@ from agentspec.bench.phases import PhaseClock, format_system, profile, timing
 
 
 class Target:
-    def start(self, ids):
+    def prefill_chunks(self, seq, ids):
         return len(ids)
 
-    def score(self, last, draft, *, keep_hidden=False):
-        return last
+    def run(self, members, *, hidden=False):
+        return members
 
-    def commit(self, draft, verdict):
+    def commit_on(self, seq, root, verdict):
         return None
 
 
@@ -29,16 +29,16 @@ def test_timing_counts_only_while_on_and_restores_what_it_patched():
     target = Target()
     clock = PhaseClock()
     with timing(clock, [target]):
-        assert untrusted.sanitize is not before[0] and "score" in vars(target)
-        target.score(3, None)  # off: not counted
+        assert untrusted.sanitize is not before[0] and "run" in vars(target)
+        target.run([3])  # off: not counted
         clock.on = True
-        assert target.score(4, None) == 4 and target.start([1, 2]) == 2
-        target.score(5, None)
-    assert clock.calls == {"target.score": 2, "target.start": 1}
-    assert clock.seconds["target.score"] >= 0
+        assert target.run([4]) == [4] and target.prefill_chunks(None, [1, 2]) == 2
+        target.run([5])
+    assert clock.calls == {"target.forward": 2, "target.prefix": 1}
+    assert clock.seconds["target.forward"] >= 0
     assert (untrusted.sanitize, decode.verify, DrafterChain.propose,
             CompletionMemory.lookup) == before
-    assert "score" not in vars(target) and Target.score is not None
+    assert "run" not in vars(target) and Target.run is not None
 
 
 def test_only_the_calls_own_thread_is_timed():
@@ -48,21 +48,21 @@ def test_only_the_calls_own_thread_is_timed():
     clock = PhaseClock()
     with timing(clock, [target]):
         clock.on = True
-        worker = threading.Thread(target=target.score, args=(1, None))  # a write behind a call
+        worker = threading.Thread(target=target.run, args=([1],))  # a write behind a call
         worker.start()
         worker.join()
-        target.score(2, None)
-    assert clock.calls == {"target.score": 1}
+        target.run([2])
+    assert clock.calls == {"target.forward": 1}
 
 
 def test_format_lists_the_dearest_phase_first():
     text = format_system("agentspec", {"requests": 2, "steps": 10, "seconds": 0.5,
                                        "host_ms_per_step": 10.0, "phases": {
-        "verify": [0.01, 10], "target.score": [0.4, 10]}})
+        "verify": [0.01, 10], "target.forward": [0.4, 10]}})
     lines = text.splitlines()
     assert "250.0 ms per request" in lines[0] and "50.00 ms per step" in lines[0]
     assert "10.00 ms on the host" in lines[0]
-    assert lines[2].split()[0] == "target.score" and lines[3].split()[0] == "verify"
+    assert lines[2].split()[0] == "target.forward" and lines[3].split()[0] == "verify"
 
 
 def test_bad_systems_are_named():
@@ -75,12 +75,14 @@ def test_a_real_run_times_each_forward_once():
     result = profile("prompts", ["agentspec-pld"], measure=1, device="cpu")["agentspec-pld"]
     phases = result["phases"]
     assert result["requests"] == 1 and result["steps"] > 0
-    # every step scores once; the forwards are part of the request's time, not more
-    assert phases["target.score"][1] == result["steps"]
-    assert 0 < phases["target.score"][0] < result["seconds"]
+    # every step is one forward, and so is each prompt chunk; the forwards are part of the
+    # request's time, not more
+    assert result["steps"] < phases["target.forward"][1] <= result["steps"] + 4
+    assert phases["target.commit"][1] == result["steps"]
+    assert 0 < phases["target.forward"][0] < result["seconds"]
     assert phases["drafting.propose"][1] >= result["steps"] - 1
-    # the host's share: the request's time less its prefill and forwards, per step
-    device = phases["target.start"][0] + phases["target.score"][0]
+    # the host's share: the request's time less its forwards, per step
+    device = phases["target.forward"][0]
     assert result["host_ms_per_step"] == pytest.approx(
         1e3 * (result["seconds"] - device) / result["steps"], abs=1e-3)
     assert 0 < result["host_ms_per_step"] < 1e3 * result["seconds"] / result["steps"]

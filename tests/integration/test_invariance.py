@@ -26,7 +26,8 @@ from agentspec import SamplingParams, Speculator
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
 from agentspec.engine.load import load_target
-from agentspec.engine.target import CPU_PREFILL_WIDTHS, HFTarget
+from agentspec.engine.target import HFTarget
+from agentspec.engine.widths import CPU_PREFILL_WIDTHS
 from agentspec.memory import CompletionMemory
 from agentspec.memory.embedder import HashEmbedder
 from agentspec.protocols import DraftContext
