@@ -15,12 +15,12 @@ this module moves bytes, guards the door and runs generations:
 - Limits: a body over ``max_body_bytes`` is refused (413) before it is read whole; a
   ``max_tokens`` over the server's bound is a 400; every malformed request gets a 4xx in
   OpenAI's error shape and the server goes on.
-- Generations run in worker threads. A streamed one takes a turn on the model per step
-  (:meth:`Speculator.stream`), its text reaching the event loop as it is committed; a client
-  that disconnects stops it before its next step, and nobody waits on it. One not streamed
-  is :meth:`Speculator.generate`: one turn for the whole call, so its KV stays in place
-  between its steps (more tokens per second when many requests share the model; a client
-  that leaves costs at most its ``max_tokens`` of generation).
+- Generations run in worker threads (``workers``), each a call of the Speculator, whose
+  scheduler steps every running request in the same forwards (``SpecConfig.max_batch`` at
+  once; :mod:`agentspec.scheduler`). A streamed one (:meth:`Speculator.stream`) sends its text
+  to the event loop as each step commits it; a client that disconnects ends it, and its
+  sequence is freed at the next step. One not streamed is :meth:`Speculator.generate` (a
+  client that leaves costs at most its ``max_tokens`` of generation).
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ class ServerConfig:
         scopes: the allow-list of scopes for ``api_keys`` and keyless servers; None: any.
         default_scope: the scope of a request that names none.
         record: whether completions are recorded (None: the Speculator's setting).
-        workers: generations running at once; more requests wait for a worker.
+        workers: threads carrying generations (each running request holds one); more requests
+            wait for one. The Speculator steps up to its ``SpecConfig.max_batch`` of them at
+            once.
     """
 
     models: tuple[str, ...]

@@ -277,6 +277,7 @@ class Scheduler:
                 self._fail(job, e)
             return
         self.steps += 1
+        argmax = self._argmax(members, logits)
         for (job, member), rows in zip(members, logits, strict=True):
             if job.state == "prefill":
                 assert job.seq is not None
@@ -291,7 +292,7 @@ class Scheduler:
                 continue
             assert job.decoding is not None and rows is not None
             try:
-                step = job.decoding.conclude(rows, member.hidden)
+                step = job.decoding.conclude(rows, member.hidden, argmax.get(id(job)))
             except Exception as e:  # noqa: BLE001
                 self._fail(job, e)
                 continue
@@ -299,6 +300,25 @@ class Scheduler:
                 job.events.append(step)
             if job.decoding.done:
                 self._retire(job, _DONE)
+
+    @staticmethod
+    def _argmax(members: list[tuple[Job, Member]],
+                logits: list[Any]) -> dict[int, list[int]]:
+        """The rows' argmax of every request whose verdict it decides (greedy, no mask), in
+        one device-to-host copy for the whole step."""
+        picked = [(job, rows) for (job, _), rows in zip(members, logits, strict=True)
+                  if job.state == "decode" and job.decoding is not None and rows is not None
+                  and job.decoding.argmax_decides]
+        if not picked:
+            return {}
+        import torch
+
+        tops = torch.cat([rows.argmax(dim=-1) for _, rows in picked]).tolist()
+        out, at = {}, 0
+        for job, rows in picked:
+            out[id(job)] = tops[at : at + rows.shape[0]]
+            at += rows.shape[0]
+        return out
 
     # -- admission and retirement -------------------------------------------------------------
 

@@ -145,7 +145,7 @@ def build_systems(target: Any, config: BenchConfig, db_url: str,
         elif name == "agentspec-suffix":
             if suffix_db_url is None:
                 raise ValueError("agentspec-suffix needs a memory database of its own")
-            built[name] = SpecSystem(name, _suffix_speculator(target, suffix_db_url),
+            built[name] = SpecSystem(name, suffix_speculator(target, suffix_db_url),
                                      temperature=t, record=True)
         else:
             raise ValueError(f"unknown system {name!r}")
@@ -165,7 +165,7 @@ def memory_speculator(target: Any, db_url: str, config: Any = None, cost: Any = 
     return spec
 
 
-def _suffix_speculator(target: Any, db_url: str) -> Any:
+def suffix_speculator(target: Any, db_url: str, config: Any = None) -> Any:
     """Suffix matching over earlier outputs and prompt lookup (``agentspec-suffix``): its store
     keeps every completion for the suffix drafter; keys get a hashed vector (no model), as
     nothing looks them up."""
@@ -178,7 +178,7 @@ def _suffix_speculator(target: Any, db_url: str) -> Any:
 
     fork = target.fork()
     memory = CompletionMemory(SQLStore(db_url), embedder=HashEmbedder(8))
-    config = SpecConfig()
+    config = config or SpecConfig()
     spec = Speculator(fork, memory=memory, config=config,
                       drafters=[SuffixDrafter(memory, fork.fingerprint), PromptLookupDrafter(config)])
     spec.warmup()

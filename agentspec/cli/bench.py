@@ -141,12 +141,31 @@ def bench(
         "--prefix-cache-mb", help="Each agentspec system's prefix cache (KV rows of earlier "
                                   "calls restored instead of prefilled), in MiB; 0 turns it "
                                   "off. Default 512.")] = None,
+    concurrency: Annotated[str | None, typer.Option(
+        "--concurrency", metavar="LEVELS",
+        help="Measure load instead: at each level (comma-separated, e.g. 1,4,8,16) that many "
+             "clients run the measured requests at once on one engine; systems among "
+             "agentspec-plain, agentspec-pld, agentspec-suffix, agentspec (default "
+             "agentspec-plain,agentspec-suffix,agentspec), greedy. "
+             "Reports tokens/s, per-token latency and time to first token (p50/p99) and the "
+             "outputs against agentspec-plain alone.")] = None,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", help="With --concurrency: passes per level and system; the median "
+                          "counts.")] = 1,
+    max_batch: Annotated[int | None, typer.Option(
+        "--max-batch", help="With --concurrency: the most requests an engine steps at once "
+                            "(default 16).")] = None,
 ) -> None:
     """Run every request of a workload through each system, interleaved, and compare.
 
     Example: agentspec bench --workload prompts --systems hf-greedy,agentspec-pld
     """
     if ctx.invoked_subcommand is not None:
+        return
+    if concurrency is not None:
+        _load(workload, model, concurrency, systems, repeats=repeats, max_batch=max_batch,
+              max_new_tokens=max_new_tokens, device=device, dtype=dtype, temperature=temperature,
+              out=out, json_out=json_out)
         return
     _check_temperature(temperature)
     if max_new_tokens is not None and max_new_tokens < 1:
@@ -179,6 +198,76 @@ def bench(
                          prefix_cache_bytes=None if prefix_cache_mb is None
                          else int(prefix_cache_mb * 2**20))
     _run_and_report(loaded, model, config, json_out=json_out, out=out, plot=plot, report=report)
+
+
+def parse_levels(text: str) -> list[int]:
+    """``"1,4,8"`` -> ``[1, 4, 8]``, checked: integers >= 1."""
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        fail(f"concurrency must be comma-separated integers >= 1, got {text!r}", EXIT_USAGE)
+    return levels
+
+
+def _load(workload: str, model: str, concurrency: str, systems: str | None, *, repeats: int,
+          max_batch: int | None, max_new_tokens: int | None, device: str | None,
+          dtype: str | None, temperature: float, out: Path | None, json_out: bool) -> None:
+    """``--concurrency``: the load bench (:mod:`agentspec.bench.load`)."""
+    from agentspec.bench.load import DEFAULT_LOAD_SYSTEMS, LOAD_SYSTEMS
+
+    levels = parse_levels(concurrency)
+    names = [s.strip() for s in (systems or ",".join(DEFAULT_LOAD_SYSTEMS)).split(",") if s.strip()]
+    bad = [n for n in names if n not in LOAD_SYSTEMS]
+    if bad or not names:
+        fail(f"with --concurrency, systems are among {', '.join(LOAD_SYSTEMS)}, got "
+             f"{systems!r}", EXIT_USAGE)
+    if temperature != 0:
+        fail(f"--concurrency measures greedy decoding, got temperature {temperature}", EXIT_USAGE)
+    if repeats < 1:
+        fail(f"repeats must be a positive integer, got {repeats}", EXIT_USAGE)
+    if max_batch is not None and max_batch < 1:
+        fail(f"max-batch must be a positive integer, got {max_batch}", EXIT_USAGE)
+    if max_new_tokens is not None and max_new_tokens < 1:
+        fail(f"max-new-tokens must be a positive integer, got {max_new_tokens}", EXIT_USAGE)
+    if dtype is not None:
+        resolve_dtype(dtype, "cpu")
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    import torch
+
+    from agentspec.bench import load as load_mod
+    from agentspec.bench import report as report_mod
+    from agentspec.bench.results import DTYPES
+    from agentspec.bench.workload import load_workload, resolve_workload
+
+    path = resolve_workload(workload)
+    loaded = load_workload(path, default_max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
+    for line, error in loaded.errors:
+        err_console.print(f"warning: {path}:{line}: skipped: {error}", markup=False)
+    with progress() as bar:
+        task = bar.add_task("load", total=None)
+
+        def tick(label: str) -> None:
+            bar.update(task, description=label)
+            if not err_console.is_terminal:
+                err_console.print(label, markup=False)
+
+        summary = load_mod.run_load(loaded, model, systems=names, concurrencies=levels,
+                                    repeats=repeats, max_new_tokens=max_new_tokens,
+                                    device=device, dtype=getattr(torch, DTYPES[dtype]),
+                                    max_batch=max_batch, on_progress=tick)
+    shown = err_console if json_out else console
+    shown.print(load_mod.rich_table(summary), width=max(console.width, 150))
+    if out is not None:
+        report_mod.write_json(summary, out)
+    if json_out:
+        print_json(summary)
+    wrong = [f"{r['system']}@{r['concurrency']}: {r['exact']}" for r in summary["rows"]
+             if r["exact"] is not None and r["exact"] < 1.0]
+    if wrong:
+        fail(f"outputs differ from agentspec-plain alone: {', '.join(wrong)}")
 
 
 def _run_and_report(loaded: Any, model: str, config: Any, *, json_out: bool, out: Path | None,

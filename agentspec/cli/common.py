@@ -224,12 +224,13 @@ def open_store(ctx: typer.Context, *, create: bool = False,
         store.close()
 
 
-def load_speculator(model: str, url: str) -> Any:
-    """The Speculator of ``model`` with its memory at ``url`` (a model that is not there raises
-    NotFoundError or ModelNotAvailableError: exit 3)."""
+def load_speculator(model: str, url: str, config: Any = None) -> Any:
+    """The Speculator of ``model`` with its memory at ``url`` and ``config`` (a
+    :class:`~agentspec.SpecConfig`; a model that is not there raises NotFoundError or
+    ModelNotAvailableError: exit 3)."""
     from agentspec.speculator import Speculator
 
-    return Speculator.from_pretrained(model, memory=url)
+    return Speculator.from_pretrained(model, memory=url, config=config)
 
 
 def print_json(obj: Any) -> None:

@@ -59,9 +59,13 @@ def serve(ctx: typer.Context,
           served_name: Annotated[str | None, typer.Option(
               "--served-model-name", help="The name requests give as 'model'; default "
                                           "--model.")] = None,
-          workers: Annotated[int, typer.Option(
-              "--workers", min=1, help="Generations running at once (they take turns on the "
-                                       "model step by step); more requests wait.")] = 16,
+          max_batch: Annotated[int, typer.Option(
+              "--max-batch", min=1, help="Requests stepped at once, their rows in the same "
+                                         "forwards; more wait, first come first served.")] = 16,
+          workers: Annotated[int | None, typer.Option(
+              "--workers", min=1, help="Threads carrying requests (each running one holds "
+                                       "one); more requests wait for a thread. Default twice "
+                                       "--max-batch.")] = None,
           no_record: Annotated[bool, typer.Option(
               "--no-record", help="Draft from the memory but add nothing to it.")] = False,
           log_level: Annotated[str, typer.Option(
@@ -90,10 +94,12 @@ def serve(ctx: typer.Context,
         models=(served_name or model,), max_tokens=max_tokens, max_body_bytes=max_body_bytes,
         api_keys=frozenset([api_key] if api_key else []), key_scopes=key_scopes,
         scopes=frozenset(allow_scope) if allow_scope else None, default_scope=scope,
-        record=False if no_record else None, workers=workers)
+        record=False if no_record else None, workers=workers or 2 * max_batch)
+    from agentspec.config import SpecConfig
+
     sock = _bind(host, port)
     started = time.perf_counter()
-    spec = load_speculator(model, db_url(ctx))
+    spec = load_speculator(model, db_url(ctx), SpecConfig(max_batch=max_batch))
     loaded = time.perf_counter()
     spec.warmup()
     print(f"load {loaded - started:.2f} s, warmup {time.perf_counter() - loaded:.2f} s",

@@ -19,7 +19,7 @@ import torch
 from agentspec.config import SamplingParams
 from agentspec.decoding.sampling import Mask
 from agentspec.decoding.untrusted import Guarded
-from agentspec.decoding.verify import cut_at_spine, verify
+from agentspec.decoding.verify import cut_at_spine, verify, walk
 from agentspec.engine.plan import Member
 from agentspec.engine.sequence import Sequence as KVSequence
 from agentspec.engine.target import HFTarget, draft_member
@@ -145,14 +145,26 @@ class Decoding:
         self._draft, self._allowed = draft, allowed
         return draft_member(self.seq, self.context.tokens[-1], draft)
 
-    def conclude(self, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> Step:
+    @property
+    def argmax_decides(self) -> bool:
+        """Whether this step's verdict is a walk over the rows' plain argmax (greedy, no
+        grammar mask): the scheduler then takes every such request's argmax in one copy."""
+        return self.sampling.greedy and self._allowed is None
+
+    def conclude(self, logits: torch.Tensor, hidden: torch.Tensor | None = None,
+                 argmax: list[int] | None = None) -> Step:
         """Steps 4 to 6 on the planned rows' ``logits`` ``[num_nodes + 1, vocab_size]``: verify
-        exactly (one host sync), deciding only on spine rows; commit the accepted path into
+        exactly (one host sync; none where the rows' ``argmax`` is given, when
+        :attr:`argmax_decides`), deciding only on spine rows; commit the accepted path into
         the sequence; let the drafters learn from it."""
         draft, context = self._draft, self.context
-        rows = None if self._uniforms is None else self._uniforms[_row_offsets(draft, self.produced)]
-        verdict = cut_at_spine(draft, verify(draft, logits, self.sampling, self.generator,
-                                             uniforms=rows, allowed=self._allowed))
+        if argmax is not None and self.argmax_decides:
+            verdict = cut_at_spine(draft, walk(draft, argmax))
+        else:
+            rows = None if self._uniforms is None else self._uniforms[
+                _row_offsets(draft, self.produced)]
+            verdict = cut_at_spine(draft, verify(draft, logits, self.sampling, self.generator,
+                                                 uniforms=rows, allowed=self._allowed))
         for observer in self.observers:
             observer.step(hidden, draft, verdict)
         position = self.seq.kv_len if hidden is not None else -1  # the root's position
