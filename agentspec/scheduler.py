@@ -253,9 +253,9 @@ class Scheduler:
                                         logits=False)))
             rows_left -= take
             prefill_rows -= take
-        if not members:
-            return
-        self._forward(members)
+        if members:
+            self._forward(members)
+        self._retire_cancelled()  # closed during the step: no later step may come to do it
 
     def _plan(self, job: Job, share: StepShare, room: int) -> Member | None:
         loop = job.decoding

@@ -229,11 +229,13 @@ class KVPool:
                 self._lru.move_to_end(block)
         return chain, best, rows
 
-    def take_tail(self, block: int) -> bool:
+    def take_tail(self, block: int, rows: int) -> bool:
         """Take over a cached, unheld, partly filled block (a finished sequence's tail: nothing
-        else can read it) for one holder who writes it again; False where it is not one."""
+        else can read it) whose every row the new holder keeps (``rows``: an agent's next turn
+        extends its last one), to write it again; False where it is not one (the caller
+        copies the rows it keeps, and the tail stays cached for its own next turn)."""
         entry = self._key.get(block)
-        if entry is None or len(entry[1]) >= BLOCK or self._refs[block]:
+        if entry is None or len(entry[1]) >= BLOCK or self._refs[block] or rows < len(entry[1]):
             return False
         del self._children[entry[0]][entry[1]]
         del self._key[block]

@@ -60,7 +60,7 @@ class Sequence:
             for block in chain:  # held before the old table is dropped: nothing evicts them
                 self.pool.hold(block)
             if rows:
-                if self.pool.take_tail(tail):
+                if self.pool.take_tail(tail, rows):
                     table.append(tail)
                 else:  # others read it, or it is sealed: a copy of the rows that match
                     self.pool.hold(tail)  # not evicted for the block it is copied into

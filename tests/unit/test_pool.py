@@ -190,7 +190,9 @@ def test_a_finished_sequences_tail_is_taken_over_whole_by_a_prompt_that_extends_
     assert _found(pool, prompt) == BLOCK  # the tail is b's now, not the cache's
 
 
-def test_a_tail_that_matches_only_partly_is_still_taken_over_whole() -> None:
+def test_a_tail_that_matches_only_partly_is_copied_and_stays_cached() -> None:
+    """A prompt that keeps only part of a finished sequence's tail copies those rows: the tail
+    stays cached whole for the prompt that extends all of it (the agent's own next turn)."""
     pool = _pool()
     prompt = _ids(1000, BLOCK + 100)
     a = _started(pool, prompt)
@@ -198,9 +200,11 @@ def test_a_tail_that_matches_only_partly_is_still_taken_over_whole() -> None:
     a.release()
     b = Sequence(pool)
     assert b.start([*prompt[: BLOCK + 40], 5]) == BLOCK + 40
-    assert b.table[1] == tail and b.ids == prompt[: BLOCK + 40]
-    _prefill(b, [5])  # overwrites the old row at position BLOCK + 40, in its own block
+    assert b.table[1] != tail and b.ids == prompt[: BLOCK + 40]
+    _prefill(b, [5])  # writes position BLOCK + 40 in its own copy
     assert _holds_rows_of(b, [*prompt[: BLOCK + 40], 5])
+    c = Sequence(pool)
+    assert c.start([*prompt, 7]) == len(prompt) and c.table[1] == tail  # the whole tail, taken
 
 
 @pytest.mark.parametrize("released", [False, True])
