@@ -3,9 +3,10 @@ under its own timeout.
 
 A session lent a GPU has minutes of device time, so the measurements run as one prepared
 command, in priority order: the engine's figures (a verification forward's cost as a CUDA
-graph, fused and on the modules, draft invariance), the GPU tests, then bfcl-live, the core
-prompts and bfcl against transformers' plain and compiled decoding, and last the operation
-counts (which the CPU counts as well). Each step is a process of
+graph, fused and on the modules, draft invariance), the GPU tests, the load bench (bfcl-live
+by 1, 8 and 32 clients at once on one engine), then bfcl-live, the core prompts and bfcl
+against transformers' plain and compiled decoding, and last the operation counts (which the
+CPU counts as well). Each step is a process of
 its own under a timeout cut to what is left of ``--budget-s``, its output kept in
 ``DIR/<step>.log``; after every step ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` are
 written again, so a step that runs long, fails or is killed still leaves the others' results.
@@ -27,12 +28,13 @@ from typing import Any
 BENCH_SYSTEMS = "hf-greedy,hf-static,agentspec-plain,agentspec-pld,agentspec-suffix,agentspec"
 # The steps' order, each one's longest run in seconds (cut to the budget left) and what it is.
 STEPS: dict[str, tuple[int, str]] = {
-    "engine": (90, "python -m agentspec.bench.engine: forward ms as a graph, invariance"),
-    "tests": (90, "pytest tests/gpu"),
-    "bfcl-live": (160, "agentspec bench on bfcl-live"),
-    "prompts": (110, "agentspec bench on the core prompts, 64 tokens"),
-    "bfcl": (110, "agentspec bench on bfcl"),
-    "ops": (40, "python -m agentspec.bench.engine --ops: operations of a 64-row forward"),
+    "engine": (80, "python -m agentspec.bench.engine: forward ms as a graph, invariance"),
+    "tests": (80, "pytest tests/gpu"),
+    "load": (130, "agentspec bench --concurrency 1,8,32 on bfcl-live"),
+    "bfcl-live": (140, "agentspec bench on bfcl-live"),
+    "prompts": (70, "agentspec bench on the core prompts, 64 tokens"),
+    "bfcl": (70, "agentspec bench on bfcl"),
+    "ops": (30, "python -m agentspec.bench.engine --ops: operations of a 64-row forward"),
 }
 
 
@@ -82,6 +84,9 @@ def steps_for(names: Sequence[str], out: Path, python: str = sys.executable,
                    "--out", str(out / "engine.json")),
         "ops": (python, "-m", "agentspec.bench.engine", "--ops", "1024,2048,4096",
                 "--out", str(out / "ops.json")),
+        "load": (*bench, "--workload", "bfcl-live", "--concurrency", "1,8,32",
+                 "--systems", "agentspec-plain,agentspec-pld,agentspec-suffix,agentspec",
+                 "--max-batch", "32", "--out", str(out / "load.json")),
         "bfcl-live": (*bench, "--workload", "bfcl-live", "--systems", BENCH_SYSTEMS,
                       "--out", str(out / "bfcl-live.json")),
         "bfcl": (*bench, "--workload", "bfcl", "--systems", BENCH_SYSTEMS,
@@ -143,6 +148,8 @@ def summarize(results: Any) -> list[str]:
     over hf-static, tokens per step, exact, = plain), or the engine's figures."""
     if not isinstance(results, dict):
         return []
+    if isinstance(results.get("rows"), list):  # the load bench
+        return _load_table(results["rows"], results.get("versus_plain") or {})
     systems = results.get("systems")
     if isinstance(systems, dict):
         return _bench_table(results, systems)
@@ -165,6 +172,20 @@ def _bench_table(results: dict[str, Any], systems: dict[str, Any]) -> list[str]:
     if isinstance(versus, dict) and versus:
         lines.append("")
         lines.append(f"versus: `{json.dumps(versus)}`")
+    return lines
+
+
+def _load_table(rows: list[dict[str, Any]], versus: dict[str, Any]) -> list[str]:
+    lines = ["| clients | system | tok/s | x solo | x plain | tok/step | per-token ms p50/p99 | "
+             "TTFT ms p50/p99 | exact |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        plain = (versus.get(str(r.get("concurrency"))) or {}).get(r.get("system"))
+        lines.append(f"| {r.get('concurrency')} | {r.get('system')} | "
+                     f"{_num(r.get('tokens_per_second'))} | {_num(r.get('x_solo'), 'x')} | "
+                     f"{_num(plain, 'x')} | {_num(r.get('tokens_per_step'))} | "
+                     f"{_num(r.get('per_token_ms_p50'))} / {_num(r.get('per_token_ms_p99'))} | "
+                     f"{_num(r.get('ttft_ms_p50'))} / {_num(r.get('ttft_ms_p99'))} | "
+                     f"{_num(r.get('exact'))} |")
     return lines
 
 

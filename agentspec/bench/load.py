@@ -16,8 +16,8 @@ cached prompts are a system's own):
 - ``agentspec-pld``: prompt lookup alone.
 - ``agentspec``: every drafter and a completion memory.
 
-Every system first runs the workload's warmup lines one at a time (recorded: the memories are
-filled as in use). The measured passes record nothing (``record=False``), so no pass drafts
+Every system but ``agentspec-plain`` (which learns nothing from earlier calls) first runs the
+workload's warmup lines one at a time (recorded: the memories are filled as in use). The measured passes record nothing (``record=False``), so no pass drafts
 from another pass's outputs and every level meets the same memory. Before each pass a
 system's pool is emptied and the warmup prompts are prefilled into it again, so every pass
 starts from the same cached prompts whatever ran before it.
@@ -200,6 +200,8 @@ def run_load(workload: Workload, model: str, *, systems: Sequence[str] = DEFAULT
     with tempfile.TemporaryDirectory(prefix="agentspec-load-") as tmp:
         specs = build_load_systems(target, names, Path(tmp), max_batch=max_batch)
         for name, spec in specs.items():
+            if name == REFERENCE:  # it learns nothing from earlier calls
+                continue
             if on_progress:
                 on_progress(f"warmup {name}: {len(workload.warmup)} lines")
             warm(spec, workload.warmup, max_new_tokens)

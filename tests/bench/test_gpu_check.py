@@ -70,7 +70,8 @@ def test_steps_past_the_budget_are_skipped_and_the_last_timeout_is_cut(tmp_path:
 
 def test_the_real_steps_name_commands_and_systems_that_exist(tmp_path: Path) -> None:
     steps = steps_for(list(STEPS), tmp_path)
-    assert [s.name for s in steps] == ["engine", "tests", "bfcl-live", "prompts", "bfcl", "ops"]
+    assert [s.name for s in steps] == ["engine", "tests", "load", "bfcl-live", "prompts", "bfcl",
+                                       "ops"]
     for step in steps:
         module = step.argv[step.argv.index("-m") + 1]
         assert importlib.util.find_spec(module) is not None, module

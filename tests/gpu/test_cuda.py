@@ -62,9 +62,9 @@ def test_drafts_and_prefix_reuse_leave_bf16_outputs_unchanged_on_cuda(gpu_spec):
 
 
 def test_prefix_cache_restores_the_rows_a_prefill_computes_on_cuda(gpu_spec):
-    # Interleaved prompts of two long openings: each call after the first two gets its opening
-    # back from the prefix cache (copied into the captured graphs' KV buffers) and must score
-    # the rows a fresh prefill does, bitwise.
+    # Interleaved prompts of two long openings: each call after the first two finds its
+    # opening among the pool's cached blocks (read in place by the captured graphs) and must
+    # score the rows a fresh prefill does, bitwise.
     from agentspec.engine.target import HFTarget
     from agentspec.types import Draft
     from tests.prompts import ALL_PROMPTS
@@ -79,13 +79,13 @@ def test_prefix_cache_restores_the_rows_a_prefill_computes_on_cuda(gpu_spec):
             target.start(ids)
             rows.append(target.score(ids[-1], Draft.chain(ids[3:6], "x")).clone())
         assert torch.equal(rows[0], rows[1]), f"call {n}"
-    assert cached.prefix_cache.stats.hits == 2
+    assert cached.prefix_stats.hits == 2
 
 
 def test_a_worker_embedding_on_the_gpu_leaves_the_engines_captures_alone(gpu_spec):
     # The memory's worker thread embeds keys on the GPU (records written behind a call) while
-    # the calls' thread may be capturing the engine's graphs: a prompt past 1,024 tokens grows
-    # the KV, which captures them again. No capture may fail (the target would fall back to
+    # the calls' thread may be capturing the engine's graphs: a prompt past 1,024 tokens needs
+    # more attention splits (and may grow the pool), which captures them again. No capture may fail (the target would fall back to
     # eager forwards for good), and the output stays plain decoding's.
     import threading
 
@@ -113,7 +113,7 @@ def test_a_worker_embedding_on_the_gpu_leaves_the_engines_captures_alone(gpu_spe
     want = plain.generate(prompt, 32).token_ids
     target = HFTarget(base.model, base.tokenizer)
     spec = Speculator(target, memory=None)
-    spec.generate(GROUNDED[0], 8)  # graphs captured over a KV of 1,024 slots
+    spec.generate(GROUNDED[0], 8)  # graphs captured for a short sequence
     worker = threading.Thread(target=embed_keys)
     worker.start()
     try:
@@ -158,7 +158,8 @@ def test_the_fused_forward_is_on_by_default_and_within_bf16_rounding_of_the_modu
 
 def test_fused_rows_are_the_same_bits_at_any_width_and_capacity_on_cuda(gpu_spec):
     # A prompt written in 512-row chunks, in 64-row chunks, and after a long call that grew the
-    # KV: the chain's logits and the prompt's KV rows are the same bits.
+    # pool (its blocks elsewhere in it): the chain's logits and the prompt's KV rows are the
+    # same bits.
     from agentspec.engine.target import HFTarget
     from agentspec.types import Draft
     from tests.prompts import ALL_PROMPTS
@@ -172,10 +173,10 @@ def test_fused_rows_are_the_same_bits_at_any_width_and_capacity_on_cuda(gpu_spec
                             dict(widths=(64,))]):
         target = HFTarget(base.model, base.tokenizer, reuse_prefix=False, **kw)
         if n == 2:
-            target.start(long[:3000])  # the KV grows past 3,000 slots: more attention splits
+            target.start(long[:3000])  # the pool grows past 3,000 positions
         target.start(prompt)
         logits = target.score(prompt[-1], chain).clone()
-        k = target._kv.keys[-1][0, :, : len(prompt) - 1].clone()
+        k = target.seq.read(len(target.pool.keys) - 1, len(prompt) - 1)[0]
         out.append((logits, k))
     for logits, k in out[1:]:
         assert torch.equal(logits, out[0][0]) and torch.equal(k, out[0][1])
@@ -191,3 +192,67 @@ def test_drafts_leave_outputs_unchanged_on_the_modules_too(gpu_spec):
     spec = Speculator(HFTarget(base.model, base.tokenizer, fused=False), memory=None)
     for prompt in ALL_PROMPTS[:6]:
         assert spec.generate(prompt, 48).token_ids == plain.generate(prompt, 48).token_ids
+
+
+def test_concurrent_calls_equal_their_solo_runs_on_cuda(gpu_spec):
+    """Many calls at once share the fused forward's steps (row tiles of several sequences, one
+    graph per width): every output is its solo run's, bitwise, greedy and seeded."""
+    import threading
+
+    from agentspec import SamplingParams, SpecConfig
+    from agentspec.engine.target import HFTarget
+    from tests.prompts import ALL_PROMPTS
+
+    base = gpu_spec.target
+    sampled = [SamplingParams(temperature=0.8, seed=5 + i) if i % 3 == 2 else None
+               for i in range(len(ALL_PROMPTS))]
+    solo = Speculator(HFTarget(base.model, base.tokenizer, reuse_prefix=False), speculate=False,
+                      memory=None)
+    want = [solo.generate(p, 32, sampling=s).token_ids
+            for p, s in zip(ALL_PROMPTS, sampled, strict=True)]
+    target = HFTarget(base.model, base.tokenizer)
+    widths = []
+    run = target.run
+    target.run = lambda members, **kw: (widths.append(len(members)), run(members, **kw))[1]
+    spec = Speculator(target, memory=None, config=SpecConfig(max_batch=16))
+    got: dict[int, tuple[int, ...]] = {}
+
+    def call(i: int) -> None:
+        got[i] = spec.generate(ALL_PROMPTS[i], 32, sampling=sampled[i]).token_ids
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(ALL_PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [got[i] for i in range(len(ALL_PROMPTS))] == want
+    assert max(widths) >= 8  # the calls shared forwards
+
+
+def test_a_batched_fused_forward_gives_each_sequence_its_solo_rows_on_cuda(gpu_spec):
+    """One fused forward of three sequences (a tree past a block, a chain, a prompt chunk) as a
+    CUDA graph: each one's logits are the bits of its forward alone, graph and eager alike."""
+    from agentspec.engine.plan import Member
+    from agentspec.engine.target import HFTarget, causal, draft_member
+    from agentspec.types import Draft
+
+    base = gpu_spec.target
+    out = {}
+    for graphs in (True, False):
+        target = HFTarget(base.model, base.tokenizer, reuse_prefix=False, cuda_graphs=graphs)
+        seqs = [target.new_sequence() for _ in range(3)]
+        for seq, n in zip(seqs, (300, 41, 0), strict=True):
+            for part in target.prefill_chunks(seq, list(range(5, 6 + n))):
+                target.run([Member(seq, part, list(range(len(part))), causal(len(part)),
+                                   logits=False)])
+                seq.commit(part)
+        makes = [lambda s=seqs: draft_member(s[0], 7, Draft((5, 6, 7, 8), (-1, 0, 0, 2), "x")),
+                 lambda s=seqs: draft_member(s[1], 9, Draft.chain([10, 11, 12], "x")),
+                 lambda s=seqs: Member(s[2], list(range(20, 90)), list(range(70)), causal(70))]
+        alone = [target.run([make()])[0] for make in makes]
+        together = target.run([make() for make in reversed(makes)])[::-1]
+        out[graphs] = together
+        for a, b in zip(alone, together, strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(out[True], out[False], strict=True):
+        assert torch.equal(a, b)

@@ -212,3 +212,49 @@ def test_a_fused_forward_that_fails_before_it_ever_ran_falls_back_to_the_modules
     with pytest.raises(RuntimeError):  # asked for explicitly: no silent fallback
         monkeypatch.setattr(kernels, "qkv_rope", broken)
         scored(target(model), PROMPT[:40], draft)
+
+
+def _three_sequences(t: HFTarget) -> list:
+    """Members of three sequences of ``t``'s pool: a tree after a prompt past a block, a
+    chain after a short prompt, and a prompt chunk of a new sequence (makers: a member is
+    used once)."""
+    from agentspec.engine.plan import Member
+    from agentspec.engine.target import causal, draft_member
+
+    seqs = [t.new_sequence() for _ in range(3)]
+    for seq, prompt in zip(seqs, (PROMPT * 4, PROMPT[:30], []), strict=True):
+        for part in t.prefill_chunks(seq, [*prompt, 1]):
+            t.run([Member(seq, part, list(range(len(part))), causal(len(part)), logits=False)])
+            seq.commit(part)
+    return [lambda: draft_member(seqs[0], 3, Draft((5, 6, 7, 8), (-1, 0, 0, 2), "x")),
+            lambda: draft_member(seqs[1], 4, Draft.chain([9, 10, 11], "x")),
+            lambda: Member(seqs[2], PROMPT[:20], list(range(20)), causal(20))]
+
+
+def test_a_fused_forward_of_several_sequences_gives_each_its_rows_alone(model):
+    """Each row tile holds one sequence's rows and reads only its blocks: three sequences'
+    rows in one fused forward are the bits each gives alone."""
+    t = target(model, widths=(16, 32, 64), prefill_widths=())
+    makes = _three_sequences(t)
+    alone = [t.run([make()])[0] for make in makes]
+    together = t.run([make() for make in reversed(makes)])[::-1]
+    for a, b in zip(alone, together, strict=True):
+        assert a is not None and b is not None and torch.equal(a, b)
+
+
+def test_a_tile_that_reads_another_sequences_blocks_fails_that_check(model, monkeypatch):
+    """The deliberately wrong staging: every row tile reads the first sequence's block table
+    (as a kernel indexing tables by forward rather than by tile would)."""
+    real = kernels.staging
+
+    def first_table(ids, positions, slots, tiles, splits):
+        tables = [t[3] for t in tiles if t[2]]
+        wrong = [(kv, row0, n, tables[0] if n else table) for kv, row0, n, table in tiles]
+        return real(ids, positions, slots, wrong, splits)
+
+    t = target(model, widths=(16, 32, 64), prefill_widths=())
+    makes = _three_sequences(t)
+    alone = [t.run([make()])[0] for make in makes]
+    monkeypatch.setattr(kernels, "staging", first_table)
+    together = t.run([make() for make in reversed(makes)])[::-1]
+    assert not all(torch.equal(a, b) for a, b in zip(alone, together, strict=True))
