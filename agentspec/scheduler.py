@@ -323,27 +323,50 @@ class Scheduler:
     # -- admission and retirement -------------------------------------------------------------
 
     def _admit(self) -> None:
-        while True:
-            with self._cond:
-                limit = self.max_batch if self.target.batches else 1
-                if not self._waiting or len(self._live) >= limit:
-                    return
-                job = self._waiting.popleft()
-            if job.cancelled:
-                self._retire(job, _DONE, abandoned=True)
-                continue
-            try:
-                job.seq = self.target.new_sequence()
-                job.chunks = deque(self.target.prefill_chunks(job.seq, job.prompt_ids))
-                job.cached_tokens = job.seq.reused_tokens
-                job.decoding = job.make(job.seq)
-                job.decoding.begin()
-            except Exception as e:  # noqa: BLE001
-                self._fail(job, e)
-                continue
-            job.admitted = time.perf_counter()
-            job.state = "prefill" if job.chunks else "decode"
-            self._live.append(job)
+        deferred: list[Job] = []
+        try:
+            while True:
+                with self._cond:
+                    limit = self.max_batch if self.target.batches else 1
+                    if not self._waiting or len(self._live) >= limit:
+                        return
+                    job = self._waiting.popleft()
+                if job.cancelled:
+                    self._retire(job, _DONE, abandoned=True)
+                elif self._sharer(job) is not None:
+                    deferred.append(job)
+                else:
+                    self._start(job)
+        finally:
+            if deferred:
+                with self._cond:  # ahead of later arrivals, in their order
+                    self._waiting.extendleft(reversed(deferred))
+
+    def _sharer(self, job: Job) -> Job | None:
+        """A request being prefilled whose prompt shares whole blocks with ``job``'s that the
+        pool does not have yet: ``job`` waits for those blocks to be sealed (its prefill then
+        holds them) rather than compute them a second time. A team's calls that arrive
+        together with one system prompt and tool docs prefill them once."""
+        for other in self._live:
+            if other.state == "prefill" and self.target.shared_rows(job.prompt_ids,
+                                                                    other.prompt_ids):
+                return other
+        return None
+
+    def _start(self, job: Job) -> None:
+        """Admit ``job``: its sequence, its prompt's cached prefix held, its decode loop."""
+        try:
+            job.seq = self.target.new_sequence()
+            job.chunks = deque(self.target.prefill_chunks(job.seq, job.prompt_ids))
+            job.cached_tokens = job.seq.reused_tokens
+            job.decoding = job.make(job.seq)
+            job.decoding.begin()
+        except Exception as e:  # noqa: BLE001
+            self._fail(job, e)
+            return
+        job.admitted = time.perf_counter()
+        job.state = "prefill" if job.chunks else "decode"
+        self._live.append(job)
 
     def _retire_cancelled(self) -> None:
         for job in [j for j in self._live if j.cancelled]:

@@ -132,9 +132,11 @@ class KVPool:
 
     def allocate(self, after: int | None = None) -> int:
         """A block for one holder: the one right after ``after`` when free (a sequence's blocks
-        stay one run), else the lowest free one, else the least recently used cached one."""
+        stay one run), else the lowest free one; with none free, the least recently used
+        cached one where the cache fills its budget, else a block of a grown pool (the cache
+        keeps up to ``cache_bytes`` whatever the sequences hold)."""
         if not self._free:
-            if self._lru:
+            if self._lru and len(self._lru) >= self._cache_budget():
                 self._evict(next(iter(self._lru)))
             else:
                 self._grow(1)
@@ -251,8 +253,12 @@ class KVPool:
     def _evict(self, block: int) -> None:
         self.unseal(block)
 
+    def _cache_budget(self) -> int:
+        """The most cached (unheld, sealed) blocks kept."""
+        return self.cache_bytes // max(self.block_bytes, 1) if self._shapes else len(self._lru)
+
     def _trim(self) -> None:
-        budget = self.cache_bytes // max(self.block_bytes, 1) if self._shapes else len(self._lru)
+        budget = self._cache_budget()
         while len(self._lru) > budget:
             self._evict(next(iter(self._lru)))
 

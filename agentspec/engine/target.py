@@ -27,12 +27,12 @@ from agentspec.engine.forward import Forward
 from agentspec.engine.model import ModelIdentity
 from agentspec.engine.model import fingerprint as fingerprint
 from agentspec.engine.plan import Member
-from agentspec.engine.pool import DEFAULT_CACHE_BYTES, KVPool, PoolStats
+from agentspec.engine.pool import BLOCK, DEFAULT_CACHE_BYTES, KVPool, PoolStats
 from agentspec.engine.sequence import Sequence as KVSequence
 from agentspec.engine.torch_thread import device_work
 from agentspec.engine.widths import default_widths, ordered_widths
 from agentspec.errors import UnsupportedModelError, warn_once
-from agentspec.tree import ancestor_matrix, depths
+from agentspec.tree import ancestor_matrix, common_prefix_len, depths
 from agentspec.types import Draft, Verdict
 
 # check_widths results per model: one probe per loaded model, not per HFTarget over it.
@@ -338,6 +338,19 @@ class HFTarget:
         """A sequence of this target's pool, for one generation (:meth:`prefill`, :meth:`run`,
         :meth:`commit_on`; ``release()`` when it ends)."""
         return KVSequence(self.pool)
+
+    def shared_rows(self, prompt_ids: Sequence[int], other_ids: Sequence[int]) -> int:
+        """Rows a prefill of ``other_ids`` would seal that a prompt ``prompt_ids`` could then
+        hold beyond what the pool has of it now (whole blocks of their common prefix; 0
+        without ``reuse_prefix``): what a request saves by waiting for another's prefill."""
+        if not self.reuse_prefix:
+            return 0
+        wanted, other = list(prompt_ids[:-1]), list(other_ids[:-1])
+        common = common_prefix_len(wanted, other) // BLOCK * BLOCK
+        if common == 0:
+            return 0
+        chain, _, _ = self.pool.match(wanted[:common])
+        return common - len(chain) * BLOCK
 
     @device_work
     @torch.inference_mode()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import threading
 import time
@@ -59,7 +60,7 @@ pytestmark = pytest.mark.slow
 MAX_NEW = 8
 GREEDY = SamplingParams()
 # The most forwards a batched run of 16 calls takes, as a share of the one-thread run's.
-FEWER = {1: 1.0, 2: 0.9, 8: 0.5, 16: 0.5}
+FEWER = {1: 1.0, 4: 0.6, 16: 0.5}
 
 
 @functools.cache
@@ -194,7 +195,8 @@ def test_every_request_at_every_concurrency_equals_its_solo_run(dtype_name, monk
     forwards = Forwards(monkeypatch, target)
     spec = _speculator(target)
     steps = {}
-    for c in (1, 2, 8, 16):
+    # bf16 at the ends only: the levels between are fp32's, and the check is the same
+    for c in (1, 4, 16) if dtype_name == "fp32" else (1, 16):
         forwards.seen.clear()
         outs = _together(spec, calls, c)
         assert _differing(outs, calls, dtype_name) == [], f"concurrency {c}, {dtype_name}"
@@ -268,6 +270,50 @@ def test_requests_joining_and_leaving_mid_batch_equal_their_solo_runs(monkeypatc
     "".join(long_a)
     got = [s.generation.token_ids for s in (long_a, short_a, long_b, short_b)]
     assert got == [c.solo() for c in calls[:4]]
+
+
+TOOL_DOCS = "You can call these tools. " + " ".join(
+    f"Tool {i}: lookup_{i}(key: str, limit: int) returns the records of table {i} whose key "
+    f"starts with the given prefix, at most limit of them, newest first." for i in range(24))
+
+
+def _team(n: int = 4) -> list[Call]:
+    """Calls with one long system prompt (tool docs, more than two blocks) and a question
+    each, as a team of agents sends them together."""
+    return [Call([{"role": "system", "content": TOOL_DOCS},
+                  {"role": "user", "content": f"Find the records of table {i} for key 'ab{i}'."}],
+                 max_new=4) for i in range(n)]
+
+
+def _prompt_rows(forwards: Forwards) -> int:
+    return sum(rows for f in forwards.seen for _, rows, logits, _ in f if not logits)
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_calls_arriving_together_prefill_their_shared_prompt_once(wrong, monkeypatch):
+    """Four calls released at once on an empty pool, one system prompt of several blocks: the
+    shared blocks are computed by one call's prefill and held by the others'; outputs equal
+    their solo runs. A scheduler that starts every call's prefill at once (the wrong one,
+    which never waits for a sharer) computes the shared blocks four times and fails."""
+    from agentspec.engine.pool import BLOCK
+    from agentspec.scheduler import Scheduler
+
+    if wrong:
+        monkeypatch.setattr(Scheduler, "_sharer", lambda self, job: None)
+    calls = _team()
+    target = _fresh()
+    spec = _speculator(target, speculate=False)
+    ids = [spec.encode(c.prompt) for c in calls]
+    shared = len(os.path.commonprefix(ids)) // BLOCK * BLOCK
+    assert shared >= 2 * BLOCK
+    forwards = Forwards(monkeypatch, target)
+    outs = _together(spec, calls, len(calls))
+    assert _differing(outs, calls) == []
+    own = sum(len(i) - 1 - shared for i in ids)  # each call's rows past the shared blocks
+    if wrong:
+        assert _prompt_rows(forwards) >= 4 * shared
+    else:
+        assert _prompt_rows(forwards) == shared + own
 
 
 # -- 3. grammar-constrained and free requests in one batch --------------------------------------

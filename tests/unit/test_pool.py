@@ -317,8 +317,21 @@ def test_a_released_sequence_longer_than_the_budget_keeps_its_first_blocks() -> 
     assert _found(pool, prompt) == 2 * BLOCK
 
 
-def test_a_sequence_needing_room_evicts_cached_blocks_before_the_pool_grows() -> None:
+def test_a_sequence_needing_room_grows_the_pool_while_the_cache_is_within_its_budget() -> None:
+    """Cached blocks under the budget are kept: the pool grows for a sequence that needs more
+    blocks than are free (a team's cached tool docs survive a burst of new prompts)."""
     pool = _pool()
+    _started(pool, _ids(1000, 4 * BLOCK)).release()
+    blocks = pool.num_blocks
+    assert pool.stats.cached_blocks == 4 and blocks < 4 + 5
+    seq = Sequence(pool)
+    seq.reserve((blocks - 4 + 1) * BLOCK)  # one block more than are free
+    assert pool.num_blocks > blocks and pool.stats.evicted_blocks == 0
+    assert _found(pool, _ids(1000, 4 * BLOCK)) == 4 * BLOCK
+
+
+def test_a_sequence_needing_room_evicts_cached_blocks_once_the_cache_fills_its_budget() -> None:
+    pool = _pool(cache_bytes=4 * BLOCK_BYTES)
     _started(pool, _ids(1000, 4 * BLOCK)).release()
     blocks = pool.num_blocks
     assert pool.stats.cached_blocks == 4 and blocks < 4 + 5
