@@ -69,6 +69,7 @@ from agentspec.drafters.chain import DrafterChain
 from agentspec.drafters.memory import MemoryDrafter
 from agentspec.drafters.policy import CostModel
 from agentspec.drafters.suffix import OutputIndex, SuffixDrafter
+from agentspec.engine.model import fingerprint, stop_ids
 from agentspec.errors import warn_once
 from agentspec.home import recording_allowed
 from agentspec.protocols import DraftContext, Drafter
@@ -420,15 +421,10 @@ def _load_tokenizer(path: str) -> Any:
 
 
 def _stop_ids(tokenizer: Any, hf_config: Any) -> frozenset[int]:
-    """The tokens that end a generation: the tokenizer's and the model config's end ids."""
-    ids: set[int] = set()
-    for source in (getattr(tokenizer, "eos_token_id", None),
-                   getattr(hf_config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source:
-            ids.update(int(i) for i in source)
-    return frozenset(ids)
+    """The tokens that end a generation: the tokenizer's and the model config's end ids (the
+    in-process engine's rule, :func:`agentspec.engine.model.stop_ids`)."""
+    return stop_ids((getattr(tokenizer, "eos_token_id", None),
+                     getattr(hf_config, "eos_token_id", None)))
 
 
 def _model_id(path: str, model_config: Any, tokenizer: Any) -> str:
@@ -436,8 +432,6 @@ def _model_id(path: str, model_config: Any, tokenizer: Any) -> str:
     draft from each other's records; the folder's name where it cannot be computed."""
     try:
         from transformers import AutoConfig
-
-        from agentspec.engine.target import fingerprint
 
         config = AutoConfig.from_pretrained(path)
         return fingerprint(Path(path).name, SimpleNamespace(config=config), tokenizer)
