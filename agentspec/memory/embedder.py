@@ -102,6 +102,7 @@ class MiniLMEmbedder:
             self.embed(["x " * (n - 3)])  # n - 3 word pieces and the two markers
 
     def _load(self) -> Any:
+        _one_thread_off_the_torch_thread()  # loading runs parallel ops too
         with self._lock:
             if self._model is None:
                 model_dir = minilm_model_dir()
@@ -141,9 +142,12 @@ _THREADS = threading.local()
 
 
 def _one_thread_off_the_torch_thread() -> None:
-    """Embed on one CPU thread anywhere but the engine's torch thread (the memory's worker,
-    writing behind a call): a second OpenMP team would slow every forward of the engine
-    (:mod:`agentspec.engine.torch_thread`); torch's thread count is per thread."""
+    """Embed (and load) on one CPU thread anywhere but the engine's torch thread (the
+    memory's worker, writing behind a call; a caller's thread warming the memory up): torch's
+    thread count is per thread, and a parallel op on a thread of two starts a second OpenMP
+    team whose threads stay. With more OpenMP threads alive than cores, libgomp throttles its
+    waiting threads, and every forward of the engine on the torch thread runs about 1.7x
+    slower from then on (:mod:`agentspec.engine.torch_thread`)."""
     if getattr(_THREADS, "done", False) or torch_thread.inside():
         return
     import torch
