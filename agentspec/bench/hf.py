@@ -73,7 +73,14 @@ class HFSystem:
         return kwargs
 
     def _generate(self, ids: list[int], kwargs: dict[str, Any]) -> list[int]:
-        """The new token ids of one ``generate`` call on ``ids``."""
+        """The new token ids of one ``generate`` call on ``ids``: on the CPU on the torch
+        thread, whose OpenMP team agentspec's own forwards use (a caller's thread may hold one
+        OpenMP thread only, :mod:`agentspec.engine.torch_thread`)."""
+        from agentspec.engine.torch_thread import for_device
+
+        return for_device(self.spec.target.model.device, self._generate_here, ids, kwargs)
+
+    def _generate_here(self, ids: list[int], kwargs: dict[str, Any]) -> list[int]:
         import torch
 
         model = self.spec.target.model
