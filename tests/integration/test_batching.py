@@ -43,17 +43,19 @@ from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
 from agentspec.engine.load import load_target
 from agentspec.engine.target import HFTarget
-from agentspec.errors import StoreError
 from agentspec.memory.completion import CompletionMemory
 from agentspec.memory.embedder import HashEmbedder
-from agentspec.stores import InMemoryStore, SQLStore
+from agentspec.stores import InMemoryStore
 from agentspec.text import encode_prompt
 from agentspec.types import Generation
 from tests.integration.helpers import cached_target
 from tests.integration.test_invariance import ShuffledTreeDrafter
 from tests.prompts import ALL_PROMPTS
 from tests.stores.faults import catching, fault_warnings
-from tests.stores.test_memory_faults import private_pg  # noqa: F401 - the private cluster
+from tests.stores.test_memory_faults import (
+    clean_cluster,
+    private_pg,  # noqa: F401 - the private cluster
+)
 
 pytestmark = pytest.mark.slow
 
@@ -508,14 +510,7 @@ def test_a_drafter_raising_on_some_requests_changes_no_request_of_the_batch():
 @pytest.fixture
 def pg_cluster(request: pytest.FixtureRequest) -> Iterator[Any]:
     """tests/stores' private PostgreSQL cluster (skips without its binaries), a clean table."""
-    cluster = request.getfixturevalue("private_pg")
-    with SQLStore(cluster.url) as store:
-        store.delete(store.ids().tolist())
-    yield cluster
-    try:  # a test that failed while the server was down leaves it down
-        SQLStore(cluster.url).close()
-    except StoreError:
-        cluster.up()
+    yield from clean_cluster(request.getfixturevalue("private_pg"))
 
 
 @pytest.mark.postgres

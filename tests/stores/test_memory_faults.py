@@ -111,8 +111,13 @@ def outage(request: pytest.FixtureRequest) -> Iterator[Outage]:
     if request.param == "sqlite-folder-removed":
         yield request.getfixturevalue("sqlite_folder")
         return
-    cluster: Outage = request.getfixturevalue("private_pg")
-    with SQLStore(cluster.url) as store:  # a clean table for each test
+    yield from clean_cluster(request.getfixturevalue("private_pg"))
+
+
+def clean_cluster(cluster: Outage) -> Iterator[Outage]:
+    """A fixture's body: the private cluster with an empty table, brought back up afterwards
+    if the test left it down."""
+    with SQLStore(cluster.url) as store:
         store.delete(store.ids().tolist())
     yield cluster
     try:  # a test that failed while the server was down leaves it down
