@@ -15,6 +15,11 @@ cached prompts are a system's own):
   own); the best draftless method of the field on agent traffic.
 - ``agentspec-pld``: prompt lookup alone.
 - ``agentspec``: every drafter and a completion memory.
+- ``agentspec-oracle`` (on request): a drafter that drafts each request's own known output
+  (:class:`OracleDrafter`, the outputs of an untimed solo run of ``agentspec-plain``), every
+  token of which the target accepts. Its tokens per second are what no drafter can beat in
+  this engine on this machine at that load: where a figure is out of the oracle's reach, the
+  verifying forward's cost, not the drafts, holds it.
 
 Every system but ``agentspec-plain`` (which learns nothing from earlier calls) first runs the
 workload's warmup lines one at a time (recorded: the memories are filled as in use). The measured passes record nothing (``record=False``), so no pass drafts
@@ -45,7 +50,8 @@ from agentspec.bench.results import grammar_of, prompt_of
 from agentspec.bench.workload import Workload, WorkloadItem
 from agentspec.text import cut_at_stop
 
-LOAD_SYSTEMS = ("agentspec-plain", "agentspec-pld", "agentspec-suffix", "agentspec")
+LOAD_SYSTEMS = ("agentspec-plain", "agentspec-pld", "agentspec-suffix", "agentspec",
+                "agentspec-oracle")
 DEFAULT_LOAD_SYSTEMS = ("agentspec-plain", "agentspec-suffix", "agentspec")
 REFERENCE = "agentspec-plain"
 
@@ -84,6 +90,52 @@ class Pass:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class OracleDrafter:
+    """Drafts a request's known output from where its generated tokens stand (bench only).
+
+    ``outputs``: prompt token ids -> that prompt's greedy output; filled before the passes. A
+    request whose prompt is unknown, or whose generated tokens left the known output, gets no
+    draft. The draft is as long as the drafter chain allows (``max_tokens``), so the
+    scheduler's sizing by marginal cost still decides how much of it a step carries.
+    """
+
+    name = "oracle"
+
+    def __init__(self) -> None:
+        self.outputs: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+    def begin(self, context: Any) -> None:
+        pass
+
+    def propose(self, context: Any, *, max_tokens: int) -> Any:
+        from agentspec.types import EMPTY_DRAFT, Draft
+
+        known = self.outputs.get(tuple(context.tokens[:context.prompt_len]))
+        done = context.tokens[context.prompt_len:]
+        if known is None or max_tokens < 1 or tuple(done) != known[:len(done)]:
+            return EMPTY_DRAFT
+        ahead = known[len(done):len(done) + max_tokens]
+        return Draft.chain(ahead, self.name) if ahead else EMPTY_DRAFT
+
+    def observe(self, context: Any, draft: Any, verdict: Any) -> None:
+        pass
+
+    def end(self, context: Any) -> None:
+        pass
+
+
+def teach_oracle(oracle: OracleDrafter, reference: Any, items: Sequence[WorkloadItem],
+                 budget: int | None) -> None:
+    """Fill ``oracle`` with ``reference``'s outputs of ``items``, one at a time, untimed."""
+    from agentspec import SamplingParams
+
+    for item in items:
+        gen = reference.generate(prompt_of(item), budget or item.max_new_tokens or 128,
+                                 sampling=SamplingParams(grammar=grammar_of(item)),
+                                 scope=item.scope, record=False)
+        oracle.outputs[tuple(reference.encode(prompt_of(item)))] = tuple(gen.token_ids)
 
 
 def run_pass(spec: Any, items: Sequence[WorkloadItem], concurrency: int, budget: int | None,
@@ -154,6 +206,9 @@ def build_load_systems(target: Any, names: Sequence[str], tmp: Path, *,
             built[name] = Speculator(target.fork(), memory=None, config=config)
         elif name == "agentspec-suffix":
             built[name] = suffix_speculator(target, f"sqlite:///{tmp / 'suffix.db'}", config)
+        elif name == "agentspec-oracle":
+            built[name] = Speculator(target.fork(), memory=None, config=config,
+                                     drafters=[OracleDrafter()])
         else:
             built[name] = memory_speculator(target, f"sqlite:///{tmp / 'memory.db'}", config)
         built[name].warmup()
@@ -201,6 +256,14 @@ def run_load(workload: Workload, model: str, *, systems: Sequence[str] = DEFAULT
         specs = build_load_systems(target, names, Path(tmp), max_batch=max_batch)
         for name, spec in specs.items():
             if name == REFERENCE:  # it learns nothing from earlier calls
+                continue
+            if name == "agentspec-oracle":
+                if on_progress:
+                    on_progress(f"the oracle's outputs: {len(workload.measure)} lines")
+                teach_oracle(spec.drafters[0], specs[REFERENCE], workload.measure,
+                             max_new_tokens)
+                # Untimed, so its drafter chain has learned how far its drafts hold.
+                run_pass(spec, workload.measure, 1, max_new_tokens, system=name)
                 continue
             if on_progress:
                 on_progress(f"warmup {name}: {len(workload.warmup)} lines")

@@ -145,8 +145,9 @@ def bench(
         "--concurrency", metavar="LEVELS",
         help="Measure load instead: at each level (comma-separated, e.g. 1,4,8,16) that many "
              "clients run the measured requests at once on one engine; systems among "
-             "agentspec-plain, agentspec-pld, agentspec-suffix, agentspec (default "
-             "agentspec-plain,agentspec-suffix,agentspec), greedy. "
+             "agentspec-plain, agentspec-pld, agentspec-suffix, agentspec and "
+             "agentspec-oracle (drafts each request's known output: the bound of any "
+             "drafter) (default agentspec-plain,agentspec-suffix,agentspec), greedy. "
              "Reports tokens/s, per-token latency and time to first token (p50/p99) and the "
              "outputs against agentspec-plain alone.")] = None,
     repeats: Annotated[int, typer.Option(
