@@ -3,7 +3,9 @@
 Both front ends turn a chat request into the same Speculator call: the prompt (tools rendered
 through the chat template's own tool support when it has one, else as a JSON-schema system
 block), the grammar (a forced or optional tool call, or a value of a JSON schema) and the
-parse of the output back into tool calls. Keeping those in one module is what makes an
+parse of the output back into tool calls. Calls are written in one tool-call format
+(:mod:`agentspec.grammar.tool_formats`): the one the chat template teaches, or the one a
+caller names; the grammar, the earlier calls in the prompt and the parse all use it. Keeping those in one module is what makes an
 answer served over HTTP the same answer as one from ``ChatAgentSpec``, and both the same as
 ``Speculator.generate`` on that prompt and grammar.
 
@@ -24,28 +26,51 @@ from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 from agentspec.grammar import Grammar, compiled
+from agentspec.grammar.tool_formats import ToolFormat, detect_tool_format
+from agentspec.grammar.tool_formats import tool_format as find_format
 from agentspec.types import Generation
 
 T = TypeVar("T")
 
 TOOL_BLOCK = ("You can call these tools (JSON schemas):\n{tools}\n\nTo call a tool, reply with "
-              'only a JSON object: {{"name": "<tool name>", "arguments": {{<argument>: <value>}}}}. '
-              "Otherwise answer normally.")
+              "only {how}. Otherwise answer normally.")
+# Templates that read the tools from the system message rather than from ``tools=``.
+_SYSTEM_TOOLS = ("message['tools']", 'message["tools"]', "message.tools")
 SCHEMA_PROMPT = "Reply with only a JSON object matching this schema: {schema}"
 
 
 # -- the prompt ------------------------------------------------------------------------------
 
+def resolve_tool_format(tokenizer: Any, override: str | ToolFormat | None = None) -> ToolFormat:
+    """The tool-call format of a model's calls: ``override`` when given, else the one its
+    chat template teaches (:func:`~agentspec.grammar.tool_formats.detect_tool_format`;
+    ``json`` when the template renders no tools, since agentspec's own system block then
+    teaches that one).
+
+    Raises:
+        ValueError: ``override`` names no known format (the message lists them).
+    """
+    if override is not None:
+        return find_format(override)
+    return find_format(detect_tool_format(getattr(tokenizer, "chat_template", None)))
+
+
 def build_prompt(tokenizer: Any, messages: list[dict[str, str]], *,
-                 tools: Sequence[dict[str, Any]] = (), system: str = "") -> list[dict[str, str]] | str:
+                 tools: Sequence[dict[str, Any]] = (), system: str = "",
+                 tool_format: str | ToolFormat = "json") -> list[dict[str, str]] | str:
     """The prompt for one call: the messages, or the rendered text when the chat template
-    renders the tools itself."""
-    native = "tools" in (getattr(tokenizer, "chat_template", None) or "")
+    renders the tools itself. Without template support the tools become a system block
+    that teaches ``tool_format``'s layout of a call."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    native = "tools" in template
     if tools and not native:
         # One compact line per tool (its name, description and parameters): a third of the
         # tokens of an indented dump, paid in prefill on every call, and SmolLM2-135M follows
         # it better (under an indented dump its greedy Joke punchline loops to max_tokens).
-        block = TOOL_BLOCK.format(tools="\n".join(
+        fmt = find_format(tool_format)
+        how = f"a JSON object: {fmt.shape()}" if fmt.name == "json" else \
+            f"the call written exactly like this: {fmt.shape()}"
+        block = TOOL_BLOCK.format(how=how, tools="\n".join(
             json.dumps(t.get("function", t), ensure_ascii=False) for t in tools))
         system = "\n\n".join(filter(None, [system, block]))
     if system:
@@ -56,6 +81,11 @@ def build_prompt(tokenizer: Any, messages: list[dict[str, str]], *,
             messages = [{"role": "system", "content": system}, *messages]
     if not (tools and native):
         return messages
+    if any(mark in template for mark in _SYSTEM_TOOLS):  # Phi-4-mini's: tools on the system turn
+        has_system = bool(messages) and messages[0]["role"] == "system"
+        head = messages[0] if has_system else {"role": "system", "content": ""}
+        messages = [{**head, "tools": json.dumps(list(tools), ensure_ascii=False)},
+                    *messages[has_system:]]
     text = tokenizer.apply_chat_template(messages, tools=list(tools) or None, tokenize=False,
                                          add_generation_prompt=True)
     bos = getattr(tokenizer, "bos_token", None)
@@ -65,12 +95,13 @@ def build_prompt(tokenizer: Any, messages: list[dict[str, str]], *,
     return text
 
 
-def calls_text(text: str, calls: Sequence[tuple[str, Any]]) -> str:
+def calls_text(text: str, calls: Sequence[tuple[str, Any]],
+               tool_format: str | ToolFormat = "json") -> str:
     """An assistant turn that made tool calls, as the model is asked to write them: its text,
-    then one ``{"name": ..., "arguments": ...}`` line per ``(name, arguments)``."""
-    return "\n".join(filter(None, [text, *(json.dumps({"name": name, "arguments": args},
-                                                        ensure_ascii=False)
-                                             for name, args in calls)]))
+    then the ``(name, arguments)`` calls in ``tool_format`` (``json``: one
+    ``{"name": ..., "arguments": ...}`` line per call)."""
+    fmt = find_format(tool_format)
+    return "\n".join(filter(None, [text, fmt.render(calls)]))
 
 
 # -- the grammar -----------------------------------------------------------------------------
@@ -96,12 +127,18 @@ def tool_choice_mode(tools: Sequence[dict[str, Any]], tool_choice: Any) -> str |
     return str(tool_choice)
 
 
-def call_grammar(tools: Sequence[dict[str, Any]], tool_choice: Any) -> Grammar | None:
-    """The grammar of one call's answer with ``tools`` bound (None: unconstrained)."""
+def call_grammar(tools: Sequence[dict[str, Any]], tool_choice: Any,
+                 tool_format: str | ToolFormat = "json") -> Grammar | None:
+    """The grammar of one call's answer with ``tools`` bound, its calls in ``tool_format``
+    (None: unconstrained)."""
     mode = tool_choice_mode(tools, tool_choice)
     if mode is None:
         return None
-    return compiled({"type": "tool_calls", "tools": list(tools), "choice": mode})
+    fmt = find_format(tool_format)
+    spec: dict[str, Any] = {"type": "tool_calls", "tools": list(tools), "choice": mode}
+    if fmt.name != "json":  # the json format's spec as it always was: one compiled grammar
+        spec["format"] = fmt.name
+    return compiled(spec)
 
 
 def schema_grammar(schema: Mapping[str, Any] | None) -> tuple[Grammar, str]:
@@ -114,74 +151,49 @@ def schema_grammar(schema: Mapping[str, Any] | None) -> tuple[Grammar, str]:
 
 # -- the output ------------------------------------------------------------------------------
 
-def looks_like_call(text: str) -> bool:
-    """Whether output starting with ``text`` may still turn out to be a tool call."""
-    head = text.lstrip()
-    return head.startswith(("{", "```", "<tool_call>", "[")) or not head
+def looks_like_call(text: str, tool_format: str | ToolFormat = "json") -> bool:
+    """Whether output starting with ``text`` may still turn out to be a tool call in
+    ``tool_format``."""
+    return find_format(tool_format).starts_call(text)
 
 
 class CallHoldback:
-    """Streamed text that may still turn out to be a tool call is held back, not shown.
+    """Streamed text that may still turn out to be a tool call (in ``tool_format``) is held
+    back, not shown.
 
     ``push`` returns the text to show now ("" while holding); ``held`` is what is held when
     the stream ends: the caller parses it with :func:`parse_tool_calls`.
     """
 
-    def __init__(self, active: bool) -> None:
+    def __init__(self, active: bool, tool_format: str | ToolFormat = "json") -> None:
         self.active = active
+        self.format = find_format(tool_format)
         self.held = ""
 
     def push(self, delta: str) -> str:
-        if self.active and (self.held or looks_like_call(delta)) and looks_like_call(self.held + delta):
+        starts = self.format.starts_call
+        if self.active and (self.held or starts(delta)) and starts(self.held + delta):
             self.held += delta
             return ""
         out, self.held = self.held + delta, ""
         return out
 
 
-def parse_tool_calls(text: str) -> tuple[str, list[Any], list[Any]]:
+def parse_tool_calls(text: str, tool_format: str | ToolFormat = "json"
+                     ) -> tuple[str, list[Any], list[Any]]:
     """Split model output into ``(content, tool_calls, invalid_tool_calls)``; never raises.
 
-    Every JSON object with a ``"name"`` (and ``"arguments"``, ``"parameters"`` or ``"args"``)
-    is a call; when the output starts like a call but no object parses (malformed, or cut off
-    by ``max_tokens``), the text becomes one invalid call carrying the raw text and the error.
-    Calls are LangChain's shape: ``{"name", "args", "id", "type": "tool_call"}``.
+    The calls are read in ``tool_format`` (:meth:`ToolFormat.parse`; parallel calls where the
+    format has them). ``json`` is lenient: every JSON object with a ``"name"`` (and
+    ``"arguments"``, ``"parameters"`` or ``"args"``) is a call, fenced or not. When the output
+    starts like a call but none parses (malformed, or cut off by ``max_tokens``), the text
+    becomes one invalid call carrying the raw text and the error. Calls are LangChain's
+    shape: ``{"name", "args", "id", "type": "tool_call"}``.
     """
-    decoder, calls, spans, pos = json.JSONDecoder(), [], [], 0
-    while (start := text.find("{", pos)) >= 0:
-        try:
-            obj, end = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
-            pos = start + 1
-            continue
-        found = [o for o in (obj if isinstance(obj, list) else [obj])
-                 if isinstance(o, dict) and isinstance(o.get("name"), str)]
-        if found:
-            calls.extend(found)
-            spans.append((start, end))
-        pos = end
-    valid, invalid = [], []
-    for call in calls:
-        args: Any = next((call[k] for k in ("arguments", "parameters", "args") if k in call), {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args or "{}")
-            except json.JSONDecodeError as exc:
-                invalid.append(_invalid(call["name"], args, f"arguments are not JSON: {exc}"))
-                continue
-        if not isinstance(args, dict):
-            invalid.append(_invalid(call["name"], json.dumps(args), f"arguments must be an object, got {args!r}"))
-            continue
-        valid.append({"name": call["name"], "args": args, "id": call_id(), "type": "tool_call"})
-    if not calls and looks_like_call(text) and text.strip():
-        return "", [], [_invalid(None, text, "no parseable tool call JSON in the output")]
-    content = text
-    for start, end in reversed(spans):
-        content = content[:start] + content[end:]
-    for junk in ("```json", "```", "<tool_call>", "</tool_call>"):
-        content = content.replace(junk, "")
-    content = content.strip() if calls else text
-    return content, valid, invalid
+    parsed = find_format(tool_format).parse(text)
+    valid = [{"name": c.name, "args": c.arguments, "id": call_id(), "type": "tool_call"}
+             for c in parsed.calls]
+    return parsed.content, valid, [_invalid(b.name, b.raw, b.error) for b in parsed.invalid]
 
 
 def _invalid(name: str | None, args: str, error: str) -> dict[str, Any]:

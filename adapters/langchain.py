@@ -6,7 +6,8 @@ Streaming yields one chunk per committed step (one text delta of ``Speculator.st
 call (the Speculator's turns are per step, so calls interleave and none blocks the event loop).
 
 Tools are rendered through the chat template's own tool support when it has one, else as a
-JSON-schema system block; the model answers a call as ``{"name": ..., "arguments": {...}}``.
+JSON-schema system block; the model answers a call in the tool-call format its template
+teaches (``{"name": ..., "arguments": {...}}`` without one), or in ``tool_format``.
 Every call with tools bound is grammar-constrained (:mod:`agentspec.grammar`): a forced
 ``tool_choice`` ("any"/"required"/a name) admits only a valid call of a bound tool, "auto" a
 valid call or plain text, and JSON mode / structured output a value of the schema. The
@@ -34,7 +35,7 @@ try:
     )
     from langchain_core.runnables import Runnable
     from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
-    from pydantic import BaseModel, ConfigDict, Field
+    from pydantic import BaseModel, ConfigDict, Field, field_validator
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("agentspec.adapters.langchain needs: pip install 'agentspec[langchain]'") from exc
 
@@ -46,11 +47,14 @@ from agentspec.adapters.chat import (
     deltas_then_generation,
     in_thread,
     parse_tool_calls,
+    resolve_tool_format,
     schema_grammar,
     tool_choice_mode,
 )
 from agentspec.config import SamplingParams
 from agentspec.grammar import Grammar
+from agentspec.grammar.tool_formats import ToolFormat
+from agentspec.grammar.tool_formats import tool_format as find_format
 from agentspec.types import Generation as SpecGeneration
 
 # Re-exported: the prompt, grammar and parsing live in agentspec.adapters.chat, shared with
@@ -69,8 +73,10 @@ def _speculate(spec: Any, prompt: Any, max_new_tokens: int, *, sampling: Samplin
         spec.stream(prompt, max_new_tokens, sampling=sampling, stop=list(stop), scope=scope))
 
 
-def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
-    """LangChain messages as ``{"role", "content"}`` dicts; tool calls rendered as their JSON."""
+def to_chat_messages(messages: Sequence[BaseMessage], *,
+                     tool_format: str | ToolFormat = "json") -> list[dict[str, str]]:
+    """LangChain messages as ``{"role", "content"}`` dicts; an AI message's tool calls
+    written after its text as the model writes them in ``tool_format``."""
     out = []
     for i, msg in enumerate(messages):
         role = _ROLES.get(msg.type)
@@ -78,7 +84,7 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
             raise ValueError(f"message {i} has unsupported type {msg.type!r}; expected one of {sorted(_ROLES)}")
         text = str(msg.text)
         if isinstance(msg, AIMessage) and msg.tool_calls:
-            text = calls_text(text, [(c["name"], c["args"]) for c in msg.tool_calls])
+            text = calls_text(text, [(c["name"], c["args"]) for c in msg.tool_calls], tool_format)
         if isinstance(msg, ToolMessage) and msg.status == "error":
             text = f"Error: {text}" if not text.startswith("Error") else text
         out.append({"role": role, "content": text})
@@ -154,9 +160,25 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
         >>> chat.invoke("Name a colour.").content
     """
 
+    tool_format: str | None = None
+    """How the model writes tool calls: ``json``, ``hermes``, ``llama3``, ``mistral``,
+    ``phi`` or ``granite`` (:mod:`agentspec.grammar.tool_formats`); None: the format the chat
+    template teaches (``json`` when it renders no tools)."""
+
+    @field_validator("tool_format")
+    @classmethod
+    def _known_format(cls, value: str | None) -> str | None:
+        if value is not None:
+            find_format(value)  # raises, naming the value and the known formats
+        return value
+
     @property
     def _llm_type(self) -> str:
         return "agentspec-chat"
+
+    def _format(self) -> ToolFormat:
+        """The format of this model's calls (``tool_format``, else its template's)."""
+        return resolve_tool_format(getattr(self.speculator, "tokenizer", None), self.tool_format)
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
         params: Any = super()._get_ls_params(stop=stop, **kwargs)
@@ -175,7 +197,7 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
         of that tool; "none": plain text. Enforced by a grammar (exact: the masked target).
         """
         formatted = [convert_to_openai_tool(t) for t in tools]
-        call_grammar(formatted, tool_choice)  # refuse a bad choice or schema now, not at call time
+        call_grammar(formatted, tool_choice, self._format())  # refuse a bad choice or schema now
         return self.bind(tools=formatted, tool_choice=tool_choice, **kwargs)
 
     def with_structured_output(self, schema: dict[str, Any] | type, *, include_raw: bool = False,
@@ -201,14 +223,15 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
                 run_manager: Any = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
         tools = kwargs.get("tools") or []
         json_mode = kwargs.get("response_format")
+        fmt = resolve_tool_format(self._spec().tokenizer, self.tool_format)
         grammar: Grammar | None
         if json_mode:
             grammar, system = schema_grammar(json_mode.get("schema"))
         else:
-            grammar, system = call_grammar(tools, kwargs.get("tool_choice")), ""
-        prompt = build_prompt(self._spec().tokenizer, to_chat_messages(messages), tools=tools,
-                              system=system)
-        holdback = CallHoldback(active=bool(tools))  # output that may still be a tool call
+            grammar, system = call_grammar(tools, kwargs.get("tool_choice"), fmt), ""
+        prompt = build_prompt(self._spec().tokenizer, to_chat_messages(messages, tool_format=fmt),
+                              tools=tools, system=system, tool_format=fmt)
+        holdback = CallHoldback(bool(tools), fmt)  # output that may still be a tool call
         for item in self._steps(prompt, stop, kwargs.get("max_tokens"), grammar):
             if isinstance(item, str):
                 text = holdback.push(item)
@@ -219,10 +242,11 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
                     run_manager.on_llm_new_token(chunk.text, chunk=chunk)
                 yield chunk
             else:
-                yield self._last_chunk(holdback.held, item, parse=bool(tools))
+                yield self._last_chunk(holdback.held, item, parse=bool(tools), fmt=fmt)
 
-    def _last_chunk(self, held: str, gen: SpecGeneration, *, parse: bool) -> ChatGenerationChunk:
-        content, calls, invalid = parse_tool_calls(held) if parse and held else (held, [], [])
+    def _last_chunk(self, held: str, gen: SpecGeneration, *, parse: bool,
+                    fmt: ToolFormat) -> ChatGenerationChunk:
+        content, calls, invalid = parse_tool_calls(held, fmt) if parse and held else (held, [], [])
         usage: Any = {"input_tokens": gen.stats.prompt_tokens, "output_tokens": len(gen.token_ids),
                       "total_tokens": gen.stats.prompt_tokens + len(gen.token_ids),
                       # prompt tokens whose KV came from earlier calls (held or prefix cache)

@@ -28,11 +28,13 @@ from agentspec.adapters.chat import (
     call_grammar,
     calls_text,
     parse_tool_calls,
+    resolve_tool_format,
     schema_grammar,
     tool_choice_mode,
 )
 from agentspec.config import SamplingParams
 from agentspec.grammar import Grammar
+from agentspec.grammar.tool_formats import ToolFormat
 from agentspec.types import Generation
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
@@ -87,7 +89,9 @@ class ChatRequest:
     """A checked chat-completions request.
 
     ``messages`` are agentspec's ``{"role", "content"}`` dicts (tool calls of assistant turns
-    rendered as the model writes them); ``json_schema`` is the schema of a ``json_schema`` or
+    rendered in the ``json`` format); ``tool_turns`` keeps those turns' text and calls
+    (``(index, text, ((name, arguments), ...))``), which :func:`render` writes again in the
+    model's tool-call format; ``json_schema`` is the schema of a ``json_schema`` or
     ``json_object`` response format, None for text.
     """
 
@@ -105,6 +109,7 @@ class ChatRequest:
     tool_choice: Any = None
     json_schema: dict[str, Any] | None = None
     user: str | None = None
+    tool_turns: tuple[tuple[int, str, tuple[tuple[str, Any], ...]], ...] = ()
 
 
 def _kind(value: Any) -> str:
@@ -172,8 +177,10 @@ def parse_chat_request(body: Any, *, models: Sequence[str], max_tokens: int) -> 
     if schema is not None and tool_choice_mode(tools, tool_choice) is not None:
         raise bad("give either tools (with a tool_choice other than 'none') or a JSON "
                   "response_format, not both", "response_format")
+    messages, tool_turns = _messages(body)
     return ChatRequest(
-        model=model, messages=_messages(body), max_tokens=_max_tokens(body, max_tokens),
+        model=model, messages=messages, tool_turns=tool_turns,
+        max_tokens=_max_tokens(body, max_tokens),
         temperature=_bounded(body, "temperature", 1.0, 0.0, 2.0, low_open=False),
         top_p=_bounded(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
         top_k=_positive(body, "top_k"), seed=_seed(body), stop=_stops(body), stream=stream,
@@ -255,11 +262,12 @@ def _text(content: Any, param: str) -> str | None:
     return "\n".join(texts)
 
 
-def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
+def _messages(body: Mapping[str, Any]) -> tuple[list[dict[str, str]], tuple[Any, ...]]:
+    """The messages, and the assistant turns with tool calls (``ChatRequest.tool_turns``)."""
     messages = _typed(body, "messages", "array")
     if not messages:
         raise bad("messages must be a non-empty array", "messages", "missing_parameter")
-    out = []
+    out, turns = [], []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -284,7 +292,9 @@ def _messages(body: Mapping[str, Any]) -> list[dict[str, str]]:
         if content is None and not (role == "assistant" and (calls or msg.get("refusal"))):
             raise bad(f"{where}.content is required", f"{where}.content", "missing_parameter")
         out.append({"role": ROLES[role], "content": calls_text(content or "", calls)})
-    return out
+        if calls:
+            turns.append((i, content or "", tuple(calls)))
+    return out, tuple(turns)
 
 
 def _message_calls(msg: Mapping[str, Any], where: str) -> list[tuple[str, Any]]:
@@ -373,40 +383,50 @@ def _response_format(body: Mapping[str, Any]) -> dict[str, Any] | None:
 
 @dataclass(frozen=True)
 class Rendered:
-    """A request as ``Speculator.stream`` takes it; ``calls``: parse the output for tool calls."""
+    """A request as ``Speculator.stream`` takes it; ``calls``: parse the output for tool calls,
+    written in ``tool_format``."""
 
     prompt: list[dict[str, str]] | str
     sampling: SamplingParams
     calls: bool
+    tool_format: ToolFormat | str = "json"
 
 
-def render(request: ChatRequest, tokenizer: Any) -> Rendered:
-    """The prompt and sampling of a request, as :class:`ChatAgentSpec` builds them.
+def render(request: ChatRequest, tokenizer: Any, *,
+           tool_format: str | ToolFormat | None = None) -> Rendered:
+    """The prompt and sampling of a request, as :class:`ChatAgentSpec` builds them, tool calls
+    in ``tool_format`` (None: the format the chat template teaches).
 
     Raises:
         ApiError: 400 when a tool's or the response format's schema does not compile.
     """
+    fmt = resolve_tool_format(tokenizer, tool_format)
     grammar: Grammar | None
     param = "tools" if request.json_schema is None else "response_format"
     try:
         if request.json_schema is not None:
             grammar, system = schema_grammar(request.json_schema)
         else:
-            grammar, system = call_grammar(request.tools, request.tool_choice), ""
+            grammar, system = call_grammar(request.tools, request.tool_choice, fmt), ""
     except ValueError as exc:  # GrammarError is one
         raise bad(f"the schema does not compile: {exc}", param, "invalid_schema") from None
-    prompt = build_prompt(tokenizer, request.messages, tools=request.tools, system=system)
+    messages = list(request.messages)
+    for i, text, calls in request.tool_turns:  # earlier calls as the model writes them
+        messages[i] = {**messages[i], "content": calls_text(text, calls, fmt)}
+    prompt = build_prompt(tokenizer, messages, tools=request.tools, system=system, tool_format=fmt)
     sampling = SamplingParams(temperature=request.temperature, top_p=request.top_p,
                               top_k=request.top_k, seed=request.seed, grammar=grammar)
-    return Rendered(prompt, sampling, tool_choice_mode(request.tools, request.tool_choice) is not None)
+    return Rendered(prompt, sampling, tool_choice_mode(request.tools, request.tool_choice) is not None,
+                    fmt)
 
 
 # -- answers ----------------------------------------------------------------------------------
 
-def openai_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """Output that may hold tool calls as ``(content, tool_calls)`` in OpenAI's shape (no
-    valid call: the text unchanged and no calls)."""
-    content, calls, _ = parse_tool_calls(text)
+def openai_calls(text: str, tool_format: str | ToolFormat = "json"
+                 ) -> tuple[str, list[dict[str, Any]]]:
+    """Output that may hold tool calls (in ``tool_format``) as ``(content, tool_calls)`` in
+    OpenAI's shape (no valid call: the text unchanged and no calls)."""
+    content, calls, _ = parse_tool_calls(text, tool_format)
     if not calls:
         return text, []
     return content, [{"id": c["id"], "type": "function",

@@ -48,7 +48,12 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("the OpenAI server needs: pip install 'agentspec[serve]'") from exc
 
-from agentspec.adapters.chat import CallHoldback, deltas_then_generation, in_thread
+from agentspec.adapters.chat import (
+    CallHoldback,
+    deltas_then_generation,
+    in_thread,
+    resolve_tool_format,
+)
 from agentspec.adapters.openai_protocol import (
     SSE_DONE,
     ApiError,
@@ -66,6 +71,7 @@ from agentspec.adapters.openai_protocol import (
     usage_body,
 )
 from agentspec.adapters.openai_protocol import check_scope as scope_name
+from agentspec.grammar.tool_formats import tool_format as find_format
 from agentspec.types import Generation
 
 logger = logging.getLogger("agentspec.serve")
@@ -89,6 +95,9 @@ class ServerConfig:
         workers: threads carrying generations (each running request holds one); more requests
             wait for one. The Speculator steps up to its ``SpecConfig.max_batch`` of them at
             once.
+        tool_format: how the model writes tool calls (a name in
+            :data:`agentspec.grammar.tool_formats.FORMATS`); None: the format its chat
+            template teaches.
     """
 
     models: tuple[str, ...]
@@ -100,8 +109,11 @@ class ServerConfig:
     default_scope: str = "default"
     record: bool | None = None
     workers: int = 16
+    tool_format: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tool_format is not None:
+            find_format(self.tool_format)  # raises, naming the value and the known formats
         if not self.models or not all(isinstance(m, str) and m for m in self.models):
             raise ValueError(f"models must name at least one model, got {self.models!r}")
         for name, value in (("max_tokens", self.max_tokens),
@@ -216,6 +228,7 @@ class OpenAIServer:
 
     def __init__(self, spec: Any, config: ServerConfig) -> None:
         self.spec, self.config = spec, config
+        self.tool_format = resolve_tool_format(spec.tokenizer, config.tool_format)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="agentspec-serve")
         self.app = Starlette(
             routes=[Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -257,7 +270,8 @@ class OpenAIServer:
                                 media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         gen = run
-        content, calls = openai_calls(gen.text) if rendered.calls else (gen.text, [])
+        content, calls = openai_calls(gen.text, rendered.tool_format) if rendered.calls \
+            else (gen.text, [])
         return JSONResponse(completion_body(content=content, calls=calls, gen=gen, scope=scope,
                                             **head))
 
@@ -265,7 +279,7 @@ class OpenAIServer:
         """Render the request, then open its Speculator stream (streamed) or generate it
         whole (in a worker: tokenising, compiling a grammar and generating take time); bad
         input raises ApiError before any token."""
-        rendered = render(req, self.spec.tokenizer)
+        rendered = render(req, self.spec.tokenizer, tool_format=self.tool_format)
         call = self.spec.stream if req.stream else self.spec.generate
         try:
             run = call(rendered.prompt, req.max_tokens, sampling=rendered.sampling,
@@ -283,7 +297,7 @@ class OpenAIServer:
     async def _events(self, stream: Any, rendered: Rendered, req: ChatRequest, scope: str,
                       head: dict[str, Any]) -> AsyncIterator[bytes]:
         yield sse(chunk_body(**head, delta={"role": "assistant", "content": ""}))
-        holdback = CallHoldback(rendered.calls)  # output that may still be a tool call
+        holdback = CallHoldback(rendered.calls, rendered.tool_format)  # may still be a call
         gen: Generation | None = None
         try:
             async with aclosing(in_thread(lambda: deltas_then_generation(stream),
@@ -302,7 +316,8 @@ class OpenAIServer:
             yield SSE_DONE
             return
         assert gen is not None
-        content, calls = openai_calls(holdback.held) if holdback.held else ("", [])
+        content, calls = openai_calls(holdback.held, rendered.tool_format) if holdback.held \
+            else ("", [])
         if content:
             yield sse(chunk_body(**head, delta={"content": content}))
         if calls:

@@ -66,6 +66,10 @@ def serve(ctx: typer.Context,
               "--workers", min=1, help="Threads carrying requests (each running one holds "
                                        "one); more requests wait for a thread. Default twice "
                                        "--max-batch.")] = None,
+          tool_format: Annotated[str | None, typer.Option(
+              "--tool-format", help="How the model writes tool calls: json, hermes, llama3, "
+                                    "mistral, phi or granite; default: the format its chat "
+                                    "template teaches (json when it renders no tools).")] = None,
           no_record: Annotated[bool, typer.Option(
               "--no-record", help="Draft from the memory but add nothing to it.")] = False,
           log_level: Annotated[str, typer.Option(
@@ -94,7 +98,8 @@ def serve(ctx: typer.Context,
         models=(served_name or model,), max_tokens=max_tokens, max_body_bytes=max_body_bytes,
         api_keys=frozenset([api_key] if api_key else []), key_scopes=key_scopes,
         scopes=frozenset(allow_scope) if allow_scope else None, default_scope=scope,
-        record=False if no_record else None, workers=workers or 2 * max_batch)
+        record=False if no_record else None, workers=workers or 2 * max_batch,
+        tool_format=tool_format)
     from agentspec.config import SpecConfig
 
     sock = _bind(host, port)

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentspec.grammar.tool_formats import tool_format as find_tool_format
+
 # One JSON layout: the one the prompts' examples use (and the one most tokens are merged for).
 # A rigid layout also means more forced tokens: no whitespace choice for the model to make.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -47,9 +49,12 @@ class Grammar:
         spec: llguidance's grammar text (what the matcher compiles).
         tools: for ``tool_calls``, the names of the tools a call may name.
         or_text: the output is either text valid under ``spec`` or free text that does not
-            start like JSON (its first character is none of ``{``, ``[`` or whitespace): the
-            first token decides which, and after a text start nothing is constrained
-            (``tool_calls`` with ``choice="auto"``).
+            start like it (see ``text_start``): the first token decides which, and after a
+            text start nothing is constrained (``tool_calls`` with ``choice="auto"``).
+        text_start: with ``or_text``, llguidance's grammar of that free text, whose first
+            character is none that a call of the tool format starts with, nor whitespace;
+            empty: text whose first character is none of ``{``, ``[`` or whitespace (the
+            ``json`` format's).
         examples: texts valid under the grammar (one call of each tool, a value of the
             schema), walked once when the grammar is first used on a tokenizer, so that its
             skeleton's masks (the tool-name choice, keys, braces) are cached and its lexer
@@ -61,6 +66,7 @@ class Grammar:
     spec: str = field(repr=False)
     tools: tuple[str, ...] = ()
     or_text: bool = False
+    text_start: str = field(default="", repr=False)
     examples: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -73,12 +79,12 @@ class Grammar:
     def from_spec(cls, spec: Mapping[str, Any]) -> Grammar:
         """A grammar from its JSON description (the bench workload's ``grammar`` field):
         ``{"type": "json_schema", "schema": {...}}``, ``{"type": "tool_calls", "tools": [...],
-        "choice": "auto", "as_list": false}``, ``{"type": "regex", "pattern": "..."}`` or
-        ``{"type": "lark", "grammar": "..."}``."""
+        "choice": "auto", "as_list": false, "format": "json"}``, ``{"type": "regex",
+        "pattern": "..."}`` or ``{"type": "lark", "grammar": "..."}``."""
         if not isinstance(spec, Mapping):
             raise GrammarError(f"a grammar spec must be an object, got {type(spec).__name__} {spec!r:.80}")
         kind = spec.get("type")
-        fields = {"json_schema": {"schema"}, "tool_calls": {"tools", "choice", "as_list"},
+        fields = {"json_schema": {"schema"}, "tool_calls": {"tools", "choice", "as_list", "format"},
                   "regex": {"pattern"}, "lark": {"grammar"}}
         if kind not in fields:
             raise GrammarError(f"grammar type must be one of {sorted(fields)}, got {kind!r}")
@@ -90,7 +96,8 @@ class Grammar:
             return cls.json_schema(spec.get("schema", {}))
         if kind == "tool_calls":
             return cls.tool_calls(spec.get("tools", []), choice=spec.get("choice", "required"),
-                                  as_list=bool(spec.get("as_list", False)))
+                                  as_list=bool(spec.get("as_list", False)),
+                                  tool_format=spec.get("format", "json"))
         if kind == "regex":
             return cls.regex(spec.get("pattern", ""))
         return cls.lark(spec.get("grammar", ""))
@@ -105,19 +112,31 @@ class Grammar:
 
     @classmethod
     def tool_calls(cls, tools: Sequence[Mapping[str, Any]], *, choice: str = "required",
-                   as_list: bool = False) -> Grammar:
-        """A call of one of ``tools``: ``{"name": <tool>, "arguments": {...}}`` with the
-        arguments valid under that tool's parameter schema (no undeclared arguments).
+                   as_list: bool = False, tool_format: str = "json") -> Grammar:
+        """Calls of ``tools`` in a tool-call format: each call names one of the tools and
+        its arguments are valid under that tool's parameter schema (no undeclared arguments).
 
         Args:
             tools: OpenAI-style tools (``{"type": "function", "function": {"name",
                 "parameters"}}``) or plain ``{"name", "parameters"}`` dicts.
-            choice: ``"required"`` (or ``"any"``): a call, nothing else; ``"auto"``: either a
-                call or plain text that does not start like JSON; or one tool's name: a call
+            choice: ``"required"`` (or ``"any"``): calls, nothing else; ``"auto"``: either
+                calls or plain text that does not start like one; or one tool's name: calls
                 of that tool.
-            as_list: calls as a JSON list of one or more calls
+            as_list: (``json`` format only) calls as a JSON list of one or more calls
                 (``[{"name": ..., "arguments": ...}]``) instead of one object.
+            tool_format: the layout of the calls, a name in
+                :data:`agentspec.grammar.tool_formats.FORMATS`: ``json``
+                (``{"name": ..., "arguments": ...}``, one call), or a model family's own
+                (``hermes``, ``llama3``, ``mistral``, ``phi``, ``granite``), parallel calls
+                where that format has them.
         """
+        try:
+            fmt = find_tool_format(tool_format)
+        except ValueError as exc:
+            raise GrammarError(str(exc)) from None
+        if as_list and fmt.name != "json":
+            raise GrammarError(f"as_list applies to the json format only; the {fmt.name} "
+                               f"format lays out its own parallel calls: {fmt.shape()}")
         specs = [_tool_spec(t, i) for i, t in enumerate(tools)]
         if not specs:
             raise GrammarError("tool_calls needs at least one tool, got none")
@@ -126,20 +145,29 @@ class Grammar:
             if choice not in names:
                 raise GrammarError(f"choice {choice!r} names no tool; tools: {names}")
             specs = [s for s in specs if s[0] == choice]
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
-                  "required": ["name", "arguments"], "additionalProperties": False}
+        key = fmt.args_key
+        calls = [{"type": "object", "properties": {"name": {"const": name}, key: params},
+                  "required": ["name", key], "additionalProperties": False}
                  for name, params in specs]
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        schema = {"type": "array", "items": one, "minItems": 1} if as_list else one
-        schema = {**schema, "x-guidance": JSON_LAYOUT}
         llg = import_llguidance()
+        examples = [(name, example_value(params)) for name, params in specs]
         # "auto": a call, or text that may not start like one (see ``or_text``). Not one Lark
         # grammar ``call | TEXT``: masking free text through a lexer walks the whole vocabulary
         # every token (a mask's cost many times over), for a mask that allows everything.
-        examples = [{"name": name, "arguments": example_value(params)} for name, params in specs]
+        auto = choice == "auto"
+        text_start = llg.LLMatcher.grammar_from_lark(fmt.text_start_lark()) \
+            if auto and fmt.name != "json" else ""
+        if fmt.wrapped:
+            return cls("tool_calls", llg.LLMatcher.grammar_from_lark(fmt.lark(one, JSON_LAYOUT)),
+                       tuple(names), or_text=auto, text_start=text_start,
+                       examples=tuple(fmt.render([e]) for e in examples))
+        schema = {"type": "array", "items": one, "minItems": 1} if as_list else one
+        schema = {**schema, "x-guidance": JSON_LAYOUT}
+        values = [{"name": name, key: args} for name, args in examples]
         return cls("tool_calls", llg.LLMatcher.grammar_from_json_schema(schema), tuple(names),
-                   or_text=choice == "auto",
-                   examples=_examples([[e] for e in examples] if as_list else examples))
+                   or_text=auto, text_start=text_start,
+                   examples=_examples([[v] for v in values] if as_list else values))
 
     @classmethod
     def regex(cls, pattern: str) -> Grammar:

@@ -70,8 +70,8 @@ class GrammarState:
         # "grammar": the matcher decides; "undecided": an or_text grammar before its first
         # token (which may start text or the grammar's output); "text": free from here on.
         self.mode = "undecided" if grammar.or_text else "grammar"
-        self._text_start = self._initial(shared_grammar(ll_tok, text_start_spec())) \
-            if grammar.or_text else None
+        self._text_start = self._initial(shared_grammar(
+            ll_tok, grammar.text_start or text_start_spec())) if grammar.or_text else None
         self._committed = 0  # committed tokens the matcher holds
         self._path: list[list[Any] | None] = [self._shared.root]  # trie node per committed prefix
         self._bits = torch.zeros((1, self._words), dtype=torch.int32)  # grown on demand

@@ -1,0 +1,315 @@
+"""Tool-call formats: the text a model writes to call a tool, one entry per model family.
+
+Models are trained to call tools in their own layout, and a chat template that renders tools
+teaches that layout. A :class:`ToolFormat` is one such layout: the text around a call's JSON
+(its wrapper), the key of the arguments, and whether parallel calls are one JSON list or
+repeated wrappers. Each format renders calls as the model would write them (its answers, and
+the assistant turns of earlier calls in a prompt), parses text back into calls without ever
+raising, and gives :meth:`agentspec.grammar.Grammar.tool_calls` the grammar around the JSON
+and the first characters of plain text under ``choice="auto"``.
+
+The registry (:data:`FORMATS`):
+
+- ``json``: a bare ``{"name": ..., "arguments": {...}}`` (agentspec's own system block teaches
+  it when the template renders no tools);
+- ``hermes``: Hermes, Qwen2.5 and Qwen3, ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``
+  blocks, one per call, joined by a newline;
+- ``llama3``: Llama 3.1 and 3.2, a bare ``{"name": ..., "parameters": {...}}`` (one call);
+- ``mistral``: ``[TOOL_CALLS] [{"name": ..., "arguments": ...}, ...]``;
+- ``phi``: Phi-4-mini, ``<|tool_call|>[{"name": ..., "arguments": ...}, ...]<|/tool_call|>``;
+- ``granite``: Granite 3, ``<|tool_call|>[{"name": ..., "arguments": ...}, ...]``.
+
+The wrappers are matched as text: where a tokenizer holds one as a special token (Mistral's
+``[TOOL_CALLS]``, Phi's ``<|tool_call|>``), the grammar has the model spell it, because an
+output's text is decoded without special tokens and the parse reads that text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ARGUMENT_KEYS = ("arguments", "parameters", "args")
+# Text the lenient JSON parse drops from the content around its calls (fences, stray tags).
+_JUNK = ("```json", "```", "<tool_call>", "</tool_call>")
+
+
+@dataclass(frozen=True)
+class Call:
+    """A parsed call: the tool's name and its arguments (an object)."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BadCall:
+    """Text that was meant as a call but is not a valid one: the name when one was read, the
+    raw text of the call or of its arguments, and why it is refused."""
+
+    name: str | None
+    raw: str
+    error: str
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """Model output split into its plain text, its valid calls and its invalid ones."""
+
+    content: str
+    calls: tuple[Call, ...]
+    invalid: tuple[BadCall, ...]
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One layout of tool calls as text.
+
+    Attributes:
+        name: the registry's name (``--tool-format``, ``tool_format=``).
+        open: the text before a call's JSON (``listed=False``) or before the list of calls.
+        close: the text after it.
+        args_key: the key of a call's arguments (``"arguments"`` or ``"parameters"``).
+        listed: parallel calls are one JSON list inside one wrapper.
+        between: what separates two calls written one after the other (unlisted formats);
+            None: one call only.
+        first: the characters a call may start with; plain text under ``choice="auto"``
+            starts with none of them (nor with whitespace), so its first token decides.
+    """
+
+    name: str
+    open: str = ""
+    close: str = ""
+    args_key: str = "arguments"
+    listed: bool = False
+    between: str | None = None
+    first: str = "{"
+
+    # -- text out ---------------------------------------------------------------------------
+
+    def render(self, calls: Sequence[tuple[str, Any]]) -> str:
+        """``(name, arguments)`` calls as the model writes them in this format (compact JSON,
+        the grammars' layout)."""
+        return self._wrap([json.dumps({"name": name, self.args_key: args}, ensure_ascii=False)
+                           for name, args in calls])
+
+    def shape(self) -> str:
+        """The format's layout with placeholders, for a system prompt that teaches it."""
+        return self._wrap(['{"name": "<tool name>", "' + self.args_key
+                           + '": {<argument>: <value>}}'])
+
+    def _wrap(self, bodies: list[str]) -> str:
+        if not bodies:
+            return ""
+        if self.listed:
+            return f"{self.open}[{', '.join(bodies)}]{self.close}"
+        return (self.between or "\n").join(f"{self.open}{b}{self.close}" for b in bodies)
+
+    # -- the grammar's parts ----------------------------------------------------------------
+
+    @property
+    def wrapped(self) -> bool:
+        """Calls sit inside text of their own (else a call is a bare JSON value)."""
+        return bool(self.open or self.close)
+
+    def lark(self, call_schema: Mapping[str, Any], layout: Mapping[str, Any]) -> str:
+        """A Lark grammar (llguidance's dialect) of one answer of calls in this format, each
+        call valid under ``call_schema`` (a JSON schema of one call object) and written in
+        ``layout`` (llguidance's ``x-guidance`` JSON options). Only for :attr:`wrapped`
+        formats: a bare one is its JSON schema alone."""
+        if not self.wrapped:
+            raise ValueError(f"the {self.name} format has no wrapper: use its JSON schema")
+        close = f" {_lark_str(self.close)}" if self.close else ""
+        if self.listed:
+            items = {"type": "array", "items": dict(call_schema), "minItems": 1,
+                     "x-guidance": dict(layout)}
+            return (f"start: {_lark_str(self.open)} calls{close}\n"
+                    f"calls: %json {json.dumps(items)}\n")
+        more = f" ({_lark_str(self.between)} call)*" if self.between is not None else ""
+        return (f"start: call{more}\n"
+                f"call: {_lark_str(self.open)} body{close}\n"
+                f"body: %json {json.dumps({**call_schema, 'x-guidance': dict(layout)})}\n")
+
+    def text_start_lark(self) -> str:
+        """A Lark grammar of plain text that does not start like a call of this format."""
+        chars = "".join(re.escape(c) for c in self.first)
+        return f"start: TEXT\nTEXT: /[^{chars}\\s][\\s\\S]*/\n"
+
+    # -- text in ----------------------------------------------------------------------------
+
+    def starts_call(self, text: str) -> bool:
+        """Whether output starting with ``text`` may still turn out to be a call."""
+        head = text.lstrip()
+        if not head:
+            return True
+        if self.name == "json":  # the lenient parse also reads fenced and tagged calls
+            return head.startswith(("{", "```", "<tool_call>", "["))
+        if not self.wrapped:
+            return head.startswith("{")
+        tag = self.open.strip()
+        return head.startswith(tag) or tag.startswith(head)
+
+    def parse(self, text: str) -> Parsed:
+        """Split ``text`` into its content, its valid calls and its invalid ones; never
+        raises. Output that starts like a call but holds none that parses (malformed, or cut
+        off by a token limit) is one invalid call carrying the whole text."""
+        if self.wrapped:
+            return self._parse_wrapped(text)
+        return _parse_bare(text, self)
+
+    def _parse_wrapped(self, text: str) -> Parsed:
+        tag, end_tag = self.open.strip(), self.close.strip()
+        decoder = json.JSONDecoder()
+        calls: list[Call] = []
+        invalid: list[BadCall] = []
+        spans: list[tuple[int, int]] = []
+        pos = 0
+        while (start := text.find(tag, pos)) >= 0:
+            body = start + len(tag)
+            stop = text.find(end_tag, body) if end_tag else -1
+            block_end = stop + len(end_tag) if stop >= 0 else len(text)
+            at = _skip_space(text, body)
+            try:
+                value, end = decoder.raw_decode(text, at)
+            except json.JSONDecodeError as exc:
+                raw = text[body:stop if stop >= 0 else len(text)].strip()
+                invalid.append(BadCall(None, raw, f"no parseable call JSON after {tag}: {exc}"))
+                spans.append((start, block_end))
+                pos = block_end
+                continue
+            after = _skip_space(text, end)
+            rest = text[after:].rstrip()
+            if end_tag and text.startswith(end_tag, after):
+                end = after + len(end_tag)
+            elif end_tag and rest and end_tag.startswith(rest):  # the closing tag cut off
+                end = len(text)
+            for item in value if isinstance(value, list) else [value]:
+                _read_call(item, calls, invalid, require_name=True)
+            spans.append((start, end))
+            pos = end
+        if not spans:
+            head = text.strip()
+            if head and tag.startswith(head):  # cut off inside the opening tag
+                return Parsed("", (), (BadCall(None, text, f"the output stops inside {tag}"),))
+            return Parsed(text, (), ())
+        return Parsed(_cut(text, spans).strip(), tuple(calls), tuple(invalid))
+
+
+def _parse_bare(text: str, fmt: ToolFormat) -> Parsed:
+    """Every JSON object with a string ``"name"`` (and ``"arguments"``, ``"parameters"`` or
+    ``"args"``) in the text is a call: bare, fenced, or in tags (lenient: the ``json``
+    format's parse, and Llama 3's ``;``-separated calls)."""
+    decoder = json.JSONDecoder()
+    found: list[Any] = []
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    while (start := text.find("{", pos)) >= 0:
+        try:
+            obj, end = decoder.raw_decode(text, start)
+        except json.JSONDecodeError:
+            pos = start + 1
+            continue
+        if isinstance(obj, dict) and isinstance(obj.get("name"), str):
+            found.append(obj)
+            spans.append((start, end))
+        pos = end
+    calls: list[Call] = []
+    invalid: list[BadCall] = []
+    for obj in found:
+        _read_call(obj, calls, invalid, require_name=False)
+    if not found and fmt.starts_call(text) and text.strip():
+        return Parsed("", (), (BadCall(None, text, "no parseable tool call JSON in the output"),))
+    if not found:
+        return Parsed(text, (), ())
+    content = _cut(text, spans)
+    for junk in _JUNK:
+        content = content.replace(junk, "")
+    return Parsed(content.strip(), tuple(calls), tuple(invalid))
+
+
+def _read_call(item: Any, calls: list[Call], invalid: list[BadCall], *,
+               require_name: bool) -> None:
+    """One decoded call object into ``calls``, or ``invalid`` with the reason."""
+    if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+        if require_name:
+            invalid.append(BadCall(None, json.dumps(item, ensure_ascii=False),
+                                   'a call must be an object with a string "name"'))
+        return
+    name = item["name"]
+    args: Any = next((item[k] for k in ARGUMENT_KEYS if k in item), {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args or "{}")
+        except json.JSONDecodeError as exc:
+            invalid.append(BadCall(name, args, f"arguments are not JSON: {exc}"))
+            return
+    if not isinstance(args, dict):
+        invalid.append(BadCall(name, json.dumps(args), f"arguments must be an object, got {args!r}"))
+        return
+    calls.append(Call(name, args))
+
+
+def _skip_space(text: str, at: int) -> int:
+    while at < len(text) and text[at].isspace():
+        at += 1
+    return at
+
+
+def _cut(text: str, spans: list[tuple[int, int]]) -> str:
+    for start, end in reversed(spans):
+        text = text[:start] + text[end:]
+    return text
+
+
+def _lark_str(text: str | None) -> str:
+    """``text`` as a Lark string literal (JSON's escapes are Lark's)."""
+    return json.dumps(text or "")
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
+    ToolFormat("json", first="{["),
+    ToolFormat("hermes", open="<tool_call>\n", close="\n</tool_call>", between="\n", first="<"),
+    ToolFormat("llama3", args_key="parameters"),
+    ToolFormat("mistral", open="[TOOL_CALLS] ", listed=True, first="["),
+    ToolFormat("phi", open="<|tool_call|>", close="<|/tool_call|>", listed=True, first="<"),
+    ToolFormat("granite", open="<|tool_call|>", listed=True, first="<"),
+)}
+
+
+def tool_format(name: str | ToolFormat) -> ToolFormat:
+    """The registered format called ``name`` (a :class:`ToolFormat` is returned as is).
+
+    Raises:
+        ValueError: ``name`` is no registered format; the message lists the known ones.
+    """
+    if isinstance(name, ToolFormat):
+        return name
+    found = FORMATS.get(name) if isinstance(name, str) else None
+    if found is None:
+        raise ValueError(f"unknown tool format {name!r}; known formats: {', '.join(FORMATS)} "
+                         "(or leave it unset to detect it from the chat template)")
+    return found
+
+
+def detect_tool_format(chat_template: str | None) -> str:
+    """The format a chat template teaches, read from the markers it renders calls with:
+    ``<tool_call>`` (hermes), ``[TOOL_CALLS]`` (mistral), ``<|/tool_call|>`` or ``<|tool|>``
+    (phi), ``<|tool_call|>`` (granite), ``parameters`` beside ``<|python_tag|>`` or
+    ``ipython`` (llama3); ``json`` for a template that renders no tools or none of these."""
+    text = chat_template or ""
+    if "tools" not in text:
+        return "json"
+    if "<tool_call>" in text:
+        return "hermes"
+    if "[TOOL_CALLS]" in text:
+        return "mistral"
+    if "<|/tool_call|>" in text or "<|tool|>" in text:
+        return "phi"
+    if "<|tool_call|>" in text:
+        return "granite"
+    if "parameters" in text and ("<|python_tag|>" in text or "ipython" in text):
+        return "llama3"
+    return "json"
