@@ -24,7 +24,7 @@ step() { echo "== [$(( $(date +%s) - started )) s] $*"; }
 
 step "building the wheel of $REPO"
 "$PYTHON" -m pip wheel -q --no-deps -w "$WORK/dist" "$REPO"
-WHEEL="$(ls "$WORK"/dist/agentspec-*.whl)"
+WHEEL="$(ls "$WORK"/dist/agentspec_llm-*.whl)"
 rm -rf "$REPO/build"  # setuptools' scratch folder in the tree
 
 step "fresh venv $WORK/venv; $TORCH_SPEC first"

@@ -1,5 +1,5 @@
 """LangChain models on a Speculator: ``ChatAgentSpec`` (chat, tools, structured output) and
-``AgentSpecLLM`` (text completion). Needs ``pip install 'agentspec[langchain]'``.
+``AgentSpecLLM`` (text completion). Needs ``pip install 'agentspec-llm[langchain]'``.
 
 Streaming yields one chunk per committed step (one text delta of ``Speculator.stream``);
 ``invoke`` concatenates the same chunks. Async runs the sync stream in one worker thread per
@@ -37,7 +37,7 @@ try:
     from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
     from pydantic import BaseModel, ConfigDict, Field, field_validator
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("agentspec.adapters.langchain needs: pip install 'agentspec[langchain]'") from exc
+    raise ImportError("agentspec.adapters.langchain needs: pip install 'agentspec-llm[langchain]'") from exc
 
 from agentspec.adapters.chat import (
     CallHoldback,

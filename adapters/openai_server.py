@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server over one Speculator: ``agentspec serve``.
 
 ``POST /v1/chat/completions`` (plain or streamed as server-sent events), ``GET /v1/models``
-and ``GET /health``, on Starlette. Needs ``pip install 'agentspec[serve]'``.
+and ``GET /health``, on Starlette. Needs ``pip install 'agentspec-llm[serve]'``.
 
 What a request means and what an answer looks like is :mod:`.openai_protocol`'s business;
 this module moves bytes, guards the door and runs generations:
@@ -46,7 +46,7 @@ try:
     from starlette.routing import Route
     from starlette.types import Receive, Scope, Send
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError("the OpenAI server needs: pip install 'agentspec[serve]'") from exc
+    raise ImportError("the OpenAI server needs: pip install 'agentspec-llm[serve]'") from exc
 
 from agentspec.adapters.chat import (
     CallHoldback,

@@ -20,7 +20,7 @@ outputs in what ``suffix`` and agentspec remember. Lines are decoded without the
 ``--methods ...,oracle`` adds a proposer that drafts plain's own outputs
 (:mod:`agentspec.bench.vllm_oracle`): what no proposer can beat at that ``k`` on that machine.
 
-Needs vLLM (``pip install agentspec[vllm]``, or ``make test-vllm``'s environment); nothing
+Needs vLLM (``pip install agentspec-llm[vllm]``, or ``make test-vllm``'s environment); nothing
 here is imported by the rest of agentspec.
 """
 

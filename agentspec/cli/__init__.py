@@ -61,7 +61,7 @@ def _version(value: bool) -> None:
         from importlib.metadata import PackageNotFoundError, version
 
         try:
-            typer.echo(f"agentspec {version('agentspec')}")
+            typer.echo(f"agentspec {version('agentspec-llm')}")
         except PackageNotFoundError:  # a source tree that was never installed
             typer.echo("agentspec (not installed: no version)")
         raise typer.Exit()

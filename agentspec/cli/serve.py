@@ -92,7 +92,7 @@ def serve(ctx: typer.Context,
 
         from agentspec.adapters.openai_server import OpenAIServer, ServerConfig
     except ImportError as e:
-        fail(f"agentspec serve needs the server extra: pip install 'agentspec[serve]' ({e})")
+        fail(f"agentspec serve needs the server extra: pip install 'agentspec-llm[serve]' ({e})")
     key_scopes = _read_keys(keys) if keys is not None else {}
     config = ServerConfig(  # bad values raise ValueError: exit 2, before the model loads
         models=(served_name or model,), max_tokens=max_tokens, max_body_bytes=max_body_bytes,

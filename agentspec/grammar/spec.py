@@ -29,7 +29,7 @@ def import_llguidance() -> Any:
         import llguidance.hf  # noqa: F401 - the tokenizer bridge
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError("grammar-constrained decoding needs llguidance: "
-                          "pip install 'agentspec[grammar]'") from exc
+                          "pip install 'agentspec-llm[grammar]'") from exc
     return llguidance
 
 

@@ -113,7 +113,7 @@ def test_version_and_short_help_everywhere() -> None:
     from importlib.metadata import version
 
     res = run("--version")
-    assert res.exit_code == 0 and res.stdout.strip() == f"agentspec {version('agentspec')}"
+    assert res.exit_code == 0 and res.stdout.strip() == f"agentspec {version('agentspec-llm')}"
     for args in ((), ("cache",), ("cache", "stats"), ("head",), ("generate",), ("bench",),
                  ("demo",)):
         short, long = run(*args, "-h"), run(*args, "--help")

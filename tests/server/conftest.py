@@ -97,7 +97,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One server for the modules here (loading and warming a model is most of their time):
     a small max_tokens bound and body limit, keys :data:`MASTER_KEY` (any scope) and
     :data:`TENANT_KEYS` (their own scopes only)."""
-    pytest.importorskip("uvicorn", reason="the server needs: pip install 'agentspec[serve]'")
+    pytest.importorskip("uvicorn", reason="the server needs: pip install 'agentspec-llm[serve]'")
     running = start_server(tmp_path_factory.mktemp("server"), "--max-tokens", "48",
                            "--max-body-bytes", "65536")
     yield running

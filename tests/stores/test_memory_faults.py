@@ -74,7 +74,7 @@ def private_pg() -> Iterator[Outage]:
     if bin_dir is None:
         pytest.skip("no PostgreSQL binaries under /usr/lib/postgresql/*/bin "
                     "(apt-get install postgresql)")
-    pytest.importorskip("psycopg", reason="psycopg is not installed: pip install 'agentspec[postgres]'")
+    pytest.importorskip("psycopg", reason="psycopg is not installed: pip install 'agentspec-llm[postgres]'")
     if os.geteuid() == 0 and subprocess.run(["id", "postgres"], capture_output=True).returncode:
         pytest.skip("running as root without a 'postgres' user to run the cluster as")
     data = Path(tempfile.mkdtemp(prefix="agentspec-pg-faults-"))
