@@ -10,7 +10,9 @@
    costs about its kernel count), in all and inside attention; views and casts to the dtype a
    tensor already has are not counted. Once for the model's modules, once for the fused
    forward (:mod:`agentspec.engine.fused`; a Triton kernel counts one). Any device: on the
-   CPU the count is the figure.
+   CPU the count is the figure. With ``--family NAME`` (``qwen3``, ``olmo2``, ...) the model
+   is a tiny random checkpoint of that family as deep as its reference checkpoint
+   (:mod:`agentspec.bench.families`): the count depends on the layers, not on the widths.
 
 Writes a JSON file with ``--out FILE``. A figure, not a test: GPU tests live in ``tests/gpu``.
 """
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from agentspec.bench.families import REFERENCES, tiny_model
 from agentspec.bench.prompts import ALL_PROMPTS
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.engine.load import load_target
@@ -235,6 +238,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ops", default=None, metavar="CAPACITIES",
                         help="comma-separated KV capacities: count one 64-row forward's "
                              "operations at each, and do nothing else")
+    parser.add_argument("--family", default=None, choices=sorted(REFERENCES),
+                        help="with --ops: count a tiny random checkpoint of this family, as "
+                             "deep as its reference checkpoint, instead of --model")
     args = parser.parse_args(argv)
     capacities: tuple[int, ...] = ()
     if args.ops is not None:
@@ -244,10 +250,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             parser.error(f"--ops takes comma-separated integers, got {args.ops!r}")
         if not capacities or min(capacities) < 128:
             parser.error(f"--ops takes KV capacities of at least 128 slots, got {args.ops!r}")
-    dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
-    base = load_target(args.model, device=args.device, dtype=DTYPES[dtype])
+    elif args.family is not None:
+        parser.error(f"--family {args.family} counts operations only: give --ops too")
+    dtype = args.dtype or ("bf16" if args.device.startswith("cuda") or args.family else "fp32")
+    if args.family is not None:
+        base, name = family_target(args.family, args.device, DTYPES[dtype])
+    else:
+        base, name = load_target(args.model, device=args.device, dtype=DTYPES[dtype]), args.model
     if capacities:
-        result_ops: dict[str, Any] = {"model": args.model, "device": args.device, "dtype": dtype,
+        result_ops: dict[str, Any] = {"model": name, "device": args.device, "dtype": dtype,
                                       "forward_rows": 64,
                                       "ops": forward_ops(base, capacities),
                                       "fused ops": fused_ops(base, capacities)}
@@ -269,6 +280,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["invariance"] = invariance(base, args.max_new_tokens)
     _emit(result, args.out)
     return result
+
+
+def family_target(family: str, device: str, dtype: torch.dtype) -> tuple[HFTarget, str]:
+    """A target on a tiny random checkpoint of ``family`` as deep as its reference (nothing
+    reads its tokenizer: the counts score fixed ids)."""
+    reference = REFERENCES[family]
+    model = tiny_model(family, layers=reference.layers, dtype=dtype).to(device)
+    name = f"tiny {family}, {reference.layers} layers as {reference.checkpoint}"
+    return HFTarget(model, None, name=name, reuse_prefix=False), name
 
 
 def _emit(result: dict[str, Any], path: Path | None) -> None:

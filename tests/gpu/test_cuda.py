@@ -256,3 +256,69 @@ def test_a_batched_fused_forward_gives_each_sequence_its_solo_rows_on_cuda(gpu_s
             assert torch.equal(a, b)
     for a, b in zip(out[True], out[False], strict=True):
         assert torch.equal(a, b)
+
+
+FUSED_FAMILIES = ["llama3", "qwen2", "qwen3", "mistral", "phi3", "granite", "olmo2"]
+"""Tiny random checkpoints of the Llama-like families (agentspec.bench.families)."""
+
+
+def _family_rows(model, prompt, tail: int, **target_kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """A chain of the prompt's last ``tail`` tokens scored after the prompt by a fresh target
+    on ``model``: its logits and the last layer's KV of the prompt's last position."""
+    from agentspec.engine.target import HFTarget
+    from agentspec.types import Draft
+    from tests.tiny_model import TinyTokenizer
+
+    target = HFTarget(model, TinyTokenizer(256), name="tiny", reuse_prefix=False, **target_kw)
+    target.start(prompt)
+    logits = target.score(prompt[-1], Draft.chain(prompt[-tail:], "x")).clone()
+    kv = torch.stack(target.seq.read(len(target.pool.keys) - 1, len(prompt) - 1))
+    return logits, kv
+
+
+@pytest.mark.parametrize("family", FUSED_FAMILIES)
+def test_each_fused_family_is_on_by_default_close_to_its_modules_and_the_same_bits_at_any_width(family):
+    """On CUDA each family's fused forward is chosen by default, stays within bf16 rounding of
+    its modules, replays as a graph the bits of the eager forward, and gives a row the same
+    bits whatever the widths that wrote its prompt and scored it."""
+    import numpy as np
+
+    from agentspec.bench.families import tiny_model
+    from agentspec.engine.fused.llama import select
+
+    model = tiny_model(family).cuda()
+    assert select(model, required=False) is not None
+    prompt = [int(t) for t in np.random.default_rng(3).integers(1, 255, 300)]
+    graph = _family_rows(model, prompt, 12)
+    eager = _family_rows(model, prompt, 12, cuda_graphs=False)
+    modules = _family_rows(model, prompt, 12, fused=False)
+    assert torch.equal(graph[0], eager[0]) and torch.equal(graph[1], eager[1])
+    got, want = graph[0].float(), modules[0].float()
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= 0.05 * scale
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+    for kw in (dict(prefill_widths=(512,)), dict(prefill_widths=()), dict(widths=(64,))):
+        other = _family_rows(model, prompt, 12, **kw)
+        assert torch.equal(other[0], graph[0]) and torch.equal(other[1], graph[1]), kw
+
+
+@pytest.mark.parametrize("family", FUSED_FAMILIES)
+def test_speculative_decoding_on_each_fused_family_gives_plain_decodings_tokens_on_cuda(family):
+    import numpy as np
+
+    from agentspec.bench.families import tiny_model
+    from agentspec.decoding.loop import NoDrafter
+    from agentspec.engine.target import HFTarget
+    from tests.tiny_model import TinyTokenizer
+    from tests.unit.test_fused import WrongThenRight, _generate
+
+    model = tiny_model(family).cuda()
+    prompt = [int(t) for t in np.random.default_rng(4).integers(1, 255, 40)]
+
+    def fresh() -> HFTarget:
+        return HFTarget(model, TinyTokenizer(256), name="tiny", reuse_prefix=False)
+
+    plain = _generate(fresh(), NoDrafter(), prompt, 24)
+    drafter = WrongThenRight(plain, len(prompt))
+    assert _generate(fresh(), drafter, prompt, 24) == plain
+    assert drafter.calls < 24

@@ -266,3 +266,10 @@ def test_the_checkpoints_differ_where_the_families_do():
     for family in ("qwen3", "olmo2"):
         q_norm = model(family).model.layers[0].self_attn.q_norm.weight
         assert (q_norm != 1).any()
+
+
+def test_the_architecture_table_marks_fused_exactly_the_families_covered():
+    from agentspec.engine import compat
+
+    marked = {a.model_type for a in compat.ARCHITECTURES.values() if a.fused}
+    assert marked == set(FAMILIES) & set(compat.ARCHITECTURES)
