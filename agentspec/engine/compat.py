@@ -10,10 +10,12 @@ What the engine relies on, all here:
 
 - the attention registry (``AttentionInterface``, ``ALL_MASK_ATTENTION_FUNCTIONS``) and the
   sdpa attention function the engine's attention falls back to;
-- ``config._attn_implementation`` (read, and switched for one forward);
+- ``config._attn_implementation`` (read, and switched from sdpa or eager for one forward);
 - a decoder layer calling ``past_key_values.update(key, value, layer_idx)`` on the cache it is
-  given (:class:`~agentspec.engine.kv.FixedKV` duck-types it), with explicit position ids and
-  a 4-D boolean mask (a ``{layer_type: mask}`` dict for sliding-window models);
+  given (:class:`~agentspec.engine.kv.PoolCache` duck-types it), with explicit position ids and
+  a 4-D boolean mask (a ``{layer_type: mask}`` dict where some layers slide, one mask where
+  all do), and the attention function called with ``scaling`` and ``softcap``;
+- ``sliding_window`` and ``layer_types`` in the config (:func:`sliding_window`);
 - ``model.model`` and its ``layers`` (the fused forward's weights, the layer-skip draft);
 - ``generation_config`` (the stop tokens, a static cache);
 - ``DynamicCache`` and its ``crop`` (the draft head's training replay);
@@ -51,23 +53,38 @@ class Architecture:
 
     model_type: str
     family: str  # as the README lists it
-    tested: str  # the checkpoint the test suite runs it on ("" when none)
+    tested: str  # the checkpoints the test suite runs it on
     fused: bool  # covered by the fused CUDA forward (agentspec.engine.fused)
 
 
+TINY = "tiny random"
+"""What ``tested`` says of a family the architecture matrix runs on a tiny random checkpoint
+built from its transformers config (``tests/integration/test_families.py``)."""
+
 ARCHITECTURES: dict[str, Architecture] = {a.model_type: a for a in (
-    Architecture("llama", "Llama (Llama 2/3, SmolLM/SmolLM2, TinyLlama)",
-                 "SmolLM2-135M-Instruct", fused=True),
-    Architecture("gemma3_text", "Gemma 3 text (sliding-window layers)", "Gemma-3-270M",
+    Architecture("llama", "Llama (Llama 2/3/3.1/3.2, SmolLM/SmolLM2, TinyLlama)",
+                 f"SmolLM2-135M-Instruct; {TINY}, with and without Llama 3's rope scaling",
+                 fused=True),
+    Architecture("qwen2", "Qwen2, Qwen2.5", TINY, fused=True),
+    Architecture("qwen3", "Qwen3 (dense)", TINY, fused=True),
+    Architecture("mistral", "Mistral", f"{TINY}, with and without a sliding window",
+                 fused=True),
+    Architecture("phi3", "Phi-3, Phi-3.5, Phi-4-mini", f"{TINY}, with and without a sliding window",
+                 fused=True),
+    Architecture("granite", "Granite 3", TINY, fused=True),
+    Architecture("olmo2", "OLMo 2", TINY, fused=True),
+    Architecture("gemma3_text", "Gemma 3 text (sliding-window layers)",
+                 f"Gemma-3-270M; {TINY}", fused=False),
+    Architecture("gemma2", "Gemma 2 (sliding-window layers, logit soft-capping)", TINY,
                  fused=False),
-    Architecture("mistral", "Mistral", "", fused=True),
-    Architecture("qwen2", "Qwen2, Qwen2.5", "", fused=True),
 )}
 """What :func:`~agentspec.engine.load.load_target` loads: decoder-only causal LMs whose layers
-write their KV through the cache's ``update`` and take the engine's masks. Llama and Gemma 3
-run the whole test suite; Mistral and Qwen2 are Llama's layer in transformers (the same
-modules, generated from Llama's) and the fused forward covers them, but no checkpoint of theirs
-runs in the tests."""
+write their KV through the cache's ``update`` and take the engine's masks, each run by the
+architecture matrix (``tests/integration/test_families.py``: greedy output equal to
+``generate``, drafts and memory changing nothing in fp32 and bf16, prefix reuse, chunked
+prefill and sliding windows) on a tiny random checkpoint of its transformers config; Llama
+and Gemma 3 also run the whole suite on real checkpoints. Any other ``model_type`` is refused
+(:func:`check_architecture`)."""
 
 
 def _release(text: str) -> tuple[int, ...]:
@@ -239,6 +256,20 @@ def static_cache(model: Any) -> bool:
     return getattr(model.generation_config, "cache_implementation", None) == "static"
 
 
+def sliding_window(model: Any) -> tuple[int | None, bool]:
+    """The model's attention window (None without one) and whether every layer has it.
+
+    Models that list their layers' types (Gemma 2 and 3, Qwen2 and 3) slide the layers marked
+    ``sliding_attention`` only; Mistral and Phi-3 list none and slide every layer whenever
+    ``sliding_window`` is set (their masks are built by transformers' sliding-window mask)."""
+    config = getattr(model.config, "text_config", None) or model.config
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None) or []
+    if not window or (layer_types and "sliding_attention" not in layer_types):
+        return None, False
+    return int(window), not layer_types or all(t == "sliding_attention" for t in layer_types)
+
+
 def takes_mask_dict(model: Any) -> bool:
     """Whether the model's forward takes ``{layer_type: mask}`` as its attention mask (the
     transformers models with sliding-window layers do, e.g. gemma3)."""
@@ -256,18 +287,20 @@ def attention_implementation(model: Any) -> str | None:
 
 
 @contextmanager
-def attention_switched(model: Any, name: str, when: str = "sdpa") -> Iterator[None]:
-    """Run the forwards inside on the registered attention ``name`` where the model is on
-    ``when``, and back after."""
+def attention_switched(model: Any, name: str,
+                       when: tuple[str, ...] = ("sdpa",)) -> Iterator[None]:
+    """Run the forwards inside on the registered attention ``name`` where the model is on one
+    of ``when``, and back on its own after."""
     config = model.config
-    if getattr(config, "_attn_implementation", None) != when:
+    own = getattr(config, "_attn_implementation", None)
+    if own not in when:
         yield
         return
     config._attn_implementation = name
     try:
         yield
     finally:
-        config._attn_implementation = when
+        config._attn_implementation = own
 
 
 def register_attention(name: str, function: Any) -> None:

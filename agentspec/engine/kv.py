@@ -45,6 +45,10 @@ ATTENTION = "agentspec_sdpa"
 transformers: what :func:`verifying_attention` switches a model to (and where the bench hangs
 a counting wrapper)."""
 
+REPLACED = ("sdpa", "eager")
+"""The model attention implementations the engine's attention stands in for during its
+forwards: their arithmetic is its arithmetic (eager's logit cap, Gemma 2's, included)."""
+
 # The forward in progress on this thread: its layout, the pool, and the two masks' sentinels.
 _FORWARD: ContextVar[tuple[Layout, KVPool] | None] = ContextVar("agentspec_forward", default=None)
 
@@ -102,10 +106,12 @@ def agentspec_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     product over the whole KV either: their reductions over the keys are blocked by the
     kernels according to the KV's length. Any call outside an engine forward (no layout, or a
     mask that is not one of the engine's) takes transformers' own sdpa path.
+
+    ``softcap`` (Gemma 2's ``attn_logit_softcapping``) caps the scaled scores as transformers'
+    eager attention does: ``softcap * tanh(scores / softcap)``.
     """
     current = _FORWARD.get()
-    plain = (dropout == 0.0 and kwargs.get("softcap") is None
-             and kwargs.get("position_bias") is None and kwargs.get("cache") is None
+    plain = (dropout == 0.0 and kwargs.get("position_bias") is None and kwargs.get("cache") is None
              and not kwargs.get("output_attentions", False))
     if current is None or not plain or (attention_mask is not FULL and attention_mask is not SLIDING):
         return compat.sdpa_attention(module, query, key, value, attention_mask, dropout=dropout,
@@ -116,16 +122,19 @@ def agentspec_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     out = query.new_zeros((width, heads, dim))  # junk rows keep zeros
     q = query[0].transpose(0, 1)  # [width, heads, dim]
     for group in layout.groups:
-        rows = group_attention(q, key, value, group, scale, attention_mask is SLIDING)
+        rows = group_attention(q, key, value, group, scale, attention_mask is SLIDING,
+                               softcap=kwargs.get("softcap"))
         out.index_copy_(0, group.out_rows, rows.to(out.dtype))  # type: ignore[arg-type]
     return out[None], None
 
 
 def group_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, group: Group,
-                    scale: float, window: bool = False) -> torch.Tensor:
+                    scale: float, window: bool = False, *,
+                    softcap: float | None = None) -> torch.Tensor:
     """One group's attention: ``q`` ``[width, heads, dim]`` (the forward's rows), the pool's
     ``keys``/``values`` ``[blocks, kv_heads, KEY_BLOCK, dim]``. Returns the members' real rows
-    ``[rows, heads, dim]`` in the order of ``group.out_rows``."""
+    ``[rows, heads, dim]`` in the order of ``group.out_rows``. ``softcap``: scores capped to
+    ``softcap * tanh(scores / softcap)`` after scaling (elementwise: no order to fix)."""
     n, wq, blocks = len(group.members), group.wq, group.blocks
     kv_heads, dim = keys.shape[1], keys.shape[3]
     heads = q.shape[1]
@@ -142,6 +151,8 @@ def group_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g
             torch.matmul(qg[i], k.transpose(-1, -2), out=scores[i, at : at + count])
     # In place from here on: the same elementwise kernels, the same bits, no temporaries.
     scores.mul_(scale)
+    if softcap is not None:
+        scores.div_(softcap).tanh_().mul_(softcap)
     forbidden, lo = ((group.forbidden_window, group.lo_window) if window
                      else (group.forbidden, group.lo))
     assert forbidden is not None
@@ -183,6 +194,7 @@ compat.register_attention(ATTENTION, agentspec_sdpa)
 
 @contextmanager
 def verifying_attention(model: Any) -> Iterator[None]:
-    """Run the forwards inside on ``agentspec_sdpa`` when the model is on ``sdpa``."""
-    with compat.attention_switched(model, ATTENTION, when="sdpa"):
+    """Run the forwards inside on ``agentspec_sdpa`` when the model is on one of
+    :data:`REPLACED` (Gemma 2 loads on eager: sdpa has no logit cap)."""
+    with compat.attention_switched(model, ATTENTION, when=REPLACED):
         yield

@@ -24,6 +24,7 @@ import torch
 
 from agentspec.engine import compat, malloc
 from agentspec.engine.forward import Forward
+from agentspec.engine.kv import REPLACED
 from agentspec.engine.model import ModelIdentity
 from agentspec.engine.model import fingerprint as fingerprint
 from agentspec.engine.plan import Member
@@ -143,10 +144,11 @@ class HFTarget:
         # Tree drafts need a tree mask in the engine's attention (the fused forward's too);
         # other attention paths verify chains.
         attention = compat.attention_implementation(model)
-        self.supports_trees = attention == "sdpa" or self.fused is not None
+        self.supports_trees = attention in REPLACED or self.fused is not None
         if not self.supports_trees:
             warn_once(f"{name}: {attention} attention cannot take a tree mask; verifying chains only")
-        if self.supports_trees and self.sliding_window is not None and not compat.takes_mask_dict(model):
+        if (self.supports_trees and self.sliding_window is not None
+                and not (compat.takes_mask_dict(model) or compat.sliding_window(model)[1])):
             warn_once(f"{name}: sliding-window layers cannot take a tree mask; verifying chains only")
             self.supports_trees = False
 
@@ -182,11 +184,7 @@ class HFTarget:
         return self._all_widths()[-1]
 
     def _refuse_unrollbackable(self) -> None:
-        cfg = self.model.config
-        text_cfg = getattr(cfg, "text_config", None) or cfg
-        window = getattr(text_cfg, "sliding_window", None)
-        layer_types = getattr(text_cfg, "layer_types", None) or []
-        self.sliding_window = int(window) if window and "sliding_attention" in layer_types else None
+        self.sliding_window = compat.sliding_window(self.model)[0]
         if compat.static_cache(self.model):
             raise UnsupportedModelError(f"{self.name}: a static KV cannot be rolled back per path")
 
@@ -330,7 +328,7 @@ class HFTarget:
         self.widths, self.prefill_widths = default_widths(False, cuda)
         self.forward = Forward(self.model, self.pool, self._all_widths(),
                                sliding_window=self.sliding_window)
-        self.supports_trees = compat.attention_implementation(self.model) == "sdpa"
+        self.supports_trees = compat.attention_implementation(self.model) in REPLACED
         if not cuda:
             self._widths_checked = False
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from agentspec.engine import compat
 from agentspec.engine.load import as_device, as_dtype, resolve_model
 from agentspec.engine.packages import PACKAGED, not_installed
 from agentspec.errors import UnsupportedModelError, UnsupportedVersionError
+from tests.families import FAMILIES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,12 +85,62 @@ def test_supported_architectures(monkeypatch) -> None:
     monkeypatch.delenv(compat.ALLOW_UNTESTED, raising=False)
     assert compat.check_architecture(_Config("llama", ["LlamaForCausalLM"]), "m").tested
     assert compat.check_architecture(_Config("gemma3_text", []), "m").tested
-    assert {a.model_type for a in compat.ARCHITECTURES.values() if a.fused} == {
-        "llama", "mistral", "qwen2"}
+    # Which families are fused: tests/unit/test_fused_families.py (the families it covers).
+    assert not {a.model_type for a in compat.ARCHITECTURES.values() if a.fused} & {
+        "gemma2", "gemma3_text"}
     with pytest.raises(UnsupportedModelError, match=r"my-model: model type 'gpt2' "
-                       r"\(GPT2LMHeadModel\) is not supported; agentspec loads gemma3_text, "
-                       r"llama, mistral, qwen2"):
+                       r"\(GPT2LMHeadModel\) is not supported; agentspec loads gemma2, "
+                       r"gemma3_text, granite, llama, mistral, olmo2, phi3, qwen2, qwen3 \(see "
+                       r"the README's supported architectures\); set AGENTSPEC_ALLOW_UNTESTED=1"):
         compat.check_architecture(_Config("gpt2", ["GPT2LMHeadModel"]), "my-model")
+    monkeypatch.setenv(compat.ALLOW_UNTESTED, "1")  # untested: a warning naming it, no entry
+    with pytest.warns(UserWarning, match=r"model type 'starcoder2' \(no architectures entry\)"):
+        assert compat.check_architecture(_Config("starcoder2", []), "m") is None
+
+
+def test_the_table_lists_what_the_architecture_matrix_runs() -> None:
+    """Every family the table lets load runs in tests/integration/test_families.py, and the
+    matrix runs no family the table refuses."""
+    assert {f.model_type for f in FAMILIES} == set(compat.ARCHITECTURES)
+    assert all(compat.TINY in a.tested for a in compat.ARCHITECTURES.values())
+
+
+def test_the_readme_lists_the_table() -> None:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("### Supported architectures", 1)[1].split("\n### ", 1)[0]
+    listed = re.findall(r"^\| `([a-z0-9_]+)` \|", section, re.M)[1:]  # after the header
+    assert sorted(listed) == sorted(compat.ARCHITECTURES) and len(set(listed)) == len(listed)
+
+
+def _model(model_type: str, **config: object) -> SimpleNamespace:
+    return SimpleNamespace(config=SimpleNamespace(model_type=model_type, **config))
+
+
+@pytest.mark.parametrize("model, want", [
+    (_model("llama"), (None, False)),
+    (_model("mistral", sliding_window=None), (None, False)),
+    (_model("mistral", sliding_window=4096), (4096, True)),  # no layer types: every layer
+    (_model("phi3", sliding_window=2047), (2047, True)),
+    (_model("qwen2", sliding_window=32768, layer_types=["full_attention"] * 2), (None, False)),
+    (_model("qwen2", sliding_window=64, layer_types=["sliding_attention"] * 2), (64, True)),
+    (_model("gemma2", sliding_window=4096,
+            layer_types=["sliding_attention", "full_attention"]), (4096, False)),
+    (SimpleNamespace(config=SimpleNamespace(text_config=SimpleNamespace(
+        sliding_window=512, layer_types=["sliding_attention", "full_attention"]))), (512, False)),
+])
+def test_the_sliding_window_and_whether_every_layer_has_it(model, want) -> None:
+    assert compat.sliding_window(model) == want
+
+
+def test_attention_is_switched_from_the_listed_implementations_and_back() -> None:
+    for own in ("sdpa", "eager"):
+        model = _model("llama", _attn_implementation=own)
+        with compat.attention_switched(model, "ours", when=("sdpa", "eager")):
+            assert model.config._attn_implementation == "ours"
+        assert model.config._attn_implementation == own
+    flash = _model("llama", _attn_implementation="flash_attention_2")
+    with compat.attention_switched(flash, "ours", when=("sdpa", "eager")):
+        assert flash.config._attn_implementation == "flash_attention_2"
 
 
 @pytest.mark.parametrize("given, want", [

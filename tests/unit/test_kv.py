@@ -11,6 +11,7 @@ tests/integration (test_invariance.py, test_batching.py).
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -178,6 +179,39 @@ def test_group_attention_of_one_sequence_is_sdpa_attention(kv_len, parents, wind
         wrong = _rows(1, kv_len, parents)
         wrong.anc = np.ones_like(rows.anc)
         assert not torch.allclose(ours, _reference(wrong, window), atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_group_attention_caps_the_scores_as_eager_attention_does(window) -> None:
+    """``softcap`` (Gemma 2's): the scaled scores become ``cap * tanh(scores / cap)`` before
+    the mask and the softmax, as in transformers' eager attention; without the cap the rows
+    are other rows (the queries are drawn large enough that the cap bites)."""
+    cap = 2.0
+    rows = _rows(1, 270, TREE6)
+    rows.queries = rows.queries * 8
+    pool = _pool()
+    member = _place(pool, rows)
+    layout = lay_out([member], WIDTHS, window=window, device=CPU)
+    capped = functools.partial(group_attention, softcap=cap)
+    ours = _of(_attend(pool, layout, [rows.queries], attention=capped, window=window is not None),
+               member)
+    n, heads, g = rows.n, HEADS, HEADS // KV_HEADS
+    keys = rows.keys.repeat_interleave(g, dim=1)  # [kv_len + n, heads, dim]
+    values = rows.values.repeat_interleave(g, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", rows.queries, keys) * SCALE  # [heads, n, kv_len + n]
+    scores = torch.tanh(scores / cap) * cap
+    allowed = torch.ones(n, rows.kv_len + n, dtype=torch.bool)
+    allowed[:, rows.kv_len :] = torch.from_numpy(rows.anc)
+    if window is not None:
+        key_pos = torch.arange(rows.kv_len + n)
+        key_pos[rows.kv_len :] = rows.kv_len + torch.tensor(rows.depth)
+        allowed &= key_pos[None, :] > (rows.kv_len + torch.tensor(rows.depth))[:, None] - window
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    want = torch.einsum("hqk,khd->qhd", weights, values)
+    assert heads == weights.shape[0]
+    torch.testing.assert_close(ours, want, atol=1e-5, rtol=1e-5)
+    uncapped = _of(_attend(pool, layout, [rows.queries], window=window is not None), member)
+    assert not torch.allclose(uncapped, want, atol=1e-3)
 
 
 def test_group_attention_of_several_sequences_is_each_ones_sdpa_attention() -> None:
@@ -455,9 +489,9 @@ def test_agentspec_sdpa_outside_a_forward_or_with_another_mask_is_transformers_s
         assert torch.equal(ours(torch.ones(1, 1, 1, 1, dtype=torch.bool)), sdpa(FULL))
         # What the engine's attention does not do goes to sdpa too (which warns and runs on).
         assert torch.equal(ours(FULL, output_attentions=True), sdpa(FULL))
-        with pytest.raises(ValueError, match="softcap"):  # sdpa's own refusal
-            ours(FULL, softcap=30.0)
     assert torch.equal(ours(mask), sdpa(mask))  # the forward's layout is gone after it
+    with pytest.raises(ValueError, match="softcap"):  # outside a forward: sdpa's own refusal
+        ours(FULL, softcap=30.0)
 
 
 def test_agentspec_sdpa_inside_a_forward_attends_each_group_over_the_pool() -> None:
@@ -485,14 +519,18 @@ def test_agentspec_sdpa_inside_a_forward_attends_each_group_over_the_pool() -> N
                                        atol=1e-5, rtol=1e-5)
 
 
-def test_verifying_attention_switches_sdpa_models_only_and_restores() -> None:
+def test_verifying_attention_switches_sdpa_and_eager_models_only_and_restores() -> None:
     sdpa = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="sdpa"))
     with verifying_attention(sdpa):
         assert sdpa.config._attn_implementation == "agentspec_sdpa"
     assert sdpa.config._attn_implementation == "sdpa"
     eager = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="eager"))
-    with verifying_attention(eager):
-        assert eager.config._attn_implementation == "eager"
+    with verifying_attention(eager):  # Gemma 2's (sdpa has no logit cap)
+        assert eager.config._attn_implementation == "agentspec_sdpa"
+    assert eager.config._attn_implementation == "eager"
+    flash = types.SimpleNamespace(config=types.SimpleNamespace(_attn_implementation="flash_attention_2"))
+    with verifying_attention(flash):
+        assert flash.config._attn_implementation == "flash_attention_2"
     with pytest.raises(RuntimeError), verifying_attention(sdpa):
         raise RuntimeError("a failing forward")
     assert sdpa.config._attn_implementation == "sdpa"
