@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from agentspec.grammar import Grammar
 
+# The most alternatives a committed token's log-probability may carry (OpenAI's bound).
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,6 +28,12 @@ class SamplingParams:
 
     ``repetition_penalty`` is accepted only at 1.0: a history-dependent processor would have to
     be applied per tree path, which the verifier does not do yet.
+
+    ``logprobs`` (None: off) asks for the log-probability of every committed token and its
+    ``logprobs`` most likely alternatives (0 to :data:`MAX_LOGPROBS`), in
+    ``Generation.logprobs``: the model's own distribution (raw logits, before the grammar's
+    mask, temperature, top-k and top-p; see :class:`~agentspec.types.TokenLogprob`). It changes
+    no token, and costs one device-to-host copy a step only when asked.
     """
 
     temperature: float = 0.0
@@ -33,6 +42,7 @@ class SamplingParams:
     seed: int | None = None
     repetition_penalty: float = 1.0
     grammar: Grammar | None = None
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -48,6 +58,10 @@ class SamplingParams:
             if not isinstance(self.grammar, Grammar):
                 raise TypeError(f"grammar must be an agentspec.grammar.Grammar or None, got "
                                 f"{type(self.grammar).__name__} {self.grammar!r:.80}")
+        if self.logprobs is not None and (type(self.logprobs) is not int
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}] (the "
+                             f"alternatives shown per token), got {self.logprobs!r}")
         if self.repetition_penalty != 1.0:
             raise ValueError(
                 f"repetition_penalty={self.repetition_penalty!r} is not supported: a "

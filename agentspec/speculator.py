@@ -36,7 +36,7 @@ from agentspec.scheduler import Job, Scheduler
 from agentspec.session import Session, current_session, tool_loop
 from agentspec.stream import Stream
 from agentspec.text import Prompt, TextDeltas, encode_prompt
-from agentspec.types import Finished, Generation, GenerationStats, Record
+from agentspec.types import Finished, Generation, GenerationStats, Record, TokenLogprob
 
 
 @dataclass
@@ -53,6 +53,7 @@ class _Run:
     finish_reason: str = "length"
     cached_tokens: int = 0
     first_token_seconds: float = 0.0
+    logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs: one per token
 
     def count(self, step: Step) -> None:
         self.steps += 1
@@ -201,14 +202,14 @@ class Speculator:
         """Token ids of a raw prompt, or of messages through the chat template."""
         return encode_prompt(self.tokenizer, prompt)
 
-    def generate(self, prompt: Prompt, max_new_tokens: int = 128, *,
+    def generate(self, prompt: Prompt | Sequence[int], max_new_tokens: int = 128, *,
                  sampling: SamplingParams | None = None, stop: Sequence[str] = (),
                  scope: str | None = None, record: bool | None = None) -> Generation:
         """Generate a completion; greedy output is token-identical to plain decoding.
 
         Args:
-            prompt: a raw string, or ``[{"role", "content"}]`` messages (chat template applied,
-                generation prompt added).
+            prompt: a raw string, ``[{"role", "content"}]`` messages (chat template applied,
+                generation prompt added), or the token ids the model reads (a list of ints).
             max_new_tokens: upper bound on generated tokens.
             sampling: default greedy.
             stop: stop strings; the text is cut before the first one.
@@ -225,7 +226,7 @@ class Speculator:
         assert stream.generation is not None
         return stream.generation
 
-    def stream(self, prompt: Prompt, max_new_tokens: int = 128, *,
+    def stream(self, prompt: Prompt | Sequence[int], max_new_tokens: int = 128, *,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (),
                scope: str | None = None, record: bool | None = None) -> Stream:
         """Like :meth:`generate`, yielding text deltas as steps commit them.
@@ -240,12 +241,15 @@ class Speculator:
         request = Request.build(self.tokenizer, prompt, max_new_tokens, sampling=sampling,
                                 stop=stop, scope=scope, record=remember,
                                 session=current_session(self), keyed=self._memory is not None,
-                                on_key=self._prefetch)
+                                on_key=self._prefetch, vocab_size=self.target.vocab_size)
         self.target.check_length(len(request.prompt_ids) + max_new_tokens)
-        return Stream(self._run(request))
+        # The committed tokens' log-probabilities, filled by the steps and read by the stream.
+        logprobs: list[TokenLogprob] | None = None if request.sampling.logprobs is None else []
+        return Stream(self._run(request, logprobs), logprobs=logprobs)
 
-    def _run(self, request: Request) -> Generator[str, None, Generation]:
-        run = _Run(prompt_len=len(request.prompt_ids))
+    def _run(self, request: Request,
+             logprobs: list[TokenLogprob] | None) -> Generator[str, None, Generation]:
+        run = _Run(prompt_len=len(request.prompt_ids), logprobs=logprobs)
         generator = make_generator(request.sampling.seed, self.target.device)
         session = request.session
         context = DraftContext(tokens=list(request.prompt_ids), prompt_len=len(request.prompt_ids),
@@ -276,6 +280,8 @@ class Speculator:
                     run.first_token_seconds = time.perf_counter() - run.started
                 run.count(step)
                 run.token_ids.extend(step.new_tokens)
+                if run.logprobs is not None and step.logprobs is not None:
+                    run.logprobs.extend(step.logprobs)
                 delta, hit_stop = deltas.push(step.new_tokens)
                 if delta:
                     yield delta
@@ -298,7 +304,9 @@ class Speculator:
         if tail:
             yield tail
         run.text = deltas.text
-        generation = Generation(run.text, tuple(run.token_ids), run.stats(), run.finish_reason)
+        generation = Generation(run.text, tuple(run.token_ids), run.stats(), run.finish_reason,
+                                None if run.logprobs is None
+                                else tuple(run.logprobs[: len(run.token_ids)]))
         if session is not None:
             session.observe(generation)
         self._end(request, context, generation, keeper)

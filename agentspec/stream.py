@@ -7,7 +7,7 @@ from collections.abc import Generator
 from types import TracebackType
 from typing import Any
 
-from agentspec.types import Generation
+from agentspec.types import Generation, TokenLogprob
 
 
 class Stream(Generator[str, None, Generation]):
@@ -29,9 +29,20 @@ class Stream(Generator[str, None, Generation]):
         >>> stream.generation.stats.tokens_per_step
     """
 
-    def __init__(self, deltas: Generator[str, None, Generation]) -> None:
+    def __init__(self, deltas: Generator[str, None, Generation],
+                 logprobs: list[TokenLogprob] | None = None) -> None:
         self._deltas = deltas
+        self._logprobs = logprobs
         self.generation: Generation | None = None
+
+    @property
+    def logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        """The log-probabilities of the tokens committed so far (with
+        ``SamplingParams.logprobs``; None without), one per token in order. They may run ahead
+        of the text yielded (text held back at a possible stop string or an incomplete
+        character) and past a stop string's cut; the finished ``generation.logprobs`` are cut
+        to its tokens."""
+        return None if self._logprobs is None else tuple(self._logprobs)
 
     def __iter__(self) -> Stream:
         return self

@@ -180,6 +180,27 @@ class GenerationStats:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one committed token, and its most likely alternatives.
+
+    Taken from the raw logits of the forward row that decided the token: a log-softmax over
+    the whole vocabulary in float32, before a grammar's mask, temperature, top-k or top-p (the
+    model's own distribution, as vLLM reports by default). That row's bits do not depend on the
+    drafts, so neither do these numbers: they are those plain decoding computes.
+
+    Attributes:
+        token_id: the committed token.
+        logprob: its log-probability.
+        top: the ``k`` most likely tokens at that position as ``(token id, log-probability)``,
+            most likely first (``SamplingParams.logprobs`` says ``k``; empty for 0).
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class Generation:
     """The result of ``Speculator.generate``.
 
@@ -188,12 +209,15 @@ class Generation:
         token_ids: the completion's token ids (the stop token itself excluded).
         stats: counters of this generation.
         finish_reason: "stop" (a stop token or string), or "length" (max_new_tokens reached).
+        logprobs: one :class:`TokenLogprob` per token of ``token_ids`` when the call's
+            ``SamplingParams.logprobs`` asked for them, else None.
     """
 
     text: str
     token_ids: tuple[int, ...]
     stats: GenerationStats
     finish_reason: str
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from agentspec.config import SamplingParams
-from agentspec.decoding.sampling import Mask
+from agentspec.decoding.sampling import Mask, token_logprobs
 from agentspec.decoding.untrusted import Guarded
 from agentspec.decoding.verify import cut_at_spine, verify, walk
 from agentspec.engine.plan import Member
@@ -28,7 +28,7 @@ from agentspec.grammar.state import GrammarState
 from agentspec.protocols import DraftContext, Drafter, StepObserver
 from agentspec.text import cut_at_stop
 from agentspec.tree import depths, sub_draft
-from agentspec.types import EMPTY_DRAFT, Draft, Verdict
+from agentspec.types import EMPTY_DRAFT, Draft, TokenLogprob, Verdict
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,15 @@ class Step:
     """One target pass: the draft, the verdict, and the tokens it committed.
 
     ``new_tokens`` is the verdict's output cut before the first stop token; ``stopped`` says a
-    stop token ended the generation there.
+    stop token ended the generation there. ``logprobs``: one per new token when the request's
+    ``SamplingParams.logprobs`` asks for them, else None.
     """
 
     draft: Draft
     verdict: Verdict
     new_tokens: tuple[int, ...]
     stopped: bool
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class NoDrafter:
@@ -170,6 +172,8 @@ class Decoding:
         position = self.seq.kv_len if hidden is not None else -1  # the root's position
         self.target.commit_on(self.seq, context.tokens[-1], verdict)
         new_tokens, stopped = cut_at_stop(verdict.new_tokens, self.stop_token_ids)
+        logprobs = None if self.sampling.logprobs is None else token_logprobs(
+            logits, deciding_rows(verdict)[: len(new_tokens)], new_tokens, self.sampling.logprobs)
         context.tokens.extend(new_tokens)
         self.produced += len(new_tokens)
         if self.grammar is not None:
@@ -177,7 +181,7 @@ class Decoding:
         context.hidden, context.hidden_position = hidden, position
         self.drafter.observe(context, draft, verdict)
         self.done = stopped or self.produced >= self.max_new_tokens
-        return Step(draft, verdict, new_tokens, stopped)
+        return Step(draft, verdict, new_tokens, stopped, logprobs)
 
 
 def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
@@ -215,6 +219,14 @@ def _one_step(target: HFTarget, loop: Decoding) -> Step:
     logits = target.run([member], hidden=loop.wants_hidden)[0]
     assert logits is not None
     return loop.conclude(logits, member.hidden)
+
+
+def deciding_rows(verdict: Verdict) -> list[int]:
+    """The row of a step's forward that decided each of ``verdict.new_tokens``: the root's row
+    (0) the first, then the row of each accepted node (its index + 1) the token after it. After
+    :func:`~agentspec.decoding.verify.cut_at_spine` these are spine rows, bitwise the rows plain
+    decoding computes at those positions."""
+    return [0, *(node + 1 for node in verdict.path)]
 
 
 def _row_offsets(draft: Draft, produced: int) -> torch.Tensor:

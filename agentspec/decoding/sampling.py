@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from agentspec.config import SamplingParams
+from agentspec.types import TokenLogprob
 
 
 class RowMasks(Protocol):
@@ -120,3 +121,31 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     else:
         gen.manual_seed(seed)
     return gen
+
+
+def token_logprobs(logits: torch.Tensor, rows: Sequence[int], tokens: Sequence[int],
+                   top: int) -> tuple[TokenLogprob, ...]:
+    """The log-probability of ``tokens[i]`` at row ``rows[i]`` of ``logits``
+    ``[num_rows, vocab_size]``, and that row's ``top`` most likely tokens, in one
+    device-to-host copy.
+
+    The distribution is the model's own: a float32 log-softmax of the raw logits over the whole
+    vocabulary, before any grammar mask, temperature, top-k or top-p, so that the figure
+    describes the model rather than the sampler (vLLM's default) and is the same whether the
+    token was drawn greedily or sampled. Each row is reduced on its own, so a row's numbers
+    are a function of that row's logits only.
+    """
+    if not tokens:
+        return ()
+    picked = logits[torch.tensor(list(rows), device=logits.device)].float()  # [n, vocab_size]
+    logp = torch.log_softmax(picked, dim=-1)  # [n, vocab_size]
+    ids = torch.tensor(list(tokens), device=logits.device)  # [n]
+    chosen = logp.gather(1, ids[:, None]).squeeze(1)  # [n]
+    if top:
+        best = torch.topk(logp, top, dim=-1)  # values, indices: [n, top]
+        host = torch.cat([chosen[:, None], best.values, best.indices.float()], dim=1).tolist()
+    else:
+        host = chosen[:, None].tolist()
+    return tuple(TokenLogprob(int(t), row[0], tuple(
+        (int(i), v) for v, i in zip(row[1:1 + top], row[1 + top:], strict=True)))
+        for t, row in zip(tokens, host, strict=True))
