@@ -176,12 +176,8 @@ class Forward:
         self.fused, self.cuda_graphs = fused, cuda_graphs
         self.device = next(model.parameters()).device
         pool.define_layers(compat.kv_shapes(model))
-        # The sentinels handed to the model as its mask: one per layer type where some layers
-        # slide; one where every layer does (Mistral, Phi-3: their models take no dict).
-        self.masks: Any = FULL if sliding_window is None else {"full_attention": FULL,
-                                                                "sliding_attention": SLIDING}
-        if sliding_window is not None and compat.sliding_window(model)[1]:
-            self.masks = SLIDING
+        # Mistral and Phi-3 slide every layer and take no dict of masks: one mask for all.
+        self._every_layer_slides = compat.sliding_window(model)[1]
         self._hidden: torch.Tensor | None = None
         self._hook: Any = None
         self._fused_runs: dict[tuple[int, int, bool, int], _FusedRun] = {}
@@ -211,7 +207,10 @@ class Forward:
         return logits, self._take_hidden() if hidden else None
 
     def _modules(self, layout: Layout, hidden: bool) -> torch.Tensor:
-        masks = self.masks
+        masks: Any = FULL if self.window is None else {"full_attention": FULL,
+                                                        "sliding_attention": SLIDING}
+        if self.window is not None and self._every_layer_slides:
+            masks = SLIDING
         keep: Any = 0 if layout.logit_rows is None else layout.logit_rows
         if hidden and self._hook is None:
             head = self.model.get_output_embeddings()
