@@ -5,7 +5,8 @@ Keys are reduced in blocks fixed by their position (:data:`BLOCK_N` keys, one po
 :data:`~agentspec.engine.fused.kernels.SPLIT` positions a split); a block a row sees nothing of
 leaves that row's running state as it was, and a split a row sees nothing of adds nothing to
 the combination, so neither how far the loops read nor how many splits a forward launches
-changes a row (the rules of :mod:`agentspec.engine.fused.kernels`).
+changes a row. A row tile holds one sequence's rows and reads only its blocks, so the rows of
+other sequences in the same forward change nothing either.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from agentspec.engine.fused import kernels
-from agentspec.engine.fused.kernels import BLOCK_M, SPLIT, launch
+from agentspec.engine.fused.kernels import BLOCK_M, SPLIT, launch, rows_of
 
 BLOCK_N = 64
 """Keys per attention block: a row's scores are reduced block by block from slot 0."""
@@ -128,9 +129,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, anc: to
     length, and the sequence's forward rows ``c`` where ``anc[r, row0 + c]`` (``ins``: the
     staging, :func:`~agentspec.engine.fused.kernels.staging`). ``scratch``: the splits'
     partial state (:func:`attention_scratch`). Returns ``[width, heads * dim]``."""
-    width = q.shape[0]
-    if width % BLOCK_M:
-        raise ValueError(f"the fused kernels take rows in multiples of {BLOCK_M}, got {width}")
+    width = rows_of(q)
     kv_heads, dim = keys.shape[1], keys.shape[3]
     heads = q.shape[1] // dim
     m, total, acc = scratch

@@ -2,27 +2,20 @@
 :mod:`.attention`, the kernels OLMo 2's norm placement adds in :mod:`.post_norm`).
 
 A Llama decoder layer is six kernels: RMSNorm fused into the query/key/value product, whose
-epilogue applies rotary embedding (after a per-head RMSNorm of the queries and keys, for
-Qwen3) and writes the keys and values into the KV pool; attention over each row tile's own
-sequence in splits of one pool block each; the splits' combination; the output product with
-the residual add in its epilogue (the residual multiplier first, for Granite); RMSNorm fused
-into the gate/up product with SiLU-and-multiply in its epilogue; and the down product with the
-residual add. The output head is one more product with the final RMSNorm fused in (and
-Granite's logits scaling in its epilogue). Each launcher allocates nothing but its outputs, so
-a forward of them can be captured as a CUDA graph.
+epilogue applies rotary embedding (after each head's RMSNorm, for Qwen3) and writes the keys
+and values into the KV pool; attention and the combination of its splits; the output product
+with the residual add in its epilogue (after Granite's residual multiplier); RMSNorm fused into
+the gate/up product with SiLU-and-multiply in its epilogue; the down product with the residual
+add. The output head is one more product with the final RMSNorm fused in (Granite's logits
+scaling in its epilogue). Each launcher allocates nothing but its outputs, so a forward of them
+can be captured as a CUDA graph.
 
-Exactness rules, the engine's own (``docs/architecture.md``): a row's results depend only on
-that row's inputs and the keys it may see, never on how many rows its forward has, where the
-row sits among them or how long the KV is. Every product here is computed in tiles of a fixed
-shape (:data:`BLOCK_M` rows, :data:`BLOCK_K` deep, reduced in order along the inner dimension),
-so a row's bits are the same in a forward of 16 rows or of 512; attention reduces keys in
-blocks fixed by their position (:mod:`.attention`) and skips blocks a row sees nothing of. A
-tile's rows are one sequence's, so rows of other sequences in the same forward change nothing
-either. Rounding follows transformers' modules (a bf16 rounding wherever they round), so the
-fused path stays within bf16 rounding of the module path it replaces.
-
-Without CUDA the kernels run in Triton's interpreter: the tests and the operation counter run
-them on the CPU, slowly.
+Exactness (``docs/architecture.md``): a row's bits depend on neither its forward's width nor
+its place in it: every product is computed in tiles of a fixed shape (:data:`BLOCK_M` rows,
+:data:`BLOCK_K` deep, reduced in order along the inner dimension); attention's rules are in
+:mod:`.attention`. Rounding follows transformers' modules (a bf16 rounding wherever they
+round), within bf16 rounding of the module path. Without CUDA the kernels run in Triton's
+interpreter (the tests and the operation counter), slowly.
 """
 
 from __future__ import annotations
@@ -56,9 +49,7 @@ BLOCK_K = 64
 """Depth of one step of a product's reduction (the inner dimensions are multiples)."""
 
 SPLIT = 256
-"""Keys per attention split, the pool's block (:data:`agentspec.engine.pool.BLOCK`): each split
-is a program of its own (a long context spreads over more of the GPU); a row's splits are
-combined in position order."""
+"""Positions per attention split and per pool block (:data:`agentspec.engine.pool.BLOCK`)."""
 
 Norm = tuple[torch.Tensor, float]
 """An RMSNorm as the kernels take it: its weight and its epsilon."""
@@ -226,9 +217,8 @@ if AVAILABLE:
     def _matmul_add(a_ptr, w_ptr, res_ptr, mult, K: tl.constexpr, N: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     SCALED: tl.constexpr, F32_DOT: tl.constexpr):
-        # Program (row tile, column tile): res += a @ w.T, the product rounded to the dtype
-        # (then, SCALED, times mult, rounded: Granite's residual multiplier) and then the sum
-        # (a bf16 linear, then a bf16 residual add).
+        # Program (row tile, column tile): res += a @ w.T as a bf16 linear then a bf16 add (the
+        # product rounded; SCALED: then times mult, rounded: Granite's residual multiplier).
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         inside = cols < N
@@ -307,7 +297,7 @@ if AVAILABLE:
 
 
 def rows_of(x: torch.Tensor) -> int:
-    """``x``'s rows, refused unless whole row tiles."""
+    """``x``'s rows, refused unless whole row tiles (:data:`BLOCK_M`)."""
     rows = x.shape[0]
     if rows % BLOCK_M:
         raise ValueError(f"the fused kernels take rows in multiples of {BLOCK_M}, got {rows}")
@@ -326,9 +316,9 @@ def qkv_rope(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tens
              head_norms: tuple[Norm, Norm] | None = None) -> torch.Tensor:
     """RMSNorm of ``x`` ``[width, hidden]``, its query/key/value product (``weight`` stacked
     q, k, v), rotary embedding at the rows' positions, keys and values written into the pool
-    layer ``[blocks, kv_heads, SLOTS, dim]`` at the rows' slots (``ins``: the forward's staging,
-    :func:`staging`). ``head_norms``: the queries' and keys' RMSNorms over each head's
-    dimensions, applied before the rotation (Qwen3). Returns the queries ``[width, heads * dim]``."""
+    layer ``[blocks, kv_heads, SLOTS, dim]`` at the rows' slots (``ins``: :func:`staging`).
+    ``head_norms``: the queries' and keys' RMSNorms over each head, before the rotation
+    (Qwen3). Returns the queries ``[width, heads * dim]``."""
     width, hidden = rows_of(x), x.shape[1]
     check_depth(hidden, "hidden sizes")
     dim = cos.shape[-1]

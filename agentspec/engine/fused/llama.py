@@ -154,9 +154,11 @@ def _layer_problem(layer: Any, family: Family, heads: int) -> str | None:
     if family.head_norm:
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         want = dim if family.head_norm == "head" else heads * dim
-        got = getattr(getattr(q_norm, "weight", None), "numel", lambda: None)()
-        if k_norm is None or got != want:
-            return f"query norm of {got} weights where the family's has {want}"
+        if q_norm is None or k_norm is None or q_norm.weight.numel() != want:
+            got = q_norm.weight.numel() if q_norm is not None else 0
+            return f"a query norm of {got} weights where the family's has {want}"
+        if q_norm.variance_epsilon != k_norm.variance_epsilon:
+            return "query and key norms of different epsilons (the fused kernels take one)"
     elif hasattr(attn, "q_norm"):
         return "a query/key norm Llama's layer does not have"
     if any(getattr(mlp, n).bias is not None for n in ffn) or attn.o_proj.bias is not None:

@@ -88,17 +88,15 @@ def qk_norm_rope(qkv: torch.Tensor, q_norm: Norm, k_norm: Norm, ins: torch.Tenso
                  heads: int, kv_heads: int) -> torch.Tensor:
     """The queries and keys of ``qkv`` ``[width, (heads + 2 * kv_heads) * dim]`` (a query/key/
     value product's output) RMSNormed over their whole projections (``q_norm``, ``k_norm``:
-    weights of ``heads * dim`` and ``kv_heads * dim``; one epsilon, the keys'), rotated at the
+    weights of ``heads * dim`` and ``kv_heads * dim``, with one epsilon), rotated at the
     rows' positions; keys and values written into the pool layer at the rows' slots (``ins``:
     the staging, :func:`~agentspec.engine.fused.kernels.staging`). Returns the queries
     ``[width, heads * dim]``."""
     width = rows_of(qkv)
     dim = cos.shape[-1]
     q = torch.empty((width, heads * dim), dtype=qkv.dtype, device=qkv.device)
-    (qn, q_eps), (kn, k_eps) = q_norm, k_norm
-    if q_eps != k_eps:
-        raise ValueError(f"the fused q/k norms take one epsilon, got {q_eps} and {k_eps}")
-    launch(_qk_norm_rope, (width // BLOCK_M, heads + 2 * kv_heads), qkv, qn, kn, k_eps, ins,
+    (qn, _), (kn, eps) = q_norm, k_norm  # one epsilon (unsupported() checks)
+    launch(_qk_norm_rope, (width // BLOCK_M, heads + 2 * kv_heads), qkv, qn, kn, eps, ins,
            cos, sin, q, keys, values, width, H=heads, KVH=kv_heads, D=dim, BM=BLOCK_M,
            SLOTS=SPLIT)
     return q
