@@ -42,10 +42,9 @@ class Family:
 
     @property
     def window(self) -> int | None:
-        if self.options.get("sliding_window") is None:
-            return None
-        types = self.options.get("layer_types")
-        return WINDOW if types is None or "sliding_attention" in types else None
+        """The checkpoint's sliding window (its layer types, where it has them, the config's
+        defaults: each windowed family's include sliding layers)."""
+        return self.options.get("sliding_window")
 
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -98,8 +97,8 @@ def build(family: Family, *, byte_vocab: bool = False, seed: int = 0) -> Any:
     """``family``'s tiny random causal LM in fp32, in eval mode, on SmolLM2's vocabulary (or
     with ``byte_vocab`` on the GGUF files' :data:`BYTE_VOCAB` tokens).
 
-    Norm weights and biases are drawn on a grid of 2**-10, where adding and removing the 1 of
-    Gemma's GGUF norms is exact."""
+    Norm weights and biases are drawn on a coarse binary grid, where adding and removing the
+    one of Gemma's GGUF norms is exact."""
     import transformers
 
     if byte_vocab:
@@ -156,9 +155,9 @@ def _llama_cpp_rows(weight: np.ndarray, heads: int) -> np.ndarray:
 
 END_OF_TEXT = "<|endoftext|>"
 BYTE_VOCAB = 257
-"""The GGUF files' vocabulary: the 256 bytes (no merges: a byte-level BPE that splits text into
-its bytes) and an end of text, so their tokenizer converts in a moment (SmolLM2's 49,152
-tokens take seconds to read back from a GGUF)."""
+"""The GGUF files' vocabulary: every byte (no merges: a byte-level BPE that splits text into its
+bytes), then an end of text; such a tokenizer converts in a moment, where SmolLM2's vocabulary
+takes seconds to read back from a GGUF."""
 
 
 def _byte_spelling(byte: int) -> str:

@@ -1,25 +1,24 @@
 """The architecture matrix (issue 49): every family :data:`agentspec.engine.compat.ARCHITECTURES`
 lists, on a tiny random checkpoint built from its transformers config (``tests/families.py``:
-2 layers, hidden size 64, SmolLM2's tokenizer, no download).
+SmolLM2's tokenizer, no download).
 
 On each:
 
-- greedy output through agentspec, plain and with drafts, equals ``generate(do_sample=False)``
-  in fp32;
-- drafts (a right chain, a tree whose right path is off its spine, prompt lookup) and a
-  completion memory (poisoned entries, then the real completion) change no token, in fp32 and
-  bf16;
-- a prompt whose prefix the pool has cached from an earlier call, and a prompt prefilled in
-  many small chunks, give bitwise the logits of a fresh prefill in one chunk (fp32 and bf16);
+- greedy output through agentspec, plain, with prompt lookup and with right drafts, equals
+  ``generate(do_sample=False)`` in fp32;
+- drafts (a right chain, trees whose right path is off their spine) and a completion memory
+  (poisoned entries, then the real completion) change no token, in fp32 and bf16;
+- a prompt whose first blocks the pool has cached from an earlier call, and a prompt prefilled
+  in many small chunks, give bitwise the logits of a fresh prefill (fp32 and bf16);
 - the windowed checkpoints' window is crossed by every generation (prompt and output are
-  longer than it).
+  longer than it);
+- a family outside the table is refused before its weights load.
 
 The same file shows the checks can fail: an engine that ignores the sliding window (what it did
-for Mistral and Phi-3 before this matrix) and one that drops Gemma 2's attention logit cap (it
-ran Gemma 2 on transformers' sdpa over the pool's buffers before) each give other tokens than
-``generate``; a verification mask that lets a step's rows see the draft's later rows makes
-drafts change tokens; a pool that finds a cached block by its tokens alone hands out rows that
-are not a fresh prefill's.
+for Mistral and Phi-3 before this matrix) and one that drops Gemma 2's attention logit cap
+(which it had none of before) each give other tokens than ``generate``; a verification mask
+that lets a step's rows see the draft's later rows makes drafts change tokens; a pool that
+finds a cached block by its tokens alone hands out rows that are not a fresh prefill's.
 
 Then GGUF (issue 49 item 4): each family that transformers' GGUF reader knows is written as a
 GGUF file (F32, llama.cpp's tensor names and layouts, a byte-level tokenizer) and loaded as
@@ -196,7 +195,7 @@ def _calls() -> tuple[list[int], ...]:
 
 
 def _rows(target: HFTarget, ids: list[int]) -> torch.Tensor:
-    """The prompt's last row and a 3-token chain's rows, after a prefill of the prompt."""
+    """The prompt's last row and a short chain's rows, after a prefill of the prompt."""
     target.start(ids)
     return target.score(ids[-1], Draft.chain(ids[3:6], "test")).clone()
 
