@@ -1,7 +1,8 @@
 """An OpenAI-compatible HTTP server over one Speculator: ``agentspec serve``.
 
-``POST /v1/chat/completions`` (plain or streamed as server-sent events), ``GET /v1/models``
-and ``GET /health``, on Starlette. Needs ``pip install 'agentspec-llm[serve]'``.
+``POST /v1/chat/completions`` (plain or streamed as server-sent events), ``GET /v1/models``,
+``GET /health``, ``GET /ready`` and ``GET /metrics``, on Starlette. Needs ``pip install
+'agentspec-llm[serve]'``.
 
 What a request means and what an answer looks like is :mod:`.openai_protocol`'s business;
 this module moves bytes, guards the door and runs generations:
@@ -19,8 +20,10 @@ this module moves bytes, guards the door and runs generations:
   scheduler steps every running request in the same forwards (``SpecConfig.max_batch`` at
   once; :mod:`agentspec.scheduler`). A streamed one (:meth:`Speculator.stream`) sends its text
   to the event loop as each step commits it; a client that disconnects ends it, and its
-  sequence is freed at the next step. One not streamed is :meth:`Speculator.generate` (a
-  client that leaves costs at most its ``max_tokens`` of generation).
+  sequence is freed at the next step. One not streamed is the same stream read whole; it
+  stops the same way when its client disconnects.
+- Admission, deadlines, shutdown and metrics are :mod:`.lifecycle`'s (``ServiceConfig``):
+  a bounded queue (429), a request timeout (504), a drain on SIGTERM (503), ``/metrics``.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from agentspec.adapters.chat import (
     in_thread,
     resolve_tool_format,
 )
+from agentspec.adapters.lifecycle import Lifecycle, ServiceConfig, Ticket, ticket_of
 from agentspec.adapters.openai_protocol import (
     SSE_DONE,
     ApiError,
@@ -223,18 +227,26 @@ class _EventStream(StreamingResponse):
 
 
 class OpenAIServer:
-    """The endpoints over one Speculator (``spec``) under ``config``; :attr:`app` is the ASGI
+    """The endpoints over one Speculator (``spec``) under ``config`` and ``service`` (the
+    queue, deadlines and metrics: :class:`~.lifecycle.ServiceConfig`); :attr:`app` is the ASGI
     application."""
 
-    def __init__(self, spec: Any, config: ServerConfig) -> None:
+    def __init__(self, spec: Any, config: ServerConfig,
+                 service: ServiceConfig | None = None) -> None:
         self.spec, self.config = spec, config
         self.tool_format = resolve_tool_format(spec.tokenizer, config.tool_format)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="agentspec-serve")
-        self.app = Starlette(
+        self.lifecycle = Lifecycle(service or ServiceConfig(), memory=getattr(spec, "memory", None),
+                                   max_batch=getattr(getattr(spec, "config", None), "max_batch", 1))
+        metrics = self.lifecycle.metrics_page(
+            lambda request: authenticate(self.config, request.headers.get("authorization")))
+        self.app = self.lifecycle.wrap(Starlette(
             routes=[Route("/v1/chat/completions", self.chat, methods=["POST"]),
                     Route("/v1/models", self.models, methods=["GET"]),
-                    Route("/health", self.health, methods=["GET"])],
-            exception_handlers={HTTPException: _http_error, Exception: _server_error})
+                    Route("/health", self.health, methods=["GET"]),
+                    Route("/ready", self.lifecycle.ready, methods=["GET"]),
+                    Route("/metrics", metrics, methods=["GET"])],
+            exception_handlers={HTTPException: _http_error, Exception: _server_error}))
 
     def close(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -258,32 +270,37 @@ class OpenAIServer:
             req = parse_chat_request(body, models=self.config.models,
                                      max_tokens=self.config.max_tokens)
             scope = resolve_scope(self.config, key, request.headers.get(SCOPE_HEADER), req.user)
-            # Streamed: per-step turns, abandoned when the client goes. Not streamed: the
-            # whole call in one turn (Speculator.generate), its KV kept between its steps.
+            # A Speculator stream either way, stopped when its ticket says so (its deadline,
+            # the server's shutdown, a client gone): abandoned, freed at its next step.
             rendered, run = await _to_worker(self.executor, self._open, req, scope)
         except ApiError as e:
             return _error(e)
+        ticket = ticket_of(request)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": req.model}
         if req.stream:
-            return _EventStream(self._events(run, rendered, req, scope, head),
+            return _EventStream(self._events(run, rendered, req, scope, head, ticket),
                                 media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        gen = run
+        try:
+            gen = await ticket.last(in_thread(lambda: deltas_then_generation(run),
+                                              executor=self.executor), request)
+        except ApiError as e:
+            return _error(e)
+        assert isinstance(gen, Generation)
+        self.lifecycle.finished(ticket, gen, scope)
         content, calls = openai_calls(gen.text, rendered.tool_format) if rendered.calls \
             else (gen.text, [])
         return JSONResponse(completion_body(content=content, calls=calls, gen=gen, scope=scope,
                                             **head))
 
     def _open(self, req: ChatRequest, scope: str) -> tuple[Rendered, Any]:
-        """Render the request, then open its Speculator stream (streamed) or generate it
-        whole (in a worker: tokenising, compiling a grammar and generating take time); bad
-        input raises ApiError before any token."""
+        """Render the request, then open its Speculator stream (in a worker: tokenising and
+        compiling a grammar take time); bad input raises ApiError before any token."""
         rendered = render(req, self.spec.tokenizer, tool_format=self.tool_format)
-        call = self.spec.stream if req.stream else self.spec.generate
         try:
-            run = call(rendered.prompt, req.max_tokens, sampling=rendered.sampling,
-                       stop=req.stop, scope=scope, record=self.config.record)
+            run = self.spec.stream(rendered.prompt, req.max_tokens, sampling=rendered.sampling,
+                                   stop=req.stop, scope=scope, record=self.config.record)
         except ValueError as exc:
             code = "context_length_exceeded" if "context" in str(exc) else "invalid_request"
             raise ApiError(400, str(exc)[:500], param="messages", code=code) from None
@@ -295,13 +312,13 @@ class OpenAIServer:
         return rendered, run
 
     async def _events(self, stream: Any, rendered: Rendered, req: ChatRequest, scope: str,
-                      head: dict[str, Any]) -> AsyncIterator[bytes]:
+                      head: dict[str, Any], ticket: Ticket) -> AsyncIterator[bytes]:
         yield sse(chunk_body(**head, delta={"role": "assistant", "content": ""}))
         holdback = CallHoldback(rendered.calls, rendered.tool_format)  # may still be a call
         gen: Generation | None = None
         try:
-            async with aclosing(in_thread(lambda: deltas_then_generation(stream),
-                                          executor=self.executor)) as items:
+            async with aclosing(ticket.guard(in_thread(lambda: deltas_then_generation(stream),
+                                                       executor=self.executor))) as items:
                 async for item in items:
                     if isinstance(item, str):
                         text = holdback.push(item)
@@ -309,6 +326,10 @@ class OpenAIServer:
                             yield sse(chunk_body(**head, delta={"content": text}))
                     else:
                         gen = item
+        except ApiError as e:  # stopped: its deadline passed, or the server shuts down
+            yield sse(e.body())
+            yield SSE_DONE
+            return
         except Exception as exc:  # the answer has begun: the error goes in the stream
             logger.exception("a streamed generation failed")
             yield sse(ApiError(500, f"the generation failed: {type(exc).__name__}",
@@ -316,6 +337,7 @@ class OpenAIServer:
             yield SSE_DONE
             return
         assert gen is not None
+        self.lifecycle.finished(ticket, gen, scope)
         content, calls = openai_calls(holdback.held, rendered.tool_format) if holdback.held \
             else ("", [])
         if content:

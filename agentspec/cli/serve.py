@@ -72,11 +72,31 @@ def serve(ctx: typer.Context,
                                     "template teaches (json when it renders no tools).")] = None,
           no_record: Annotated[bool, typer.Option(
               "--no-record", help="Draft from the memory but add nothing to it.")] = False,
+          max_queue: Annotated[int | None, typer.Option(
+              "--max-queue", min=0, help="Requests that may wait beyond --max-batch; one more "
+                                         "gets a 429 with Retry-After. Default: no bound.")] = None,
+          request_timeout: Annotated[float | None, typer.Option(
+              "--request-timeout", metavar="S",
+              help="Seconds a generation request may run from its admission; past it, it "
+                   "stops with a 504 (a stream: an error event, then [DONE]). Default: no "
+                   "limit.")] = None,
+          grace: Annotated[float, typer.Option(
+              "--grace", metavar="S", help="After SIGTERM (new requests get a 503, /ready "
+                                           "says 503), seconds the requests in flight get to "
+                                           "finish before they are stopped.")] = 20.0,
+          metrics_public: Annotated[bool, typer.Option(
+              "--metrics-public", help="Serve GET /metrics without an API key (by default it "
+                                       "needs one, as the API does).")] = False,
+          metrics_scopes: Annotated[bool, typer.Option(
+              "--metrics-scopes", help="Label the request and token metrics with the memory "
+                                       "scope (a series per tenant).")] = False,
           log_level: Annotated[str, typer.Option(
               "--log-level", help=f"Server log level: {', '.join(_LOG_LEVELS)}.")] = "info",
           db: DbOpt = None) -> None:
     """Serve a model over an OpenAI-compatible HTTP API: POST /v1/chat/completions (streaming,
-    tools, JSON schemas), GET /v1/models, GET /health. Runs until interrupted.
+    tools, JSON schemas), GET /v1/models, GET /health (alive), GET /ready (taking requests),
+    GET /metrics (Prometheus). Runs until SIGTERM or Ctrl-C: new requests then get a 503, the
+    ones in flight get --grace seconds, the memory's writes are flushed, and it exits 0.
 
     A request's memory scope is its X-Agentspec-Scope header, else its 'user' field, else
     its key's first scope, else --scope. Outputs equal Speculator.generate on the same
@@ -88,8 +108,12 @@ def serve(ctx: typer.Context,
     if log_level not in _LOG_LEVELS:
         fail(f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {log_level!r}", EXIT_USAGE)
     try:
-        import uvicorn
-
+        from agentspec.adapters.lifecycle import (
+            ServiceConfig,
+            check_memory,
+            serve_until_stopped,
+            shut_down,
+        )
         from agentspec.adapters.openai_server import OpenAIServer, ServerConfig
     except ImportError as e:
         fail(f"agentspec serve needs the server extra: pip install 'agentspec-llm[serve]' ({e})")
@@ -100,6 +124,8 @@ def serve(ctx: typer.Context,
         scopes=frozenset(allow_scope) if allow_scope else None, default_scope=scope,
         record=False if no_record else None, workers=workers or 2 * max_batch,
         tool_format=tool_format)
+    service = ServiceConfig(max_queue=max_queue, request_timeout=request_timeout, grace=grace,
+                            metrics_public=metrics_public, metrics_scopes=metrics_scopes)
     from agentspec.config import SpecConfig
 
     sock = _bind(host, port)
@@ -109,16 +135,18 @@ def serve(ctx: typer.Context,
     spec.warmup()
     print(f"load {loaded - started:.2f} s, warmup {time.perf_counter() - loaded:.2f} s",
           file=sys.stderr, flush=True)
-    server = OpenAIServer(spec, config)
+    indexes = check_memory(spec.memory)  # a memory left by a killed process: made whole now
+    print(f"memory: {len(indexes)} scope(s), {sum(indexes.values())} indexed rows",
+          file=sys.stderr, flush=True)
+    server = OpenAIServer(spec, config, service)
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     print(f"serving {config.models[0]} at http://{shown}:{bound_port}/v1", file=sys.stderr,
           flush=True)
     try:
-        uvicorn.Server(uvicorn.Config(server.app, log_level=log_level, lifespan="off",
-                                      timeout_graceful_shutdown=5)).run(sockets=[sock])
+        serve_until_stopped(server.app, sock, server.lifecycle, log_level=log_level)
     finally:
-        server.close()
+        shut_down(server.executor, spec.memory)
         sock.close()
 
 

@@ -244,10 +244,16 @@ class CompletionMemory:
         if ahead is not None and (ahead.done() or not self.worker.on_worker):
             try:
                 found: list[tuple[Record, float]] = ahead.result()
-                return found
+                return self._counted(found)
             except Exception:  # looked up again here, where the error reaches the caller
                 pass
-        return self._lookup(key_text, scope, model, k, min_similarity)
+        return self._counted(self._lookup(key_text, scope, model, k, min_similarity))
+
+    def _counted(self, found: list[tuple[Record, float]]) -> list[tuple[Record, float]]:
+        """A lookup's answer, counted for ``stats()["lookups"]`` (a hit: it found a record)."""
+        self._guard.counts["lookups"] += 1
+        self._guard.counts["lookup_hits"] += bool(found)
+        return found
 
     def _lookup(self, key_text: str, scope: str, model: str, k: int,
                 min_similarity: float | None) -> list[tuple[Record, float]]:
@@ -409,9 +415,9 @@ class CompletionMemory:
 
     def stats(self) -> dict[str, Any]:
         """The store's ``stats()`` plus ``embedder``, ``indexes`` (vectors per loaded scope),
-        ``faults`` (:meth:`StoreGuard.stats`: queued, dropped and flushed completions, skipped
-        lookups, the last errors) and ``store_error`` (None, or why the store's totals are
-        missing: it cannot be read)."""
+        ``lookups`` (this process's lookups and hits), ``faults`` (:meth:`StoreGuard.stats`:
+        queued, dropped and flushed completions, skipped lookups, the last errors) and
+        ``store_error`` (None, or why the store's totals are missing: it cannot be read)."""
         self.worker.settle()
         try:
             out = self.store.stats()
@@ -422,6 +428,8 @@ class CompletionMemory:
         with self._lock:
             out["indexes"] = {s: len(st.index) for (s, _), st in self._indexes.items()}
             out["faults"] = self._guard.stats()
+            out["lookups"] = {"lookups": self._guard.counts["lookups"],
+                              "hits": self._guard.counts["lookup_hits"]}
         return out
 
     def records(self, scope: str | None = None, model: str | None = None) -> Iterator[Record]:
