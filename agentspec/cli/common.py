@@ -224,13 +224,16 @@ def open_store(ctx: typer.Context, *, create: bool = False,
         store.close()
 
 
-def load_speculator(model: str, url: str, config: Any = None) -> Any:
+def load_speculator(model: str, url: str, config: Any = None, *, device: str | None = None,
+                    dtype: str | None = None) -> Any:
     """The Speculator of ``model`` with its memory at ``url`` and ``config`` (a
-    :class:`~agentspec.SpecConfig`; a model that is not there raises NotFoundError or
-    ModelNotAvailableError: exit 3)."""
+    :class:`~agentspec.SpecConfig`), on ``device`` in ``dtype`` (None: the defaults of
+    ``Speculator.from_pretrained``); a model that is not there raises NotFoundError or
+    ModelNotAvailableError: exit 3."""
     from agentspec.speculator import Speculator
 
-    return Speculator.from_pretrained(model, memory=url, config=config)
+    return Speculator.from_pretrained(model, memory=url, config=config, device=device,
+                                      dtype=dtype)
 
 
 def print_json(obj: Any) -> None:

@@ -34,6 +34,12 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 def serve(ctx: typer.Context,
           model: Annotated[str, typer.Option(
               "--model", help="Packaged name, model folder, .gguf file or hub id (org/name).")] = "smollm2-135m-instruct",
+          device: Annotated[str | None, typer.Option(
+              "--device", help="Where the model runs: cpu, cuda or cuda:N. Default: cuda when "
+                               "torch sees a GPU, else cpu.")] = None,
+          dtype: Annotated[str | None, typer.Option(
+              "--dtype", help="The model's weights: float32 (fp32), bfloat16 (bf16) or float16 "
+                              "(fp16). Default: bfloat16 on CUDA, float32 on the CPU.")] = None,
           host: Annotated[str, typer.Option(
               "--host", help="Address to bind; the default serves this machine only.")] = "127.0.0.1",
           port: Annotated[int, typer.Option(
@@ -107,6 +113,7 @@ def serve(ctx: typer.Context,
     set_options(ctx, db, False)
     if log_level not in _LOG_LEVELS:
         fail(f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {log_level!r}", EXIT_USAGE)
+    device, dtype = _placement(device, dtype)
     try:
         from agentspec.adapters.lifecycle import (
             ServiceConfig,
@@ -130,7 +137,8 @@ def serve(ctx: typer.Context,
 
     sock = _bind(host, port)
     started = time.perf_counter()
-    spec = load_speculator(model, db_url(ctx), SpecConfig(max_batch=max_batch))
+    spec = load_speculator(model, db_url(ctx), SpecConfig(max_batch=max_batch), device=device,
+                           dtype=dtype)
     loaded = time.perf_counter()
     spec.warmup()
     print(f"load {loaded - started:.2f} s, warmup {time.perf_counter() - loaded:.2f} s",
@@ -148,6 +156,22 @@ def serve(ctx: typer.Context,
     finally:
         shut_down(server.executor, spec.memory)
         sock.close()
+
+
+def _placement(device: str | None, dtype: str | None) -> tuple[str | None, str | None]:
+    """``--device`` and ``--dtype`` checked as ``Speculator.from_pretrained`` checks them,
+    before the socket is bound or the model loads: a bad value exits 2 naming the option."""
+    from agentspec.engine.load import as_device, as_dtype
+
+    try:
+        placed = as_device(device) if device is not None else None
+    except ValueError as e:
+        fail(f"--device {device!r}: {e}", EXIT_USAGE)
+    try:
+        as_dtype(dtype)
+    except ValueError as e:
+        fail(f"--dtype {dtype!r}: {e}", EXIT_USAGE)
+    return placed, dtype
 
 
 def _read_keys(path: Path) -> dict[str, tuple[str, ...]]:
