@@ -6,7 +6,8 @@ what a request means and what an answer looks like, so both can be tested withou
 - :func:`parse_chat_request` checks a decoded JSON body field by field and returns a
   :class:`ChatRequest`, or raises :class:`ApiError` naming the field (OpenAI's ``param``);
   fields OpenAI defines that change an output in ways agentspec cannot honour exactly
-  (``n`` > 1, penalties, logit biases, log-probabilities) are refused rather than ignored;
+  (``n`` > 1, penalties, logit biases) are refused rather than ignored (``logprobs`` and
+  ``top_logprobs``: :func:`~agentspec.adapters.openai_logprobs.chat_logprobs`);
 - :func:`render` turns it into what ``Speculator.stream`` takes (the prompt and the sampling
   parameters, a grammar included) through :mod:`agentspec.adapters.chat`, the code the
   LangChain models use;
@@ -32,6 +33,7 @@ from agentspec.adapters.chat import (
     schema_grammar,
     tool_choice_mode,
 )
+from agentspec.adapters.json_text import lone_surrogate
 from agentspec.config import SamplingParams
 from agentspec.grammar import Grammar
 from agentspec.grammar.tool_formats import ToolFormat
@@ -44,10 +46,9 @@ MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "refu
 # would change the output in a way this server does not do), and those read and ignored.
 SUPPORTED = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
              "top_k", "seed", "stop", "stream", "stream_options", "tools", "tool_choice",
-             "parallel_tool_calls", "response_format", "user", "n"}
+             "parallel_tool_calls", "response_format", "user", "n", "logprobs", "top_logprobs"}
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0,),
-    "frequency_penalty": (0,), "logit_bias": ({},)}
+    "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},)}
 IGNORED = {"metadata": dict, "store": bool, "service_tier": str, "safety_identifier": str,
            "prompt_cache_key": str}
 SCOPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
@@ -313,6 +314,8 @@ def _message_calls(msg: Mapping[str, Any], where: str) -> list[tuple[str, Any]]:
         except json.JSONDecodeError:
             raise bad(f"{where}[{j}].function.arguments must be JSON text", f"{where}[{j}]",
                       "invalid_value") from None
+        if (not_text := lone_surrogate(value, f"{where}[{j}].function.arguments")) is not None:
+            raise bad(not_text[1], not_text[0], "invalid_text")
         out.append((name, value))
     return out
 

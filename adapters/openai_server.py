@@ -1,8 +1,9 @@
 """An OpenAI-compatible HTTP server over one Speculator: ``agentspec serve``.
 
-``POST /v1/chat/completions`` (plain or streamed as server-sent events), ``GET /v1/models``,
-``GET /health``, ``GET /ready`` and ``GET /metrics``, on Starlette. Needs ``pip install
-'agentspec-llm[serve]'``.
+``POST /v1/chat/completions`` and ``POST /v1/completions`` (:mod:`.openai_completions`;
+plain or streamed as server-sent events, with log-probabilities on request), ``GET
+/v1/models``, ``GET /health``, ``GET /ready`` and ``GET /metrics``, on Starlette. Needs
+``pip install 'agentspec-llm[serve]'``.
 
 What a request means and what an answer looks like is :mod:`.openai_protocol`'s business;
 this module moves bytes, guards the door and runs generations:
@@ -37,7 +38,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 try:
@@ -57,7 +58,16 @@ from agentspec.adapters.chat import (
     in_thread,
     resolve_tool_format,
 )
+from agentspec.adapters.json_text import lone_surrogate
 from agentspec.adapters.lifecycle import Lifecycle, ServiceConfig, Ticket, ticket_of
+from agentspec.adapters.openai_completions import Completions, parse_completion_request
+from agentspec.adapters.openai_logprobs import (
+    Sent,
+    TokenText,
+    chat_content,
+    chat_logprobs,
+    put_logprobs,
+)
 from agentspec.adapters.openai_protocol import (
     SSE_DONE,
     ApiError,
@@ -208,10 +218,13 @@ async def read_json(request: Request, limit: int) -> Any:
                                 f"bytes", code="request_too_large")
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks), parse_constant=_reject_constant)
+        value = json.loads(b"".join(chunks), parse_constant=_reject_constant)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError too
         raise ApiError(400, f"the request body is not valid JSON: {exc}"[:300],
                        code="invalid_json") from None
+    if (not_text := lone_surrogate(value)) is not None:  # valid JSON, but not text
+        raise ApiError(400, not_text[1], param=not_text[0], code="invalid_text")
+    return value
 
 
 class _EventStream(StreamingResponse):
@@ -236,12 +249,14 @@ class OpenAIServer:
         self.spec, self.config = spec, config
         self.tool_format = resolve_tool_format(spec.tokenizer, config.tool_format)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="agentspec-serve")
+        self._completions = Completions(spec, config.record)
         self.lifecycle = Lifecycle(service or ServiceConfig(), memory=getattr(spec, "memory", None),
                                    max_batch=getattr(getattr(spec, "config", None), "max_batch", 1))
         metrics = self.lifecycle.metrics_page(
             lambda request: authenticate(self.config, request.headers.get("authorization")))
         self.app = self.lifecycle.wrap(Starlette(
             routes=[Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                    Route("/v1/completions", self.completions, methods=["POST"]),
                     Route("/v1/models", self.models, methods=["GET"]),
                     Route("/health", self.health, methods=["GET"]),
                     Route("/ready", self.lifecycle.ready, methods=["GET"]),
@@ -269,10 +284,11 @@ class OpenAIServer:
             body = await read_json(request, self.config.max_body_bytes)
             req = parse_chat_request(body, models=self.config.models,
                                      max_tokens=self.config.max_tokens)
+            top = chat_logprobs(body)
             scope = resolve_scope(self.config, key, request.headers.get(SCOPE_HEADER), req.user)
             # A Speculator stream either way, stopped when its ticket says so (its deadline,
             # the server's shutdown, a client gone): abandoned, freed at its next step.
-            rendered, run = await _to_worker(self.executor, self._open, req, scope)
+            rendered, run = await _to_worker(self.executor, self._open, req, scope, top)
         except ApiError as e:
             return _error(e)
         ticket = ticket_of(request)
@@ -291,13 +307,59 @@ class OpenAIServer:
         self.lifecycle.finished(ticket, gen, scope)
         content, calls = openai_calls(gen.text, rendered.tool_format) if rendered.calls \
             else (gen.text, [])
-        return JSONResponse(completion_body(content=content, calls=calls, gen=gen, scope=scope,
-                                            **head))
+        body = completion_body(content=content, calls=calls, gen=gen, scope=scope, **head)
+        if top is not None:
+            text = await _to_worker(self.executor, TokenText.of, self.spec)
+            put_logprobs(body, chat_content(text, gen.logprobs or ()))
+        return JSONResponse(body)
 
-    def _open(self, req: ChatRequest, scope: str) -> tuple[Rendered, Any]:
-        """Render the request, then open its Speculator stream (in a worker: tokenising and
-        compiling a grammar take time); bad input raises ApiError before any token."""
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions`` (:mod:`.openai_completions`): keys and scopes as for chat."""
+        try:
+            key = authenticate(self.config, request.headers.get("authorization"))
+            body = await read_json(request, self.config.max_body_bytes)
+            req = parse_completion_request(body, models=self.config.models,
+                                           max_tokens=self.config.max_tokens)
+            scope = resolve_scope(self.config, key, request.headers.get(SCOPE_HEADER), req.user)
+            opened = await _to_worker(self.executor, self._completions.open, req, scope)
+        except ApiError as e:
+            return _error(e)
+        ticket = ticket_of(request)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": req.model}
+
+        def finished(gen: Generation) -> None:
+            self.lifecycle.finished(ticket, gen, scope)
+
+        def whole(stream: Any) -> Any:
+            return ticket.last(in_thread(lambda: deltas_then_generation(stream),
+                                         executor=self.executor), request)
+
+        if req.stream:
+            items = ticket.guard(in_thread(lambda: deltas_then_generation(opened.streams[0]),
+                                           executor=self.executor))
+            return _EventStream(self._completions.events(opened, items, head=head,
+                                                         finished=finished),
+                                media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        runs = [asyncio.ensure_future(whole(s)) for s in opened.streams]  # a choice each
+        try:
+            gens = await asyncio.gather(*runs)
+        except ApiError as e:
+            return _error(e)
+        finally:
+            for run in runs:  # one failed or was stopped: the others stop too
+                run.cancel()
+        for gen in gens:
+            finished(gen)
+        return JSONResponse(self._completions.body(opened, gens, head=head))
+
+    def _open(self, req: ChatRequest, scope: str, top: int | None = None) -> tuple[Rendered, Any]:
+        """Render the request (``top``: the log-probability alternatives asked for, None for
+        none), then open its Speculator stream (in a worker: tokenising and compiling a
+        grammar take time); bad input raises ApiError before any token."""
         rendered = render(req, self.spec.tokenizer, tool_format=self.tool_format)
+        if top is not None:
+            rendered = replace(rendered, sampling=replace(rendered.sampling, logprobs=top))
         try:
             run = self.spec.stream(rendered.prompt, req.max_tokens, sampling=rendered.sampling,
                                    stop=req.stop, scope=scope, record=self.config.record)
@@ -316,6 +378,9 @@ class OpenAIServer:
         yield sse(chunk_body(**head, delta={"role": "assistant", "content": ""}))
         holdback = CallHoldback(rendered.calls, rendered.tool_format)  # may still be a call
         gen: Generation | None = None
+        sent = None if rendered.sampling.logprobs is None else Sent(
+            await _to_worker(self.executor, TokenText.of, self.spec))
+        shown = 0  # characters of content sent
         try:
             async with aclosing(ticket.guard(in_thread(lambda: deltas_then_generation(stream),
                                                        executor=self.executor))) as items:
@@ -323,7 +388,12 @@ class OpenAIServer:
                     if isinstance(item, str):
                         text = holdback.push(item)
                         if text:
-                            yield sse(chunk_body(**head, delta={"content": text}))
+                            shown += len(text)
+                            chunk = chunk_body(**head, delta={"content": text})
+                            if sent is not None:
+                                put_logprobs(chunk, chat_content(sent.text,
+                                                                 sent.shown(stream, shown)[1]))
+                            yield sse(chunk)
                     else:
                         gen = item
         except ApiError as e:  # stopped: its deadline passed, or the server shuts down
@@ -344,8 +414,11 @@ class OpenAIServer:
             yield sse(chunk_body(**head, delta={"content": content}))
         if calls:
             yield sse(chunk_body(**head, delta=stream_calls(calls)))
-        yield sse(chunk_body(**head, delta={}, finish=finish_reason(gen, calls),
-                             agentspec=extension(gen, scope)))
+        last = chunk_body(**head, delta={}, finish=finish_reason(gen, calls),
+                          agentspec=extension(gen, scope))
+        if sent is not None:
+            put_logprobs(last, chat_content(sent.text, sent.rest(gen)[1]))
+        yield sse(last)
         if req.include_usage:
             yield sse(chunk_body(**head, delta=None, usage=usage_body(gen)))
         yield SSE_DONE

@@ -100,9 +100,10 @@ def serve(ctx: typer.Context,
               "--log-level", help=f"Server log level: {', '.join(_LOG_LEVELS)}.")] = "info",
           db: DbOpt = None) -> None:
     """Serve a model over an OpenAI-compatible HTTP API: POST /v1/chat/completions (streaming,
-    tools, JSON schemas), GET /v1/models, GET /health (alive), GET /ready (taking requests),
-    GET /metrics (Prometheus). Runs until SIGTERM or Ctrl-C: new requests then get a 503, the
-    ones in flight get --grace seconds, the memory's writes are flushed, and it exits 0.
+    tools, JSON schemas, logprobs), POST /v1/completions (raw prompts), GET /v1/models, GET
+    /health (alive), GET /ready (taking requests), GET /metrics (Prometheus). Runs until
+    SIGTERM or Ctrl-C: new requests then get a 503, the ones in flight get --grace seconds,
+    the memory's writes are flushed, and it exits 0.
 
     A request's memory scope is its X-Agentspec-Scope header, else its 'user' field, else
     its key's first scope, else --scope. Outputs equal Speculator.generate on the same

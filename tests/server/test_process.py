@@ -151,7 +151,7 @@ def _hostile(server: Server) -> list[tuple[str, dict[str, Any]]]:
         ("required without tools", body(tool_choice="required")),
         ("max_tokens over the limit", body(max_tokens=49)), ("max_tokens 0", body(max_tokens=0)),
         ("temperature 3", body(temperature=3)), ("top_p 0", body(top_p=0)),
-        ("negative seed", body(seed=-1)), ("n 2", body(n=2)), ("logprobs", body(logprobs=True)),
+        ("negative seed", body(seed=-1)), ("n 2", body(n=2)), ("top_logprobs 21", body(logprobs=True, top_logprobs=21)),
         ("penalty", body(presence_penalty=0.5)), ("five stops", body(stop=list("abcde"))),
         ("empty stop", body(stop=[""])), ("unknown field", body(frobnicate=1)),
         ("stream_options without stream", body(stream_options={"include_usage": True})),
@@ -166,7 +166,7 @@ def _hostile(server: Server) -> list[tuple[str, dict[str, Any]]]:
                                                            "X-Agentspec-Scope": "tenant-b"}}),
         ("prompt over the context", body(messages=user("word " * 9000))),
         ("wrong method", {"method": "GET", "url": url, "headers": AUTH}),
-        ("unknown path", {"method": "POST", "url": f"{server.url}/completions", "headers": AUTH}),
+        ("unknown path", {"method": "POST", "url": f"{server.url}/embeddings", "headers": AUTH}),
     ]
     fields = ["model", "messages", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
               "tools", "tool_choice", "response_format", "user", "n", "stream_options",
