@@ -154,8 +154,10 @@ class ToolFormat:
 
     def parse(self, text: str) -> Parsed:
         """Split ``text`` into its content, its valid calls and its invalid ones; never
-        raises. Output that starts like a call but holds none that parses (malformed, or cut
-        off by a token limit) is one invalid call carrying the whole text."""
+        raises. A wrapper whose JSON does not parse is an invalid call carrying the wrapper's
+        text; output that starts like a call but holds none (cut off by a token limit inside
+        the opening, or a bare format's malformed JSON) is one invalid call carrying the whole
+        text."""
         if self.wrapped:
             return self._parse_wrapped(text)
         return _parse_bare(text, self)

@@ -145,6 +145,71 @@ def test_an_unknown_format_is_named_with_the_known_ones() -> None:
         Grammar.tool_calls([WEATHER], tool_format="hermes", as_list=True)
 
 
+def test_an_unknown_format_is_refused_by_each_front_end(fake_spec: Any) -> None:
+    from agentspec.adapters.langchain import ChatAgentSpec
+    from agentspec.adapters.openai_server import ServerConfig
+
+    with pytest.raises(ValueError, match=r"unknown tool format 'hermez'; known formats: json"):
+        ChatAgentSpec(speculator=fake_spec, tool_format="hermez")
+    with pytest.raises(ValueError, match=r"unknown tool format 'hermez'; known formats: json"):
+        ServerConfig(models=("m",), tool_format="hermez")
+    assert ChatAgentSpec(speculator=fake_spec, tool_format="phi").tool_format == "phi"
+
+
+def test_serve_tool_format_reaches_the_server_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``agentspec serve --tool-format``: a known name becomes the server's config (caught
+    there, before any model loads; ``OpenAIServer`` reads it: tests/server/
+    test_tool_formats_served.py), an unknown one exits 2 naming the known formats."""
+    pytest.importorskip("uvicorn")
+    from typer.testing import CliRunner
+
+    from agentspec.adapters import openai_server
+    from agentspec.cli import app
+
+    configs: list[Any] = []
+
+    class Caught(Exception):
+        pass
+
+    real = openai_server.ServerConfig
+
+    def config(**fields: Any) -> Any:
+        configs.append(real(**fields))
+        raise Caught
+
+    monkeypatch.setattr(openai_server, "ServerConfig", config)
+    res = CliRunner().invoke(app, ["serve", "--port", "0", "--tool-format", "hermes"])
+    assert isinstance(res.exception, Caught), res.output
+    monkeypatch.setattr(openai_server, "ServerConfig", real)
+    assert [c.tool_format for c in configs] == ["hermes"]
+    res = CliRunner().invoke(app, ["serve", "--port", "0", "--tool-format", "hermez"])
+    assert res.exit_code == 2 and "unknown tool format 'hermez'" in res.output, res.output
+    assert "json, hermes" in res.output and "Traceback" not in res.output
+
+
+@pytest.mark.parametrize("name", ["hermes", "mistral"])
+def test_earlier_calls_are_written_back_in_the_format(name: str) -> None:
+    """The chat model and the server write an assistant turn's calls the same way, in the
+    format the answer is constrained to."""
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    from agentspec.adapters.langchain import to_chat_messages
+    from agentspec.adapters.openai_protocol import parse_chat_request, render
+    from tests.adapters.adapter_fakes import FakeTokenizer
+
+    lc = to_chat_messages([HumanMessage("1+2?"), AIMessage("Adding.", tool_calls=[
+        {"name": "add", "args": {"a": 1, "b": 2}, "id": "c1"}])], tool_format=name)
+    req = parse_chat_request({"model": "m", "messages": [
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": "Adding.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]}]},
+        models=["m"], max_tokens=8)
+    prompt = render(req, FakeTokenizer(), tool_format=name).prompt
+    want = "Adding.\n" + FORMATS[name].render([("add", {"a": 1, "b": 2})])
+    assert lc[1]["content"] == want and isinstance(prompt, list) and prompt[1]["content"] == want
+    assert json.loads(req.messages[1]["content"].split("\n")[1])["arguments"] == {"a": 1, "b": 2}
+
+
 # -- the grammars ------------------------------------------------------------------------------
 
 # Per format: texts with a wrong wrapper around a valid call of get_weather.
