@@ -50,7 +50,8 @@ SHARED_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k
                            "frequency_penalty", "logit_bias"})
 DEFAULT_MAX_TOKENS = 16
 MAX_PROMPTS = 16
-Prompt = str | tuple[int, ...]
+# A prompt as the endpoint takes it: the text the model reads, or its token ids.
+RawPrompt = str | tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class CompletionRequest:
     """A checked completions request: one choice per prompt, each with ``sampling``."""
 
     model: str
-    prompts: tuple[Prompt, ...]
+    prompts: tuple[RawPrompt, ...]
     max_tokens: int
     sampling: SamplingParams
     stop: list[str] = field(default_factory=list)
@@ -112,7 +113,7 @@ def parse_completion_request(body: Any, *, models: Sequence[str],
                              include_usage=chat.include_usage, echo=bool(echo), user=chat.user)
 
 
-def _prompts(prompt: Any) -> tuple[Prompt, ...]:
+def _prompts(prompt: Any) -> tuple[RawPrompt, ...]:
     """``prompt``: a string, an array of token ids, or an array of either (one choice each)."""
     shape = ("prompt must be a non-empty string, an array of token ids, or an array of "
              f"those (at most {MAX_PROMPTS})")
@@ -127,7 +128,7 @@ def _prompts(prompt: Any) -> tuple[Prompt, ...]:
     return tuple(_one(p, f"prompt[{i}]") for i, p in enumerate(prompt))
 
 
-def _one(prompt: Any, where: str) -> Prompt:
+def _one(prompt: Any, where: str) -> RawPrompt:
     if isinstance(prompt, str) and prompt:
         return prompt
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
@@ -180,7 +181,7 @@ class Completions:
         return Opened(req, scope, streams, texts,
                       None if req.logprobs is None else TokenText.of(self.spec))
 
-    def body(self, opened: Opened, gens: Sequence[Generation], *, head: Mapping[str, Any]
+    def body(self, opened: Opened, gens: Sequence[Generation], head: Mapping[str, Any]
              ) -> dict[str, Any]:
         """The JSON answer: a choice per prompt, in their order."""
         choices = []

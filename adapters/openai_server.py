@@ -351,7 +351,9 @@ class OpenAIServer:
                 run.cancel()
         for gen in gens:
             finished(gen)
-        return JSONResponse(self._completions.body(opened, gens, head=head))
+        # In a worker: with logprobs, each token's text offset decodes the tokens before it.
+        return JSONResponse(await _to_worker(self.executor, self._completions.body, opened, gens,
+                                             head))
 
     def _open(self, req: ChatRequest, scope: str, top: int | None = None) -> tuple[Rendered, Any]:
         """Render the request (``top``: the log-probability alternatives asked for, None for
