@@ -18,7 +18,7 @@ from agentspec.errors import (
     UnsupportedModelError,
     UnsupportedVersionError,
 )
-from agentspec.types import Draft, Generation, GenerationStats, Record, Verdict
+from agentspec.types import Draft, Generation, GenerationStats, Record, TokenLogprob, Verdict
 
 if TYPE_CHECKING:
     from agentspec.engine.load import load_target
@@ -52,6 +52,7 @@ __all__ = [
     "Speculator",
     "StoreError",
     "Stream",
+    "TokenLogprob",
     "UnsupportedModelError",
     "UnsupportedVersionError",
     "Verdict",
