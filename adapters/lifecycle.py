@@ -118,6 +118,7 @@ class Ticket:
         the stop's ApiError raised."""
         stopped = asyncio.ensure_future(self._stopped.wait())
         pending: asyncio.Future[T] | None = None
+        polled = time.monotonic()  # when the client was last looked for
 
         async def following() -> T:
             return await items.__anext__()
@@ -125,13 +126,21 @@ class Ticket:
         try:
             while True:
                 pending = asyncio.ensure_future(following())
-                while not pending.done():
+                while True:
                     await asyncio.wait({pending, stopped}, timeout=self._wait_s(request),
                                        return_when=asyncio.FIRST_COMPLETED)
-                    if not pending.done():
-                        await self._check(request)
+                    # Checked by the clock, not only while items are slow: a fast stream
+                    # must notice its client leaving too.
+                    if request is not None and time.monotonic() - polled >= POLL_S:
+                        polled = time.monotonic()
+                        if await request.is_disconnected():
+                            self.stop(ApiError(DISCONNECTED, "the client disconnected",
+                                               code="client_closed"), "disconnect")
+                    self._check_deadline()
                     if self.error is not None:
                         raise self.error
+                    if pending.done():
+                        break
                 try:
                     item = pending.result()
                 except StopAsyncIteration:
@@ -160,15 +169,12 @@ class Ticket:
             return left
         return POLL_S if left is None else min(left, POLL_S)
 
-    async def _check(self, request: Request | None) -> None:
+    def _check_deadline(self) -> None:
         if self.deadline is not None and time.monotonic() >= self.deadline:
             self.stop(ApiError(504, f"the request took longer than this server's request "
                                     f"timeout of {self.deadline - self.admitted:g} s; ask for "
                                     f"fewer max_tokens, or raise serve --request-timeout",
                                type="server_error", code="request_timeout"), "timeout")
-        elif request is not None and await request.is_disconnected():
-            self.stop(ApiError(DISCONNECTED, "the client disconnected", code="client_closed"),
-                      "disconnect")
 
 
 class Lifecycle:

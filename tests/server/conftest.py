@@ -41,12 +41,13 @@ class Server:
 
 
 def private_home(tmp: Path) -> Path:
-    """A fresh AGENTSPEC_HOME whose ``models`` and ``costs`` are the real home's."""
+    """A fresh AGENTSPEC_HOME whose ``models`` and ``costs`` are the real home's (the same
+    one again for ``tmp`` already used: a restart on the same memory and index files)."""
     home = tmp / "home"
-    home.mkdir(parents=True)
+    home.mkdir(parents=True, exist_ok=True)
     real = agentspec_home()
     for name in ("models", "costs"):
-        if (real / name).is_dir():
+        if (real / name).is_dir() and not (home / name).exists():
             (home / name).symlink_to(real / name)
     return home
 

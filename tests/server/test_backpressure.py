@@ -5,9 +5,11 @@ its completion, a stopped one records nothing, and the controls show the recordi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
@@ -15,7 +17,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from agentspec.adapters.lifecycle import ServiceConfig
+from agentspec.adapters.lifecycle import POLL_S, ServiceConfig, Ticket
+from agentspec.adapters.openai_protocol import ApiError
 from tests.server.inproc import (
     KEY,
     MODEL,
@@ -130,3 +133,43 @@ def test_a_client_that_leaves_stops_its_request(spec: Any) -> None:
     assert _rows(fast, "left") == 0
     assert total(samples, "agentspec_requests_stopped_total", reason="disconnect") == 1
     assert total(samples, "agentspec_requests_total", endpoint=CHAT, status="499") == 1
+
+
+class _Client:
+    """A request double whose client leaves at ``left_at`` (time.monotonic())."""
+
+    def __init__(self, left_at: float) -> None:
+        self.left_at = left_at
+
+    async def is_disconnected(self) -> bool:
+        return time.monotonic() >= self.left_at
+
+
+async def _ticking(closed: asyncio.Event) -> AsyncIterator[int]:
+    """Items every 10 ms, faster than the client is polled, without end."""
+    i = 0
+    try:
+        while True:
+            await asyncio.sleep(0.01)
+            yield i
+            i += 1
+    finally:
+        closed.set()
+
+
+@pytest.mark.parametrize("why", ["disconnect", "timeout"])
+async def test_a_fast_stream_is_stopped_too(why: str) -> None:
+    """Items arriving faster than the poll interval do not hide a client that left or a
+    deadline that passed (a guard that looked only while waiting for a slow item would run
+    on here until the test's own timeout)."""
+    closed = asyncio.Event()
+    ticket = Ticket(0.2 if why == "timeout" else None)
+    client = _Client(time.monotonic() + (0.2 if why == "disconnect" else 60))
+    started = time.monotonic()
+    with pytest.raises(ApiError) as stop:
+        async with asyncio.timeout(10):
+            async for _ in ticket.guard(_ticking(closed), client):  # type: ignore[arg-type]
+                pass
+    assert ticket.reason == why and stop.value.status == {"disconnect": 499, "timeout": 504}[why]
+    assert time.monotonic() - started < 0.2 + POLL_S + 0.5
+    assert closed.is_set()  # the items were closed
