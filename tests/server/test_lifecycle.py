@@ -81,6 +81,14 @@ def test_the_grace_ends_with_the_rest_stopped(spec: Any) -> None:
     assert fast.memory.store.count(scope="cut") == 0
 
 
+@pytest.mark.parametrize(("field", "value"), [("max_queue", -1), ("max_queue", 1.5),
+                                               ("request_timeout", 0), ("grace", -2.0),
+                                               ("grace", float("nan"))])
+def test_bad_service_settings_are_refused_naming_them(field: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=field):
+        ServiceConfig(**{field: value})
+
+
 # --- the start's index check ------------------------------------------------------------------
 
 def _record(memory: CompletionMemory, scope: str, text: str) -> int:
