@@ -241,18 +241,15 @@ class CompletionMemory:
         with self._ahead_lock:
             ahead = self._ahead.pop((key_text, scope, model, int(k), min_similarity), None)
         # On the worker, a prefetch may be queued behind the running task: looked up here.
+        found: list[tuple[Record, float]] | None = None
         if ahead is not None and (ahead.done() or not self.worker.on_worker):
             try:
-                found: list[tuple[Record, float]] = ahead.result()
-                return self._counted(found)
+                found = ahead.result()
             except Exception:  # looked up again here, where the error reaches the caller
                 pass
-        return self._counted(self._lookup(key_text, scope, model, k, min_similarity))
-
-    def _counted(self, found: list[tuple[Record, float]]) -> list[tuple[Record, float]]:
-        """A lookup's answer, counted for ``stats()["lookups"]`` (a hit: it found a record)."""
-        self._guard.counts["lookups"] += 1
-        self._guard.counts["lookup_hits"] += bool(found)
+        if found is None:
+            found = self._lookup(key_text, scope, model, k, min_similarity)
+        self._guard.counts.update(lookups=1, lookup_hits=int(bool(found)))  # for stats()
         return found
 
     def _lookup(self, key_text: str, scope: str, model: str, k: int,
@@ -428,8 +425,7 @@ class CompletionMemory:
         with self._lock:
             out["indexes"] = {s: len(st.index) for (s, _), st in self._indexes.items()}
             out["faults"] = self._guard.stats()
-            out["lookups"] = {"lookups": self._guard.counts["lookups"],
-                              "hits": self._guard.counts["lookup_hits"]}
+            out["lookups"] = {"lookups": self._guard.counts["lookups"], "hits": self._guard.counts["lookup_hits"]}
         return out
 
     def records(self, scope: str | None = None, model: str | None = None) -> Iterator[Record]:
