@@ -225,15 +225,15 @@ def open_store(ctx: typer.Context, *, create: bool = False,
 
 
 def load_speculator(model: str, url: str, config: Any = None, *, device: str | None = None,
-                    dtype: str | None = None) -> Any:
+                    dtype: str | None = None, speculate: bool = True) -> Any:
     """The Speculator of ``model`` with its memory at ``url`` and ``config`` (a
     :class:`~agentspec.SpecConfig`), on ``device`` in ``dtype`` (None: the defaults of
-    ``Speculator.from_pretrained``); a model that is not there raises NotFoundError or
-    ModelNotAvailableError: exit 3."""
+    ``Speculator.from_pretrained``); ``speculate=False``: plain decoding, no memory. A model
+    that is not there raises NotFoundError or ModelNotAvailableError: exit 3."""
     from agentspec.speculator import Speculator
 
-    return Speculator.from_pretrained(model, memory=url, config=config, device=device,
-                                      dtype=dtype)
+    return Speculator.from_pretrained(model, memory=url if speculate else None, config=config,
+                                      device=device, dtype=dtype, speculate=speculate)
 
 
 def print_json(obj: Any) -> None:

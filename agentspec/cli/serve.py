@@ -78,6 +78,9 @@ def serve(ctx: typer.Context,
                                     "template teaches (json when it renders no tools).")] = None,
           no_record: Annotated[bool, typer.Option(
               "--no-record", help="Draft from the memory but add nothing to it.")] = False,
+          no_speculate: Annotated[bool, typer.Option(
+              "--no-speculate", help="Plain decoding on the same engine: no drafts, no memory "
+                                     "(a baseline; outputs are the same).")] = False,
           max_queue: Annotated[int | None, typer.Option(
               "--max-queue", min=0, help="Requests that may wait beyond --max-batch; one more "
                                          "gets a 429 with Retry-After. Default: no bound.")] = None,
@@ -139,7 +142,7 @@ def serve(ctx: typer.Context,
     sock = _bind(host, port)
     started = time.perf_counter()
     spec = load_speculator(model, db_url(ctx), SpecConfig(max_batch=max_batch), device=device,
-                           dtype=dtype)
+                           dtype=dtype, speculate=not no_speculate)
     loaded = time.perf_counter()
     spec.warmup()
     print(f"load {loaded - started:.2f} s, warmup {time.perf_counter() - loaded:.2f} s",

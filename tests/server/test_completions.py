@@ -307,4 +307,15 @@ def test_serve_loads_the_model_where_asked(monkeypatch: pytest.MonkeyPatch) -> N
     result = CliRunner().invoke(app, ["serve", "--port", "0", "--device", "cpu", "--dtype",
                                       "bf16"])
     assert result.exit_code == 0, result.output
-    assert asked == {"device": "cpu", "dtype": "bf16"}
+    assert asked == {"device": "cpu", "dtype": "bf16", "speculate": True}
+    result = CliRunner().invoke(app, ["serve", "--port", "0", "--no-speculate"])
+    assert result.exit_code == 0, result.output
+    assert asked == {"device": None, "dtype": None, "speculate": False}
+
+
+def test_load_speculator_without_speculation_is_plain_and_keeps_no_memory(tmp_path: Any) -> None:
+    from agentspec.cli.common import load_speculator
+
+    spec = load_speculator(MODEL, f"sqlite:///{tmp_path / 'm.db'}", speculate=False)
+    assert spec.speculate is False and spec.memory is None
+    assert not (tmp_path / "m.db").exists()
