@@ -35,8 +35,8 @@ from agentspec.request import Request
 from agentspec.scheduler import Job, Scheduler
 from agentspec.session import Session, current_session, tool_loop
 from agentspec.stream import Stream
-from agentspec.text import Prompt, TextDeltas, encode_prompt
-from agentspec.types import Finished, Generation, GenerationStats, Record, TokenLogprob
+from agentspec.text import Prompt, TextDeltas, encode_prompt, origin_text
+from agentspec.types import Finished, Generation, GenerationStats, Origins, Record, TokenLogprob
 
 
 @dataclass
@@ -54,9 +54,15 @@ class _Run:
     cached_tokens: int = 0
     first_token_seconds: float = 0.0
     logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs: one per token
+    sources: list[str] = field(default_factory=list)  # each token's origin (Step.origins)
+    step_sizes: list[int] = field(default_factory=list)  # tokens each step committed
 
     def count(self, step: Step) -> None:
         self.steps += 1
+        origins = step.origins
+        if origins:
+            self.sources.extend(origins)
+            self.step_sizes.append(len(origins))
         draft = step.draft
         for node in range(draft.num_nodes):
             src = draft.source_of(node)
@@ -304,9 +310,12 @@ class Speculator:
         if tail:
             yield tail
         run.text = deltas.text
+        origins = Origins(tuple(run.sources), tuple(run.step_sizes)).cut(len(run.token_ids))
+        if request.record and self._memory is not None:  # the record keeps the text's runs
+            origins = origin_text(self.tokenizer, run.token_ids, origins, run.text)
         generation = Generation(run.text, tuple(run.token_ids), run.stats(), run.finish_reason,
                                 None if run.logprobs is None
-                                else tuple(run.logprobs[: len(run.token_ids)]))
+                                else tuple(run.logprobs[: len(run.token_ids)]), origins)
         if session is not None:
             session.observe(generation)
         self._end(request, context, generation, keeper)
@@ -328,7 +337,8 @@ class Speculator:
         row = Record(scope=request.scope, model=self.target.fingerprint, request_text=request.text,
                      key_text=request.key_text,
                      completion_text="" if generation is None else generation.text,
-                     completion_ids=tuple(ids))
+                     completion_ids=tuple(ids),
+                     origins=None if generation is None else generation.origins)
         for memory, own in credits.items():
             done = Finished(row, credits=tuple(own), remember=remember and memory is self._memory)
             try:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
+
+from agentspec.types import Origins
 
 Message = Mapping[str, Any]
 Prompt = str | Sequence[Message]
@@ -210,3 +213,49 @@ class TextDeltas:
         out = self.text[self.emitted : end]
         self.emitted = end
         return out
+
+
+# Tokens decoded before each run's own, so a tokenizer that drops a leading space at the start
+# of a decode (SentencePiece) or meets half a character there does it in both decodes alike.
+_WINDOW = 4
+
+
+def origin_text(tokenizer: Any, token_ids: Sequence[int], origins: Origins, text: str) -> Origins:
+    """``origins`` with :attr:`~agentspec.types.Origins.text_ends`: where each of its runs
+    ends in ``text``, the completion ``token_ids`` decode to (cut at a stop string or not).
+
+    Each run is decoded with a few tokens before it, and its text is what it adds to theirs
+    (a character split between two runs goes with the later one); the runs' texts together
+    must equal the whole decode, else every end is taken from a decode of the whole prefix.
+    So the cost is about one decode of the completion, and the ends are exact either way.
+    """
+    ids = list(token_ids)
+    ends = [end for _, _, _, end in origins.runs()]
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    offsets = _window_offsets(tokenizer, ids, ends, whole)
+    if offsets is None:  # the windows disagree with the whole decode: exact, slower
+        offsets = [len(tokenizer.decode(ids[:end], skip_special_tokens=True).rstrip("\ufffd"))
+                   for end in ends[:-1]] + [len(whole)] * bool(ends)
+    out, last = [], 0
+    for offset in offsets:  # within the text, never going back
+        last = max(last, min(offset, len(text)))
+        out.append(last)
+    return replace(origins, text_ends=tuple(out))
+
+
+def _window_offsets(tokenizer: Any, ids: list[int], ends: list[int], whole: str) -> list[int] | None:
+    pieces, offsets, prev, total = [], [], 0, 0
+    for end in ends:
+        start = max(0, prev - _WINDOW)
+        head = tokenizer.decode(ids[start:prev], skip_special_tokens=True).rstrip("\ufffd") \
+            if prev > start else ""
+        both = tokenizer.decode(ids[start:end], skip_special_tokens=True)
+        if end < len(ids):
+            both = both.rstrip("\ufffd")  # half a character: the next run's
+        if not both.startswith(head):
+            return None
+        pieces.append(both[len(head):])
+        total += len(both) - len(head)
+        offsets.append(total)
+        prev = end
+    return offsets if "".join(pieces) == whole else None

@@ -200,6 +200,142 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+# The origin of a token the target chose itself (a step's recovered or bonus token), beside
+# the draft sources' names; not "model", which names the small draft model's drafts.
+TARGET_ORIGIN = "target"
+
+
+@dataclass(frozen=True)
+class Origins:
+    """Where each token of a completion came from, and which verification step committed it.
+
+    Only bookkeeping: it is read off each step's verdict after the tokens are decided, so it
+    never changes one.
+
+    Attributes:
+        sources: per token, the draft source that proposed it when it was an accepted draft
+            token (``"memory"``, ``"prompt_lookup"``, ``"suffix"``, ``"model"`` for a small draft
+            model, ``"head"``, ``"grammar"``, ...), or :data:`TARGET_ORIGIN` for the token the
+            target chose itself: the one token each step commits beyond its accepted drafts.
+        steps: how many tokens each step committed, in order; each at least one, together
+            ``len(sources)``.
+        text_ends: optionally, for each of :meth:`runs`, the length of the completion's text
+            through that run's last token (what slices the text by origin without a
+            tokenizer; :func:`agentspec.text.origin_text`); None where not computed.
+    """
+
+    sources: tuple[str, ...] = ()
+    steps: tuple[int, ...] = ()
+    text_ends: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for n in self.steps:
+            if type(n) is not int or n < 1:
+                raise ValueError(f"every step commits at least one token, got a step of {n!r}")
+        if sum(self.steps) != len(self.sources):
+            raise ValueError(f"the steps commit {sum(self.steps)} tokens but there are "
+                             f"{len(self.sources)} sources; give one source per token")
+        for s in set(self.sources):
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"a token's source must be a non-empty str, got {s!r}")
+        if self.text_ends is not None:
+            runs = len(self.runs())
+            ends = self.text_ends
+            if len(ends) != runs or any(type(e) is not int for e in ends) or \
+                    any(b < a for a, b in zip((0, *ends), ends, strict=False)):
+                raise ValueError(f"text_ends must be {runs} non-decreasing ints >= 0 (one per "
+                                 f"run), got {ends!r:.200}")
+
+    def counts(self) -> dict[str, int]:
+        """Tokens per origin, sorted by name."""
+        out: dict[str, int] = {}
+        for s in self.sources:
+            out[s] = out.get(s, 0) + 1
+        return dict(sorted(out.items()))
+
+    def runs(self) -> tuple[tuple[int, str, int, int], ...]:
+        """``(step, source, start, end)`` for each stretch of tokens ``[start, end)`` one step
+        committed from one source, in order: a run never spans two steps."""
+        out: list[tuple[int, str, int, int]] = []
+        start = 0
+        for step, size in enumerate(self.steps):
+            end = start + size
+            at = start
+            for i in range(start + 1, end + 1):
+                if i == end or self.sources[i] != self.sources[at]:
+                    out.append((step, self.sources[at], at, i))
+                    at = i
+            start = end
+        return tuple(out)
+
+    def pieces(self, text: str) -> tuple[tuple[int, str, int, str], ...]:
+        """``(step, source, tokens, piece)`` for each of :meth:`runs`: ``text`` (the completion
+        these origins describe) cut at :attr:`text_ends`. A piece may be empty (a special
+        token, or half a character that the next piece completes).
+
+        Raises:
+            ValueError: without ``text_ends`` (:func:`agentspec.text.origin_text` adds them).
+        """
+        if self.text_ends is None:
+            raise ValueError("these origins have no text_ends; add them with "
+                             "agentspec.text.origin_text(tokenizer, token_ids, origins, text)")
+        out, at = [], 0
+        for (step, source, start, end), stop in zip(self.runs(), self.text_ends, strict=True):
+            out.append((step, source, end - start, text[at:stop]))
+            at = max(at, stop)
+        return tuple(out)
+
+    def cut(self, tokens: int) -> Origins:
+        """The origins of the first ``tokens`` tokens (a stop string cut the completion
+        there); the text's ends are dropped, they belong to the uncut text."""
+        if tokens >= len(self.sources):
+            return self
+        steps, left = [], tokens
+        for size in self.steps:
+            if left <= 0:
+                break
+            steps.append(min(size, left))
+            left -= size
+        return Origins(self.sources[:tokens], tuple(steps))
+
+    def as_json(self) -> str:
+        """A compact JSON text of these origins (what the memory's records keep)."""
+        import json
+
+        body: dict[str, Any] = {"runs": [[step, source, end - start]
+                                         for step, source, start, end in self.runs()]}
+        if self.text_ends is not None:
+            body["text_ends"] = list(self.text_ends)
+        return json.dumps(body, separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> Origins:
+        """Read :meth:`as_json`'s text back.
+
+        Raises:
+            ValueError: the text is not such JSON (the message says what is wrong).
+        """
+        import json
+
+        try:
+            body = json.loads(text)
+            runs, ends = body["runs"], body.get("text_ends")
+            sources: list[str] = []
+            steps: list[int] = []
+            for step, source, n in runs:
+                if type(step) is not int or type(n) is not int or n < 1 or \
+                        step not in (len(steps) - 1, len(steps)):
+                    raise ValueError(f"bad run {[step, source, n]!r}")
+                if step == len(steps):
+                    steps.append(0)
+                steps[step] += n
+                sources.extend([source] * n)
+            return Origins(tuple(sources), tuple(steps),
+                           None if ends is None else tuple(ends))
+        except (TypeError, KeyError, AttributeError, ValueError) as e:
+            raise ValueError(f"not the JSON of token origins ({e}): {text!r:.120}") from None
+
+
 @dataclass(frozen=True)
 class Generation:
     """The result of ``Speculator.generate``.
@@ -211,6 +347,8 @@ class Generation:
         finish_reason: "stop" (a stop token or string), or "length" (max_new_tokens reached).
         logprobs: one :class:`TokenLogprob` per token of ``token_ids`` when the call's
             ``SamplingParams.logprobs`` asked for them, else None.
+        origins: where each token of ``token_ids`` came from and the steps that committed
+            them (:class:`Origins`; a Speculator always fills it), else None.
     """
 
     text: str
@@ -218,6 +356,7 @@ class Generation:
     stats: GenerationStats
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] | None = None
+    origins: Origins | None = None
 
 
 @dataclass(frozen=True)
@@ -225,7 +364,9 @@ class Record:
     """One remembered completion: a row of the completion memory's SQL store.
 
     ``id`` is ``None`` until the store assigns it. ``embedding`` is float32 ``[dim]``,
-    L2-normalised, or ``None`` when not embedded yet. Times are Unix seconds.
+    L2-normalised, or ``None`` when not embedded yet. Times are Unix seconds. ``origins``:
+    where each completion token came from when it was generated (:class:`Origins`), or None
+    (recorded without them, or by an older agentspec).
     """
 
     scope: str
@@ -241,6 +382,7 @@ class Record:
     last_used_at: float = 0.0
     hits: int = 0
     accepted_tokens: int = 0
+    origins: Origins | None = field(default=None, compare=False)
 
     @property
     def num_tokens(self) -> int:

@@ -60,6 +60,9 @@ def check_record(record: Record) -> None:
     for name in ("hits", "accepted_tokens"):
         if getattr(record, name) < 0:
             raise ValueError(f"{name} must be >= 0, got {getattr(record, name)}")
+    if record.origins is not None and len(record.origins.sources) != len(record.completion_ids):
+        raise ValueError(f"origins name {len(record.origins.sources)} tokens for "
+                         f"{len(record.completion_ids)} completion ids; give one per token or none")
 
 
 def check_nonneg(name: str, value: float | None) -> None:

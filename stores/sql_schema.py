@@ -5,6 +5,8 @@ without that table but with ``agentspec_records`` is version 0: the pre-release 
 lacked ``accepted_tokens``, ``num_tokens``, ``num_bytes`` and the indexes. Opening an older
 version runs every migration from it up to ``SCHEMA_VERSION`` in one transaction; opening a
 newer one is refused, since an older agentspec cannot know what the newer columns mean.
+Version 2 added ``origins``: where each completion token came from (a JSON text, NULL for the
+rows written before it).
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from sqlalchemy import (
 
 from agentspec.errors import StoreError
 from agentspec.stores.memory_store import content_hash, record_bytes
-from agentspec.types import Record
+from agentspec.types import Origins, Record
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 metadata = MetaData()
 
@@ -59,6 +61,7 @@ records = Table(
     Column("request_text", Text, nullable=False),
     Column("key_text", Text, nullable=False),
     Column("completion_text", Text, nullable=False),
+    Column("origins", Text, nullable=True),  # Origins.as_json(); NULL: not kept
     # Ids are never reused (SQLite would give a deleted newest row's id to the next insert):
     # a memory catching up by id would take that row for one it already holds.
     sqlite_autoincrement=True,
@@ -93,20 +96,34 @@ def row_values(record: Record, now: float) -> dict[str, Any]:
         "completion_ids": ids.tobytes(), "embedding": None if emb is None else emb.tobytes(),
         "request_text": record.request_text, "key_text": record.key_text,
         "completion_text": record.completion_text,
+        "origins": None if record.origins is None else record.origins.as_json(),
     }
 
 
 def to_record(row: Any) -> Record:
-    """Decode one ``agentspec_records`` row."""
+    """Decode one ``agentspec_records`` row (origins that do not read back, or do not fit
+    its tokens, are left out: they are only ever shown)."""
     emb = None if row.embedding is None else np.frombuffer(row.embedding, "<f4").astype(np.float32)
+    ids = tuple(np.frombuffer(row.completion_ids, "<i4").tolist())
     return Record(
         scope=row.scope, model=row.model, request_text=row.request_text, key_text=row.key_text,
         completion_text=row.completion_text,
-        completion_ids=tuple(np.frombuffer(row.completion_ids, "<i4").tolist()),
+        completion_ids=ids,
         embedding=emb, embedder=row.embedder, id=int(row.id), created_at=float(row.created_at),
         last_used_at=float(row.last_used_at), hits=int(row.hits),
-        accepted_tokens=int(row.accepted_tokens),
+        accepted_tokens=int(row.accepted_tokens), origins=_origins(row, len(ids)),
     )
+
+
+def _origins(row: Any, tokens: int) -> Origins | None:
+    text = getattr(row, "origins", None)
+    if text is None:
+        return None
+    try:
+        origins = Origins.from_json(text)
+    except ValueError:
+        return None
+    return origins if len(origins.sources) == tokens else None
 
 
 def read_version(conn: Connection) -> int | None:
@@ -146,7 +163,14 @@ def _migrate_0_to_1(conn: Connection) -> None:
         index.create(conn, checkfirst=True)
 
 
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {0: _migrate_0_to_1}
+def _migrate_1_to_2(conn: Connection) -> None:
+    """Add ``origins``, NULL for the rows there are (their origins were never kept)."""
+    have = {c["name"] for c in inspect(conn).get_columns(records.name)}
+    if "origins" not in have:
+        conn.exec_driver_sql(f"ALTER TABLE {records.name} ADD COLUMN origins TEXT")
+
+
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {0: _migrate_0_to_1, 1: _migrate_1_to_2}
 
 
 def prepare(conn: Connection, url: str) -> None:

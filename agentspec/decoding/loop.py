@@ -28,7 +28,7 @@ from agentspec.grammar.state import GrammarState
 from agentspec.protocols import DraftContext, Drafter, StepObserver
 from agentspec.text import cut_at_stop
 from agentspec.tree import depths, sub_draft
-from agentspec.types import EMPTY_DRAFT, Draft, TokenLogprob, Verdict
+from agentspec.types import EMPTY_DRAFT, TARGET_ORIGIN, Draft, TokenLogprob, Verdict
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,15 @@ class Step:
     new_tokens: tuple[int, ...]
     stopped: bool
     logprobs: tuple[TokenLogprob, ...] | None = None
+
+    @property
+    def origins(self) -> tuple[str, ...]:
+        """Where each of ``new_tokens`` came from: the draft source of each accepted node,
+        then :data:`~agentspec.types.TARGET_ORIGIN` for the token the target chose itself
+        (the recovered or bonus token); cut where ``new_tokens`` is."""
+        out = [self.draft.source_of(node) for node in self.verdict.path]
+        out.append(TARGET_ORIGIN)
+        return tuple(out[: len(self.new_tokens)])
 
 
 class NoDrafter:

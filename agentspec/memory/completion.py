@@ -45,7 +45,7 @@ from agentspec.memory.worker import KeyVectors, Worker
 from agentspec.protocols import Embedder, MemoryStore
 from agentspec.stores.faiss_index import FaissIndex
 from agentspec.stores.sql import SQLStore
-from agentspec.types import Finished, Record
+from agentspec.types import Finished, Origins, Record
 
 # Lookups started ahead and kept until their lookup (one a concurrent call; a few spare).
 _AHEAD = 64
@@ -200,10 +200,11 @@ class CompletionMemory:
         write = self.record_behind if behind else self.record
         return write(scope=row.scope, model=row.model, request_text=row.request_text,
                      key_text=row.key_text, completion_text=row.completion_text,
-                     completion_ids=row.completion_ids)
+                     completion_ids=row.completion_ids, origins=row.origins)
 
     def record_behind(self, *, scope: str, model: str, request_text: str, key_text: str,
-                      completion_text: str, completion_ids: Sequence[int]) -> Future[int]:
+                      completion_text: str, completion_ids: Sequence[int],
+                      origins: Origins | None = None) -> Future[int]:
         """:meth:`record` on the memory's worker thread: returns at once, with the future of
         the record id. Every later read of this memory (a lookup, ``completions``, ``search``,
         ``stats``, ``records``) and every later write first waits for the writes handed over
@@ -213,7 +214,7 @@ class CompletionMemory:
         ids = tuple(int(t) for t in completion_ids)  # the caller may reuse its list
         return self.worker.behind(self.record, scope=scope, model=model, request_text=request_text,
                             key_text=key_text, completion_text=completion_text,
-                            completion_ids=ids)
+                            completion_ids=ids, origins=origins)
 
     def credit_behind(self, record_id: int, accepted_tokens: int) -> None:
         """:meth:`credit` on the memory's worker thread, in order with the other writes handed
@@ -298,9 +299,10 @@ class CompletionMemory:
                 self._guard.failed("read", e)
 
     def record(self, *, scope: str, model: str, request_text: str, key_text: str,
-               completion_text: str, completion_ids: Sequence[int]) -> int:
+               completion_text: str, completion_ids: Sequence[int],
+               origins: Origins | None = None) -> int:
         """Remember a completion: the SQL row first (with its embedding), then the index; then
-        evict least recently used rows above the caps.
+        evict least recently used rows above the caps. Its tokens' ``origins`` are only shown.
 
         Returns:
             The record id (an exact duplicate returns the existing id and bumps its hits), or
@@ -314,7 +316,7 @@ class CompletionMemory:
         vector = self._vectors.get(self.embedder, key_text)
         record = Record(scope=scope, model=model, request_text=request_text, key_text=key_text,
                         completion_text=completion_text,
-                        completion_ids=tuple(int(t) for t in completion_ids),
+                        completion_ids=tuple(int(t) for t in completion_ids), origins=origins,
                         embedding=vector, embedder=self.embedder.name, created_at=time.time())
         with self._lock:
             self._flush()

@@ -87,7 +87,7 @@ def test_version_0_layout_is_migrated(tmp_path):
             " 'key', 'out é')"), {"ids": np.asarray([5, 6, 7], "<i4").tobytes(), "emb": emb.tobytes()})
     engine.dispose()
     store = SQLStore(url)
-    assert store.schema_version() == SCHEMA_VERSION == 1
+    assert store.schema_version() == SCHEMA_VERSION == 2
     old = store.get(1)
     assert old.completion_ids == (5, 6, 7) and old.hits == 3 and old.accepted_tokens == 0
     assert store.token_total() == 3 and store.stats()["bytes"] == 12 + 16 + len("reqkeyout é".encode())
@@ -97,7 +97,7 @@ def test_version_0_layout_is_migrated(tmp_path):
         index_names = {r[0] for r in conn.exec_driver_sql(
             "SELECT name FROM sqlite_master WHERE type = 'index'")}
     assert "ix_agentspec_records_last_used" in index_names
-    assert SQLStore(url).schema_version() == 1  # reopening is a no-op
+    assert SQLStore(url).schema_version() == 2  # reopening is a no-op
 
 
 def test_newer_schema_is_refused(tmp_path):
