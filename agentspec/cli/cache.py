@@ -11,6 +11,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
+from agentspec.cli import origins as by_origin
 from agentspec.cli.common import (
     APP_SETTINGS,
     EXIT_NOT_FOUND,
@@ -159,8 +160,13 @@ def ls(ctx: typer.Context, scope: ScopeOpt = None,
 
 @cache_app.command("show")
 @cache_command
-def show(ctx: typer.Context, record_id: Annotated[int, typer.Argument(metavar="ID")]) -> None:
-    """Show one record: request, completion, token ids, hits, accepted tokens, times.
+def show(ctx: typer.Context, record_id: Annotated[int, typer.Argument(metavar="ID")],
+         no_color: Annotated[bool, typer.Option(
+             "--no-color", help="Mark each token's origin with [tags] instead of colours "
+                                "(the form a pipe gets).")] = False) -> None:
+    """Show one record: request, completion, token ids, hits, accepted tokens, times, and
+    the completion coloured by where each token came from (memory, prompt lookup, suffix,
+    the model itself), its steps marked.
 
     Example: agentspec cache show 42
     """
@@ -169,7 +175,10 @@ def show(ctx: typer.Context, record_id: Annotated[int, typer.Argument(metavar="I
     if r is None:
         fail(f"no record with id {record_id}", EXIT_NOT_FOUND)
     if want_json(ctx):
-        print_json(record_json(r))
+        out = record_json(r)
+        out["origins"] = None if r.origins is None else by_origin.as_json(r.completion_text,
+                                                                           r.origins)
+        print_json(out)
         return
     import datetime as dt
 
@@ -187,6 +196,8 @@ def show(ctx: typer.Context, record_id: Annotated[int, typer.Argument(metavar="I
                         ("completion", r.completion_text)):
         console.rule(title)
         console.print(text, markup=False)
+    by_origin.show(console, r.completion_text, r.origins,
+                   color=not no_color and console.is_terminal and not console.no_color)
     console.rule("completion token ids")
     console.print(str(list(r.completion_ids)), markup=False)
 

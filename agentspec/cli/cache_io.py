@@ -2,7 +2,8 @@
 
 Export writes one JSON object per record (JSON Lines): every field, token ids as a list, the
 embedding as base64 of little-endian float32 (``embedding_b64``; import also takes a plain
-``embedding`` list). Floats go through ``repr``, so times round-trip exactly. No pickle.
+``embedding`` list), the tokens' origins as their JSON object (or null). Floats go through
+``repr``, so times round-trip exactly. No pickle.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from agentspec.cli.common import (
     report,
     want_json,
 )
-from agentspec.types import Record
+from agentspec.types import Origins, Record
 
 _BATCH = 1000
 _FIELDS = ("scope", "model", "request_text", "key_text", "completion_text")
@@ -46,8 +47,20 @@ def to_line(r: Record) -> str:
            "completion_ids": list(r.completion_ids), "embedder": r.embedder,
            "dim": 0 if emb is None else int(emb.size),
            "embedding_b64": None if emb is None else base64.b64encode(emb.tobytes()).decode(),
-           **{f: getattr(r, f) for f in _TIMES + _COUNTERS}}
+           **{f: getattr(r, f) for f in _TIMES + _COUNTERS},
+           "origins": None if r.origins is None else json.loads(r.origins.as_json())}
     return json.dumps(obj, ensure_ascii=False)
+
+
+def _origins(obj: dict[str, Any], tokens: int) -> Origins | None:
+    """The exported origins (Origins.as_json's object), or None without them."""
+    raw = obj.get("origins")
+    if raw is None:
+        return None
+    origins = Origins.from_json(json.dumps(raw))
+    if len(origins.sources) != tokens:
+        raise ValueError(f"origins name {len(origins.sources)} tokens for {tokens} completion ids")
+    return origins
 
 
 def _embedding(obj: dict[str, Any]) -> np.ndarray | None:
@@ -108,7 +121,8 @@ def from_line(line: str) -> Record:
                     embedder=obj.get("embedder", "") if emb is not None else "",
                     created_at=float(obj.get("created_at", 0.0)),
                     last_used_at=float(obj.get("last_used_at", 0.0)),
-                    hits=int(obj.get("hits", 0)), accepted_tokens=int(obj.get("accepted_tokens", 0)))
+                    hits=int(obj.get("hits", 0)), accepted_tokens=int(obj.get("accepted_tokens", 0)),
+                    origins=_origins(obj, len(ids)))
     check_record(record)
     return record
 
