@@ -2,7 +2,8 @@
 
 ``POST /v1/chat/completions`` and ``POST /v1/completions`` (:mod:`.openai_completions`;
 plain or streamed as server-sent events, with log-probabilities on request), ``GET
-/v1/models``, ``GET /health``, ``GET /ready`` and ``GET /metrics``, on Starlette. Needs
+/v1/models``, ``GET /health``, ``GET /ready``, ``GET /metrics``, and the page that shows what
+the drafts did (``GET /`` and its data, :mod:`.dashboard`), on Starlette. Needs
 ``pip install 'agentspec-llm[serve]'``.
 
 What a request means and what an answer looks like is :mod:`.openai_protocol`'s business;
@@ -58,6 +59,7 @@ from agentspec.adapters.chat import (
     in_thread,
     resolve_tool_format,
 )
+from agentspec.adapters.dashboard import Dashboard
 from agentspec.adapters.json_text import lone_surrogate
 from agentspec.adapters.lifecycle import Lifecycle, ServiceConfig, Ticket, ticket_of
 from agentspec.adapters.openai_completions import Completions, parse_completion_request
@@ -178,6 +180,14 @@ def resolve_scope(config: ServerConfig, key: str | None, header: str | None,
     return scope
 
 
+def visible_scopes(config: ServerConfig, key: str | None) -> frozenset[str] | None:
+    """The scopes whose requests and memory a key may see (None: every scope): a key's own
+    scopes, else the allow-list."""
+    if key is not None and key in config.key_scopes:
+        return frozenset(config.key_scopes[key])
+    return config.scopes
+
+
 def authenticate(config: ServerConfig, authorization: str | None) -> str | None:
     """The request's key (None on a keyless server).
 
@@ -254,8 +264,14 @@ class OpenAIServer:
                                    max_batch=getattr(getattr(spec, "config", None), "max_batch", 1))
         metrics = self.lifecycle.metrics_page(
             lambda request: authenticate(self.config, request.headers.get("authorization")))
+        self.dashboard = Dashboard(
+            spec, authorize=lambda request: authenticate(self.config,
+                                                         request.headers.get("authorization")),
+            scopes_for=lambda key: visible_scopes(self.config, key), load=self.lifecycle.load)
         self.app = self.lifecycle.wrap(Starlette(
-            routes=[Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            routes=[Route("/", self.dashboard.page, methods=["GET"]),
+                    Route("/v1/agentspec/dashboard", self.dashboard.data, methods=["GET"]),
+                    Route("/v1/chat/completions", self.chat, methods=["POST"]),
                     Route("/v1/completions", self.completions, methods=["POST"]),
                     Route("/v1/models", self.models, methods=["GET"]),
                     Route("/health", self.health, methods=["GET"]),
@@ -305,6 +321,7 @@ class OpenAIServer:
             return _error(e)
         assert isinstance(gen, Generation)
         self.lifecycle.finished(ticket, gen, scope)
+        self.dashboard.finished(head["id"], gen, scope, "chat")
         content, calls = openai_calls(gen.text, rendered.tool_format) if rendered.calls \
             else (gen.text, [])
         body = completion_body(content=content, calls=calls, gen=gen, scope=scope, **head)
@@ -329,6 +346,7 @@ class OpenAIServer:
 
         def finished(gen: Generation) -> None:
             self.lifecycle.finished(ticket, gen, scope)
+            self.dashboard.finished(head["id"], gen, scope, "completions")
 
         def whole(stream: Any) -> Any:
             return ticket.last(in_thread(lambda: deltas_then_generation(stream),
@@ -410,6 +428,7 @@ class OpenAIServer:
             return
         assert gen is not None
         self.lifecycle.finished(ticket, gen, scope)
+        self.dashboard.finished(head["id"], gen, scope, "chat")
         content, calls = openai_calls(holdback.held, rendered.tool_format) if holdback.held \
             else ("", [])
         if content:
