@@ -18,7 +18,15 @@ from agentspec.errors import (
     UnsupportedModelError,
     UnsupportedVersionError,
 )
-from agentspec.types import Draft, Generation, GenerationStats, Record, TokenLogprob, Verdict
+from agentspec.types import (
+    Draft,
+    Generation,
+    GenerationStats,
+    Origins,
+    Record,
+    TokenLogprob,
+    Verdict,
+)
 
 if TYPE_CHECKING:
     from agentspec.engine.load import load_target
@@ -46,6 +54,7 @@ __all__ = [
     "HFTarget",
     "MemoryFaultWarning",
     "ModelNotAvailableError",
+    "Origins",
     "Record",
     "SamplingParams",
     "SpecConfig",
