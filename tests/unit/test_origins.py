@@ -226,6 +226,18 @@ def test_origins_are_each_tokens_draft_source_and_each_steps_own_token(target):
     assert no_draft.origins == Origins((TARGET_ORIGIN,) * TOKENS, (1,) * TOKENS)
 
 
+def test_recording_changes_no_token(target, monkeypatch):
+    """The same requests with the recording and without it (every step's origins empty):
+    the same tokens and the same drafts."""
+    _, recorded = _runs(target)
+    monkeypatch.setattr(Step, "origins", property(lambda self: ()))
+    _, bare = _runs(target)
+    assert bare.origins == Origins() and recorded.origins != Origins()
+    assert bare.token_ids == recorded.token_ids
+    assert (bare.stats.drafted, bare.stats.accepted, bare.stats.steps) == \
+        (recorded.stats.drafted, recorded.stats.accepted, recorded.stats.steps)
+
+
 def _target_first(self: Step) -> tuple[str, ...]:
     out = [TARGET_ORIGIN, *(self.draft.source_of(n) for n in self.verdict.path)]
     return tuple(out[: len(self.new_tokens)])
