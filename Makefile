@@ -70,7 +70,17 @@ test-install:
 	bash .ci/test_install.sh
 
 clean:
-	rm -rf $(VENV) $(COMPAT_VENV) build dist *.egg-info
+	rm -rf $(VENV) $(COMPAT_VENV) $(BFCL_VENV) build dist *.egg-info
+
+# BFCL's own runner (`python -m agentspec.bench.bfcl_served`) imports every API client it
+# supports; it gets a venv of its own and talks to `agentspec serve` over HTTP only.
+BFCL_VENV := .venv-bfcl
+.PHONY: bfcl-venv
+bfcl-venv: $(BFCL_VENV)/.installed
+$(BFCL_VENV)/.installed:
+	test -x $(BFCL_VENV)/bin/python || python3 -m venv $(BFCL_VENV)
+	$(BFCL_VENV)/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0 bfcl-eval==2026.3.23 soundfile  # qwen-agent imports it undeclared
+	touch $@
 
 # Not part of `make test`: agentspec's proposer inside vLLM (tests/vllm/: greedy outputs
 # identical to vLLM without speculation on bfcl-live, accepted tokens, two engine processes
