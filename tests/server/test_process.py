@@ -201,12 +201,13 @@ def test_scopes_keep_tenants_apart(server: Server) -> None:
     """What tenant A's requests record drafts for A's next request, never for B's (same
     prompt, same output), and B's requests write nothing under A."""
     prompt = user("List the planets of the solar system in order.")
+    start = rows(server, "tenant-a")  # other tests on this worker's server may use tenant A
     first = chat(server, prompt, key="key-a", max_tokens=24)
     assert first.status_code == 200 and first.json()["agentspec"]["scope"] == "tenant-a"
     deadline = time.monotonic() + 30
-    while rows(server, "tenant-a") < 1 and time.monotonic() < deadline:
+    while rows(server, "tenant-a") < start + 1 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert rows(server, "tenant-a") == 1
+    assert rows(server, "tenant-a") == start + 1
     again = chat(server, prompt, key="key-a", max_tokens=24)
     assert drafted_from_memory(again.json()) > 0  # the control: A's memory drafts for A
     before = rows(server, "tenant-a", settle=1.0)
