@@ -60,7 +60,11 @@ def test_the_report_names_each_sides_widths_where_they_differ():
     assert "A (the bench's settings; prefill widths 128,256)" in format_result(result)
 
 
+# Its settings, widths and report are tested above, and the runner it drives (harness.run_requests)
+# on the real model by test_harness and test_cli in `make test`;
+# this runs the whole command on the real model.
 @pytest.mark.slow
+@pytest.mark.long
 def test_two_settings_side_by_side_on_a_real_model(tmp_path: Path):
     # Side A also on other forward widths: another engine, the same outputs.
     result = compare("prompts", {}, {"write_behind": False}, measure=2, device="cpu",
