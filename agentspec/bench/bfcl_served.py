@@ -12,7 +12,8 @@ SGLang server. Then ``bfcl evaluate`` scores both result folders.
 It reports, per category, BFCL's accuracy for each server, the wall time of each generation
 phase, and how many of BFCL's recorded answers are byte-identical between the two: the promise
 is that drafts change no answer, so the scores must be equal. The first ``--limit`` entries of
-each category run (BFCL's ``--run-ids`` file); greedy (``--temperature 0``).
+each category run (BFCL's ``--run-ids`` file); greedy (``--temperature 0``); BFCL is told the
+model's context is ``--context`` tokens (:func:`bounded_copy`).
 
 Needs the server extra, and BFCL with its own dependencies in a Python of its own
 (``--bfcl-python``, default ``.venv-bfcl/bin/python``: ``make bfcl-venv`` builds it; the
@@ -48,11 +49,29 @@ def _entries(category: str, limit: int) -> list[str]:
     return [entry["id"] for entry in load_dataset_entry(category)][:limit]
 
 
-def start_server(model_dir: str, db: str, extra: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    """``agentspec serve`` on a free port with ``model_dir`` served under its own path (the
-    name BFCL sends as ``model``); returns the process and its base URL once it serves."""
+def bounded_copy(model_dir: str, to: Path, context: int) -> str:
+    """What BFCL reads of the model (its tokenizer and config; no weights) in ``to``, the
+    config's ``max_position_embeddings`` set to ``context``: BFCL asks each request for the
+    context left after its prompt, and a small model that repeats itself to the end of a
+    4,096-token answer would hold the bench for hours. Both servers get the same bound."""
+    import shutil
+
+    to.mkdir(parents=True, exist_ok=True)
+    for path in Path(model_dir).iterdir():
+        if path.is_file() and not path.name.endswith((".safetensors", ".bin", ".gguf")):
+            shutil.copy(path, to / path.name)
+    config = json.loads((to / "config.json").read_text())
+    config["max_position_embeddings"] = context
+    (to / "config.json").write_text(json.dumps(config, indent=1))
+    return str(to)
+
+
+def start_server(model_dir: str, served_as: str, db: str, extra: list[str],
+                 log: Path) -> tuple[subprocess.Popen, str]:
+    """``agentspec serve`` of ``model_dir`` on a free port under the name ``served_as`` (the
+    path BFCL sends as ``model``); returns the process and its base URL once it serves."""
     cmd = [sys.executable, "-m", "agentspec.cli", "serve", "--model", model_dir, "--port", "0",
-           "--served-model-name", model_dir, "--db", db, "--max-tokens", "4096",
+           "--served-model-name", served_as, "--db", db, "--max-tokens", "4096",
            "--log-level", "warning", *extra]
     out = log.open("w")
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, text=True)
@@ -120,6 +139,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--categories", default="simple_python,multiple,live_simple")
     ap.add_argument("--limit", type=int, default=10, help="entries per category")
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--context", type=int, default=1024,
+                    help="the context BFCL is told the model has (it asks each request for "
+                         "what is left of it after the prompt)")
     ap.add_argument("--out", default=None, help="write the summary as JSON here")
     ap.add_argument("--keep", default=None, help="keep BFCL's folders and the logs here")
     ap.add_argument("--bfcl-python", default=".venv-bfcl/bin/python",
@@ -132,17 +154,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  "the default")
     from agentspec.engine.load import resolve_model
 
-    model_dir = str(resolve_model(args.model)[1])
+    served_dir = str(resolve_model(args.model)[1])
     categories = [c.strip() for c in args.categories.split(",") if c.strip()]
     work = Path(args.keep or tempfile.mkdtemp(prefix="agentspec-bfcl-served-"))
     work.mkdir(parents=True, exist_ok=True)
+    model_dir = bounded_copy(served_dir, work / "model", args.context)
     ids = {c: _entries(c, args.limit) for c in categories}
     (work / "test_case_ids_to_generate.json").write_text(json.dumps(ids))
     summary: dict[str, Any] = {"categories": categories, "limit": args.limit, "model": model_dir,
                                "handler": HANDLER, "systems": {}}
     for system, extra in SYSTEMS.items():
         log = work / f"{system}.log"
-        proc, url = start_server(model_dir, f"sqlite:///{work / (system + '.db')}", extra, log)
+        proc, url = start_server(served_dir, model_dir, f"sqlite:///{work / (system + '.db')}",
+                                 extra, log)
         env = {**os.environ, "BFCL_PROJECT_ROOT": str(work), "REMOTE_OPENAI_BASE_URL": url,
                "REMOTE_OPENAI_API_KEY": "EMPTY"}
         results, scores = work / f"result-{system}", work / f"score-{system}"
