@@ -22,6 +22,15 @@ import pytest
 from agentspec.home import agentspec_home
 
 MODEL = "smollm2-135m-instruct"
+# Two tools the client and tool-format tests bind.
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone.",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                   "required": ["zone"]}}}
 MASTER_KEY = "test-master-key"
 TENANT_KEYS = {"key-a": ["tenant-a"], "key-b": ["tenant-b", "tenant-b2"]}
 _READY = re.compile(r"serving \S+ at (http://\S+)/v1")

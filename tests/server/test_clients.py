@@ -27,21 +27,13 @@ from agentspec.adapters.chat import (
 from agentspec.adapters.openai_protocol import parse_chat_request, render
 from agentspec.config import SamplingParams
 from agentspec.types import Generation
-from tests.server.conftest import MASTER_KEY, MODEL, Server
+from tests.server.conftest import MASTER_KEY, MODEL, TIME, WEATHER, Server
 
 openai = pytest.importorskip("openai")
 # One torch thread here and in the server: two processes share the cores (a test waits on
 # the server, then checks it in process), and oversubscribed threads only spin.
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a time zone.",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
-                   "required": ["zone"]}}}
 ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 

@@ -27,18 +27,10 @@ from agentspec.adapters.langchain import ChatAgentSpec  # noqa: E402
 from agentspec.adapters.openai_protocol import parse_chat_request, render  # noqa: E402
 from agentspec.adapters.openai_server import OpenAIServer, ServerConfig  # noqa: E402
 from agentspec.grammar.tool_formats import FORMATS  # noqa: E402
-from tests.server.conftest import MODEL  # noqa: E402
+from tests.server.conftest import MODEL, TIME, WEATHER  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "description": "The time in a time zone.",
-    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
-                   "required": ["zone"]}}}
 MAX_TOKENS = 40
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 # A second turn: the call made, its result, and the question again (tool_choice auto).
