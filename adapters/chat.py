@@ -45,14 +45,16 @@ def resolve_tool_format(tokenizer: Any, override: str | ToolFormat | None = None
     """The tool-call format of a model's calls: ``override`` when given, else the one its
     chat template teaches (:func:`~agentspec.grammar.tool_formats.detect_tool_format`;
     ``json`` when the template renders no tools, since agentspec's own system block then
-    teaches that one).
+    teaches that one), bound to the tokenizer's special tokens (:meth:`ToolFormat.on`: a
+    wrapper the tokenizer holds as one special token is written as that token).
 
     Raises:
         ValueError: ``override`` names no known format (the message lists them).
     """
-    if override is not None:
-        return find_format(override)
-    return find_format(detect_tool_format(getattr(tokenizer, "chat_template", None)))
+    name = override if override is not None else \
+        detect_tool_format(getattr(tokenizer, "chat_template", None))
+    fmt = find_format(name)
+    return fmt if fmt.tokens or tokenizer is None else fmt.on(tokenizer)
 
 
 def build_prompt(tokenizer: Any, messages: list[dict[str, str]], *,
@@ -138,6 +140,8 @@ def call_grammar(tools: Sequence[dict[str, Any]], tool_choice: Any,
     spec: dict[str, Any] = {"type": "tool_calls", "tools": list(tools), "choice": mode}
     if fmt.name != "json":  # the json format's spec as it always was: one compiled grammar
         spec["format"] = fmt.name
+    if fmt.tokens:
+        spec["special_tokens"] = dict(fmt.tokens)
     return compiled(spec)
 
 

@@ -262,7 +262,9 @@ class Speculator:
                                scope=request.scope, key_text=request.key_text,
                                extra_sources=tuple(session.sources) if session else (),
                                sampling=request.sampling, generator=generator)
-        deltas = TextDeltas(self.tokenizer, request.stops)
+        # The special tokens the grammar writes as tokens stay in the text (a tool-call wrapper).
+        keep = request.grammar.keep if request.grammar is not None else ()
+        deltas = TextDeltas(self.tokenizer, request.stops, keep)
         keeper = RowKeeper() if (request.record and self._memory is not None
                                  and self.config.head_rows) else None
         drafter = self._drafter()
@@ -311,8 +313,10 @@ class Speculator:
             yield tail
         run.text = deltas.text
         origins = Origins(tuple(run.sources), tuple(run.step_sizes)).cut(len(run.token_ids))
-        if request.record and self._memory is not None:  # the record keeps the text's runs
-            origins = origin_text(self.tokenizer, run.token_ids, origins, run.text)
+        # The record keeps the text's runs; so does a text with special tokens kept, whose runs
+        # a reader without the grammar could not place.
+        if (request.record and self._memory is not None) or keep:
+            origins = origin_text(self.tokenizer, run.token_ids, origins, run.text, keep)
         generation = Generation(run.text, tuple(run.token_ids), run.stats(), run.finish_reason,
                                 None if run.logprobs is None
                                 else tuple(run.logprobs[: len(run.token_ids)]), origins)

@@ -9,7 +9,7 @@ stop strings and stop tokens.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -162,11 +162,47 @@ class StopStrings:
         return best
 
 
-class TextDeltas:
-    """Incremental detokenization with stop strings; nothing after a stop is ever emitted."""
+def special_token_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids a Hugging Face tokenizer drops from text decoded with
+    ``skip_special_tokens=True``: its named special tokens and its added tokens marked
+    special."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    for token_id, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            ids.add(int(token_id))
+    return frozenset(ids)
 
-    def __init__(self, tokenizer: Any, stops: StopStrings) -> None:
+
+class Detokenizer:
+    """Token ids to text, without special tokens but those in ``keep``.
+
+    Output text is decoded without special tokens (an end-of-turn marker is no part of an
+    answer), except the special tokens a grammar writes as tokens (a tool-call wrapper such
+    as Mistral's ``[TOOL_CALLS]``, :attr:`agentspec.grammar.Grammar.keep`): a parse reads
+    them in the text. With nothing to keep it is the tokenizer's
+    ``decode(ids, skip_special_tokens=True)``; else the other special tokens are taken out of
+    the ids and the rest decoded with special tokens, which is the same text where none of
+    ``keep`` occurs (tests/unit/test_text.py)."""
+
+    def __init__(self, tokenizer: Any, keep: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
+        self.keep = frozenset(keep)
+        self._drop = special_token_ids(tokenizer) - self.keep if self.keep else frozenset()
+
+    def __call__(self, ids: Sequence[int]) -> str:
+        if not self.keep:
+            return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+        return str(self.tokenizer.decode([t for t in ids if t not in self._drop],
+                                         skip_special_tokens=False))
+
+
+class TextDeltas:
+    """Incremental detokenization with stop strings; nothing after a stop is ever emitted.
+    ``keep``: the special tokens the text keeps (:class:`Detokenizer`)."""
+
+    def __init__(self, tokenizer: Any, stops: StopStrings, keep: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.decode = Detokenizer(tokenizer, keep)
         self.stops = stops
         self.tokens: list[int] = []
         self.text = ""  # the full text so far, cut at a stop string once one is found
@@ -180,7 +216,7 @@ class TextDeltas:
             return "", True
         before = len(self.tokens)
         self.tokens.extend(new_tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        text = self.decode(self.tokens)
         start = max(0, self.emitted - max((len(s) for s in self.stops.stops), default=0))
         cut = self.stops.find(text, start)
         if cut >= 0:
@@ -188,7 +224,7 @@ class TextDeltas:
             # what one token a step keeps, however many this step committed (a draft must
             # not change a generation's token ids).
             for kept in range(before + 1, len(self.tokens) + 1):
-                head = self.tokenizer.decode(self.tokens[:kept], skip_special_tokens=True)
+                head = self.decode(self.tokens[:kept])
                 at = self.stops.find(head, start)
                 if at >= 0:
                     text, cut = head, at
@@ -220,9 +256,11 @@ class TextDeltas:
 _WINDOW = 4
 
 
-def origin_text(tokenizer: Any, token_ids: Sequence[int], origins: Origins, text: str) -> Origins:
+def origin_text(tokenizer: Any, token_ids: Sequence[int], origins: Origins, text: str,
+                keep: Sequence[int] = ()) -> Origins:
     """``origins`` with :attr:`~agentspec.types.Origins.text_ends`: where each of its runs
-    ends in ``text``, the completion ``token_ids`` decode to (cut at a stop string or not).
+    ends in ``text``, the completion ``token_ids`` decode to (cut at a stop string or not;
+    ``keep``: the special tokens it keeps, :class:`Detokenizer`).
 
     Each run is decoded with a few tokens before it, and its text is what it adds to theirs
     (a character split between two runs goes with the later one); the runs' texts together
@@ -231,10 +269,11 @@ def origin_text(tokenizer: Any, token_ids: Sequence[int], origins: Origins, text
     """
     ids = list(token_ids)
     ends = [end for _, _, _, end in origins.runs()]
-    whole = tokenizer.decode(ids, skip_special_tokens=True)
-    offsets = _window_offsets(tokenizer, ids, ends, whole)
+    decode = Detokenizer(tokenizer, keep)
+    whole = decode(ids)
+    offsets = _window_offsets(decode, ids, ends, whole)
     if offsets is None:  # the windows disagree with the whole decode: exact, slower
-        offsets = [len(tokenizer.decode(ids[:end], skip_special_tokens=True).rstrip("\ufffd"))
+        offsets = [len(decode(ids[:end]).rstrip("\ufffd"))
                    for end in ends[:-1]] + [len(whole)] * bool(ends)
     out, last = [], 0
     for offset in offsets:  # within the text, never going back
@@ -243,13 +282,13 @@ def origin_text(tokenizer: Any, token_ids: Sequence[int], origins: Origins, text
     return replace(origins, text_ends=tuple(out))
 
 
-def _window_offsets(tokenizer: Any, ids: list[int], ends: list[int], whole: str) -> list[int] | None:
+def _window_offsets(decode: Callable[[Sequence[int]], str], ids: list[int], ends: list[int],
+                    whole: str) -> list[int] | None:
     pieces, offsets, prev, total = [], [], 0, 0
     for end in ends:
         start = max(0, prev - _WINDOW)
-        head = tokenizer.decode(ids[start:prev], skip_special_tokens=True).rstrip("\ufffd") \
-            if prev > start else ""
-        both = tokenizer.decode(ids[start:end], skip_special_tokens=True)
+        head = decode(ids[start:prev]).rstrip("\ufffd") if prev > start else ""
+        both = decode(ids[start:end])
         if end < len(ids):
             both = both.rstrip("\ufffd")  # half a character: the next run's
         if not both.startswith(head):

@@ -93,9 +93,28 @@ def tokenizer() -> Any:
     return compat.load_tokenizer(resolve_model("smollm2-135m-instruct")[1])
 
 
-def build(family: Family, *, byte_vocab: bool = False, seed: int = 0) -> Any:
+# Tool-call wrappers that real tokenizers hold as special tokens (Mistral's, Phi-4-mini's and
+# Granite's), added to a copy of SmolLM2's tokenizer by :func:`wrapper_tokenizer`.
+WRAPPER_TOKENS = ("[TOOL_CALLS]", "<|tool_call|>", "<|/tool_call|>")
+
+
+@functools.cache
+def wrapper_tokenizer() -> Any:
+    """A copy of SmolLM2's tokenizer with :data:`WRAPPER_TOKENS` added as special tokens
+    (ids past SmolLM2's vocabulary: a model on it is built with ``tokenizer=``)."""
+    from agentspec.engine import compat
+    from agentspec.engine.load import resolve_model
+
+    tok = compat.load_tokenizer(resolve_model("smollm2-135m-instruct")[1])
+    tok.add_special_tokens({"additional_special_tokens": list(WRAPPER_TOKENS)})
+    return tok
+
+
+def build(family: Family, *, byte_vocab: bool = False, seed: int = 0,
+          vocab_tokenizer: Any = None) -> Any:
     """``family``'s tiny random causal LM in fp32, in eval mode, on SmolLM2's vocabulary (or
-    with ``byte_vocab`` on the GGUF files' :data:`BYTE_VOCAB` tokens).
+    with ``byte_vocab`` on the GGUF files' :data:`BYTE_VOCAB` tokens, or on ``vocab_tokenizer``'s
+    whole vocabulary, added tokens included).
 
     Norm weights and biases are drawn on a coarse binary grid, where adding and removing the
     one of Gemma's GGUF norms is exact."""
@@ -105,7 +124,7 @@ def build(family: Family, *, byte_vocab: bool = False, seed: int = 0) -> Any:
         vocab, end = BYTE_VOCAB, BYTE_VOCAB - 1
         ids = dict(bos_token_id=end, eos_token_id=end, pad_token_id=end)
     else:
-        tok = tokenizer()
+        tok = vocab_tokenizer if vocab_tokenizer is not None else tokenizer()
         vocab, end = len(tok), tok.eos_token_id
         ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=end, pad_token_id=end)
     config = getattr(transformers, family.config)(vocab_size=vocab, **ids,

@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentspec.grammar.tool_formats import ToolFormat
 from agentspec.grammar.tool_formats import tool_format as find_tool_format
 
 # One JSON layout: the one the prompts' examples use (and the one most tokens are merged for).
@@ -60,6 +61,10 @@ class Grammar:
             skeleton's masks (the tool-name choice, keys, braces) are cached and its lexer
             states built before any request needs them (see :class:`GrammarState`). Never
             part of a mask's computation: they only fill caches.
+        keep: special tokens the grammar writes as tokens (a tool format's wrapper bound to
+            the model's tokenizer, :meth:`ToolFormat.on
+            <agentspec.grammar.tool_formats.ToolFormat.on>`): the output's text keeps them,
+            where it drops every other special token.
     """
 
     kind: str
@@ -68,6 +73,7 @@ class Grammar:
     or_text: bool = False
     text_start: str = field(default="", repr=False)
     examples: tuple[str, ...] = field(default=(), repr=False, compare=False)
+    keep: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         llg = import_llguidance()
@@ -79,12 +85,16 @@ class Grammar:
     def from_spec(cls, spec: Mapping[str, Any]) -> Grammar:
         """A grammar from its JSON description (the bench workload's ``grammar`` field):
         ``{"type": "json_schema", "schema": {...}}``, ``{"type": "tool_calls", "tools": [...],
-        "choice": "auto", "as_list": false, "format": "json"}``, ``{"type": "regex",
+        "choice": "auto", "as_list": false, "format": "json", "special_tokens": {}}``
+        (``special_tokens``: the format's wrapper parts that are one special token of the
+        model's tokenizer, by id: :meth:`ToolFormat.bound
+        <agentspec.grammar.tool_formats.ToolFormat.bound>`), ``{"type": "regex",
         "pattern": "..."}`` or ``{"type": "lark", "grammar": "..."}``."""
         if not isinstance(spec, Mapping):
             raise GrammarError(f"a grammar spec must be an object, got {type(spec).__name__} {spec!r:.80}")
         kind = spec.get("type")
-        fields = {"json_schema": {"schema"}, "tool_calls": {"tools", "choice", "as_list", "format"},
+        fields = {"json_schema": {"schema"},
+                  "tool_calls": {"tools", "choice", "as_list", "format", "special_tokens"},
                   "regex": {"pattern"}, "lark": {"grammar"}}
         if kind not in fields:
             raise GrammarError(f"grammar type must be one of {sorted(fields)}, got {kind!r}")
@@ -95,9 +105,18 @@ class Grammar:
         if kind == "json_schema":
             return cls.json_schema(spec.get("schema", {}))
         if kind == "tool_calls":
+            fmt: str | ToolFormat = spec.get("format", "json")
+            special = spec.get("special_tokens") or {}
+            if special:
+                if not isinstance(special, Mapping):
+                    raise GrammarError("special_tokens must map wrapper text to a token id, "
+                                       f"got {special!r:.80}")
+                try:
+                    fmt = find_tool_format(fmt).bound(special)
+                except ValueError as exc:
+                    raise GrammarError(str(exc)) from None
             return cls.tool_calls(spec.get("tools", []), choice=spec.get("choice", "required"),
-                                  as_list=bool(spec.get("as_list", False)),
-                                  tool_format=spec.get("format", "json"))
+                                  as_list=bool(spec.get("as_list", False)), tool_format=fmt)
         if kind == "regex":
             return cls.regex(spec.get("pattern", ""))
         return cls.lark(spec.get("grammar", ""))
@@ -112,7 +131,7 @@ class Grammar:
 
     @classmethod
     def tool_calls(cls, tools: Sequence[Mapping[str, Any]], *, choice: str = "required",
-                   as_list: bool = False, tool_format: str = "json") -> Grammar:
+                   as_list: bool = False, tool_format: str | ToolFormat = "json") -> Grammar:
         """Calls of ``tools`` in a tool-call format: each call names one of the tools and
         its arguments are valid under that tool's parameter schema (no undeclared arguments).
 
@@ -128,7 +147,8 @@ class Grammar:
                 :data:`agentspec.grammar.tool_formats.FORMATS`: ``json``
                 (``{"name": ..., "arguments": ...}``, one call), or a model family's own
                 (``hermes``, ``llama3``, ``mistral``, ``phi``, ``granite``), parallel calls
-                where that format has them.
+                where that format has them; a :class:`ToolFormat` bound to a tokenizer
+                (:meth:`ToolFormat.on`) writes its special-token wrapper as those tokens.
         """
         try:
             fmt = find_tool_format(tool_format)
@@ -161,7 +181,7 @@ class Grammar:
         if fmt.wrapped:
             return cls("tool_calls", llg.LLMatcher.grammar_from_lark(fmt.lark(one, JSON_LAYOUT)),
                        tuple(names), or_text=auto, text_start=text_start,
-                       examples=tuple(fmt.render([e]) for e in examples))
+                       examples=tuple(fmt.render([e]) for e in examples), keep=fmt.keep)
         schema = {"type": "array", "items": one, "minItems": 1} if as_list else one
         schema = {**schema, "x-guidance": JSON_LAYOUT}
         values = [{"name": name, key: args} for name, args in examples]

@@ -26,6 +26,7 @@ from agentspec.grammar.tokenizer import (
     cache_mask,
     keep_mask,
     ll_tokenizer,
+    settle_specials,
     shared_grammar,
     text_start_spec,
     trie_child,
@@ -109,6 +110,7 @@ class GrammarState:
         else:
             self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), self._words * 4)
             self._check()
+            settle_specials(self._shared.ll_tok, self.matcher, v)
             if node is not None:
                 keep_mask(self._shared, node, v.clone())
         if (row == 0 if first is None else first) and self.mode == "undecided" \
@@ -233,7 +235,12 @@ class GrammarState:
         if force and not ended and not free and not self.matcher.is_stopped():
             limit = min(room, max_nodes) - consumed
             for token in self.matcher.compute_ff_tokens()[:max(limit, 0)]:
-                if not allows(consumed + len(forced), token) or not self.matcher.consume_token(token):
+                # llguidance tokenizes forced text without its grammar: text spelling a special
+                # token (a format's wrapper named as text) can come back as that token, which
+                # the grammar refuses and a refused consume would leave the matcher failed.
+                if not allows(consumed + len(forced), token) \
+                        or self.matcher.validate_tokens([token]) != 1 \
+                        or not self.matcher.consume_token(token):
                     break
                 forced.append(token)
                 trie = trie_child(trie, token)

@@ -133,8 +133,62 @@ def cache_mask(shared: SharedGrammar, matcher: Any, node: list[Any], words: int)
     matcher.unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
     if matcher.is_error():
         return False
+    settle_specials(shared.ll_tok, matcher, bits)
     keep_mask(shared, node, bits)
     return True
+
+
+_SPECIALS: dict[int, torch.Tensor] = {}
+
+
+def _special_ids(ll_tok: Any) -> torch.Tensor:
+    """The tokenizer's special tokens but its stop tokens, as ids (found once per tokenizer;
+    ``ll_tok`` lives in ``_TOKENIZERS``, so its id is not reused)."""
+    hit = _SPECIALS.get(id(ll_tok))
+    if hit is None:
+        eos = set(ll_tok.eos_tokens)
+        hit = _SPECIALS[id(ll_tok)] = torch.tensor(
+            [t for t in range(ll_tok.vocab_size) if ll_tok.is_special_token(t) and t not in eos],
+            dtype=torch.long)
+    return hit
+
+
+def settle_specials(ll_tok: Any, matcher: Any, bits: torch.Tensor) -> None:
+    """Clear the bits of ``bits`` (one row, int32 words, on the CPU) for special tokens the
+    matcher refuses to consume.
+
+    llguidance 1.9.1 masks a special token by its text where the grammar spells that text (a
+    format's ``[TOOL_CALLS]`` written as text, on a tokenizer holding it as a special token)
+    but consumes it only where the grammar names the token: a mask that allowed it would let
+    the target commit a token that then fails the request. Checked one token at a time, only
+    for the special tokens a mask allows, which is none in the usual case.
+
+    Where the grammar forces that text, llguidance's mask holds the special token alone; once
+    it is cleared, the row allows the first token of the forced text spelled in ordinary
+    tokens (llguidance's greedy tokenization, which never yields a special token)."""
+    ids = _special_ids(ll_tok)
+    if not len(ids):
+        return
+    ids = ids[ids < bits.shape[-1] * 32]
+    on = ((bits[ids >> 5] >> (ids & 31)) & 1).bool()
+    cleared = False
+    for token in ids[on].tolist():
+        if matcher.validate_tokens([token]) != 1:
+            _set_bit(bits, token, False)
+            cleared = True
+    if cleared and not bool(bits.any()):
+        forced = matcher.compute_ff_bytes().decode("utf-8", errors="ignore")
+        spelled = ll_tok.greedy_tokenize(forced) if forced else []
+        if spelled and matcher.validate_tokens(spelled[:1]) == 1:
+            _set_bit(bits, spelled[0], True)
+
+
+def _set_bit(bits: torch.Tensor, token: int, on: bool) -> None:
+    bit = torch.tensor(1, dtype=torch.int32) << (token & 31)
+    if on:
+        bits[token >> 5] |= bit
+    else:
+        bits[token >> 5] &= ~bit
 
 
 def trie_child(node: list[Any] | None, token: int) -> list[Any] | None:
@@ -158,6 +212,13 @@ def shared_grammar(ll_tok: Any, spec: str) -> SharedGrammar:
         _SHARED.move_to_end(key)
     trim_masks()
     return hit
+
+
+def forget_masks() -> None:
+    """Drop every grammar's cached masks (each grammar's next request computes them again)."""
+    with _LOCK:
+        for shared in _SHARED.values():
+            shared.forget()
 
 
 def trim_masks() -> None:

@@ -19,9 +19,13 @@ The registry (:data:`FORMATS`):
 - ``phi``: Phi-4-mini, ``<|tool_call|>[{"name": ..., "arguments": ...}, ...]<|/tool_call|>``;
 - ``granite``: Granite 3, ``<|tool_call|>[{"name": ..., "arguments": ...}, ...]``.
 
-The wrappers are matched as text: where a tokenizer holds one as a special token (Mistral's
-``[TOOL_CALLS]``, Phi's ``<|tool_call|>``), the grammar has the model spell it, because an
-output's text is decoded without special tokens and the parse reads that text.
+Where a model's tokenizer holds a wrapper as one special token (Mistral's ``[TOOL_CALLS]``,
+Phi's and Granite's ``<|tool_call|>``), :meth:`ToolFormat.on` binds the format to those tokens:
+its grammar then admits the wrapper as that token only, the one the model was trained to
+emit, never spelled out in pieces; and the grammar keeps the token in the output's text
+(:attr:`agentspec.grammar.Grammar.keep`), which is otherwise decoded without special tokens,
+so the parse reads the wrapper where the model wrote it. Unbound (a tokenizer without such a
+token, or a format named without one), a wrapper is text like any other.
 """
 
 from __future__ import annotations
@@ -29,8 +33,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+from agentspec.text import special_token_ids
 
 ARGUMENT_KEYS = ("arguments", "parameters", "args")
 # Text the lenient JSON parse drops from the content around its calls (fences, stray tags).
@@ -78,6 +84,8 @@ class ToolFormat:
             None: one call only.
         first: the characters a call may start with; plain text under ``choice="auto"``
             starts with none of them (nor with whitespace), so its first token decides.
+        tokens: the wrapper's parts that are one special token in the model's tokenizer,
+            with their ids (set by :meth:`on`): the grammar writes each as that token.
     """
 
     name: str
@@ -87,6 +95,49 @@ class ToolFormat:
     listed: bool = False
     between: str | None = None
     first: str = "{"
+    tokens: tuple[tuple[str, int], ...] = ()
+
+    def on(self, tokenizer: Any) -> ToolFormat:
+        """This format bound to ``tokenizer``'s special tokens: each wrapper part (``open`` and
+        ``close`` without their surrounding whitespace) that the tokenizer holds as one special
+        token (one it drops from decoded text). Parts that are plain text or ordinary added
+        tokens stay text: the grammar admits an added token through its text."""
+        if not hasattr(tokenizer, "convert_tokens_to_ids"):
+            return self
+        special = special_token_ids(tokenizer)
+        found: list[tuple[str, int]] = []
+        for part in self.parts():
+            token = tokenizer.convert_tokens_to_ids(part)
+            # An unknown part maps to the unknown token (itself special): checked both ways.
+            if isinstance(token, int) and token in special \
+                    and tokenizer.convert_ids_to_tokens(token) == part:
+                found.append((part, token))
+        return replace(self, tokens=tuple(found))
+
+    def parts(self) -> tuple[str, ...]:
+        """The wrapper's parts: ``open`` and ``close`` without surrounding whitespace."""
+        return tuple(p for p in (self.open.strip(), self.close.strip()) if p)
+
+    def bound(self, tokens: Mapping[str, int]) -> ToolFormat:
+        """This format with ``tokens`` (wrapper part -> special token id) as its
+        :attr:`tokens`, as :meth:`on` would find them (a grammar spec carries them as such).
+
+        Raises:
+            ValueError: a key is no wrapper part of this format, or an id is no token id.
+        """
+        for part, token in tokens.items():
+            if part not in self.parts():
+                raise ValueError(f"{part!r} is no wrapper part of the {self.name} format "
+                                 f"(its parts: {list(self.parts())})")
+            if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                raise ValueError(f"the token id of {part!r} must be a non-negative int, "
+                                 f"got {token!r}")
+        return replace(self, tokens=tuple(tokens.items()))
+
+    @property
+    def keep(self) -> tuple[int, ...]:
+        """The special tokens this format writes, kept in the output's text."""
+        return tuple(token for _, token in self.tokens)
 
     # -- text out ---------------------------------------------------------------------------
 
@@ -122,16 +173,28 @@ class ToolFormat:
         formats: a bare one is its JSON schema alone."""
         if not self.wrapped:
             raise ValueError(f"the {self.name} format has no wrapper: use its JSON schema")
-        close = f" {_lark_str(self.close)}" if self.close else ""
+        close = f" {self._lark_part(self.close)}" if self.close else ""
+        opening = self._lark_part(self.open)
         if self.listed:
             items = {"type": "array", "items": dict(call_schema), "minItems": 1,
                      "x-guidance": dict(layout)}
-            return (f"start: {_lark_str(self.open)} calls{close}\n"
+            return (f"start: {opening} calls{close}\n"
                     f"calls: %json {json.dumps(items)}\n")
         more = f" ({_lark_str(self.between)} call)*" if self.between is not None else ""
         return (f"start: call{more}\n"
-                f"call: {_lark_str(self.open)} body{close}\n"
+                f"call: {opening} body{close}\n"
                 f"body: %json {json.dumps({**call_schema, 'x-guidance': dict(layout)})}\n")
+
+    def _lark_part(self, text: str) -> str:
+        """``text`` (an opening or closing) in Lark: a bound special token as that token
+        (``<[id]>``, llguidance's token syntax), the whitespace around it as text."""
+        core = text.strip()
+        token = dict(self.tokens).get(core)
+        if not core or token is None:
+            return _lark_str(text)
+        head, tail = text[: text.index(core)], text[text.index(core) + len(core):]
+        return " ".join([*([_lark_str(head)] if head else []), f"<[{token}]>",
+                         *([_lark_str(tail)] if tail else [])])
 
     def text_start_lark(self) -> str:
         """A Lark grammar of plain text that does not start like a call of this format."""

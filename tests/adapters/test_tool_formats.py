@@ -71,10 +71,11 @@ class Matcher:
     """Feeds text through a compiled grammar's matcher, as generation would: the tokenizer's
     tokens one by one; admitted when every token is consumed and the grammar may end there."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, encode: Callable[[str], list[int]] | None = None) -> None:
         from agentspec.grammar.tokenizer import ll_tokenizer
 
         self.tokenizer = tokenizer
+        self.encode = encode or (lambda text: tokenizer.encode(text, add_special_tokens=False))
         self.ll = ll_tokenizer(tokenizer, len(tokenizer), [tokenizer.eos_token_id],
                                json_slices=True)
         self._pristine: dict[str, Any] = {}
@@ -85,7 +86,7 @@ class Matcher:
         if grammar.spec not in self._pristine:
             self._pristine[grammar.spec] = llguidance.LLMatcher(self.ll, grammar.spec)
         matcher = self._pristine[grammar.spec].deep_copy()
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.encode(text)
         return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting() \
             and not matcher.is_error()
 
@@ -508,12 +509,14 @@ def malformed(rng: random.Random, fmt: ToolFormat, calls: list[tuple[str, Any]])
     return text[:-1]
 
 
-def property_check(name: str, seed: int, *, grammar_of: Callable[[Sample], Grammar | None],
+def property_check(name: str | ToolFormat, seed: int, *,
+                   grammar_of: Callable[[Sample], Grammar | None],
                    parse: Callable[[str], Parsed], admits: Callable[[Grammar, str], bool]
                    ) -> dict[str, int]:
-    """Counts over :data:`SAMPLES` valid answers and as many wrong ones in format ``name``."""
+    """Counts over :data:`SAMPLES` valid answers and as many wrong ones in format ``name`` (a
+    registered name, or a format bound to a tokenizer)."""
     rng = random.Random(seed)
-    fmt = FORMATS[name]
+    fmt = tool_format(name)
     out = {"valid": 0, "admitted": 0, "parsed back": 0, "wrong": 0, "wrong admitted": 0}
     while out["valid"] < SAMPLES:
         sample = Sample(rng, fmt)
@@ -532,7 +535,7 @@ def property_check(name: str, seed: int, *, grammar_of: Callable[[Sample], Gramm
 
 
 def _grammar(sample: Sample) -> Grammar | None:
-    return call_grammar(sample.tools, sample.choice, sample.fmt.name)
+    return call_grammar(sample.tools, sample.choice, sample.fmt)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -566,3 +569,149 @@ def test_a_grammar_without_the_wrapper_fails_the_property_check(matcher: Matcher
     got = property_check("mistral", 49, grammar_of=bare, parse=FORMATS["mistral"].parse,
                          admits=matcher.admits)
     assert got["admitted"] == 0 and got["wrong admitted"] > 0
+
+
+# -- wrappers that are special tokens ------------------------------------------------------------
+# Mistral's [TOOL_CALLS] and Phi-4-mini's and Granite's <|tool_call|> are special tokens in
+# those models' tokenizers: bound to such a tokenizer, a format's grammar admits its wrapper as
+# that one token, never spelled out, and the text keeps it where decoding drops special tokens.
+
+SPECIAL_FORMATS = ("mistral", "phi", "granite")
+
+
+@pytest.fixture(scope="module")
+def wrapper_tok() -> Any:
+    from tests.families import wrapper_tokenizer
+
+    return wrapper_tokenizer()
+
+
+def as_model_writes(tok: Any) -> Callable[[str], list[int]]:
+    """Text to ids as a model on ``tok`` writes an answer: a wrapper token that opens or closes
+    the answer as that special token, everything else spelled out in ordinary tokens (a string
+    value holding ``[TOOL_CALLS]`` is text, not the token)."""
+    from tests.families import WRAPPER_TOKENS
+
+    ids = dict(zip(WRAPPER_TOKENS, tok.convert_tokens_to_ids(list(WRAPPER_TOKENS)), strict=True))
+
+    def encode(text: str) -> list[int]:
+        head = next((w for w in WRAPPER_TOKENS if text.startswith(w)), "")
+        tail = next((w for w in WRAPPER_TOKENS if text.endswith(w) and len(text) > len(head)), "")
+        body = text[len(head):len(text) - len(tail)]
+        return ([ids[head]] if head else []) + tok.encode(body, add_special_tokens=False,
+                                                          split_special_tokens=True) \
+            + ([ids[tail]] if tail else [])
+    return encode
+
+
+@pytest.fixture(scope="module")
+def wrapper_matcher(wrapper_tok: Any) -> Matcher:
+    return Matcher(wrapper_tok, as_model_writes(wrapper_tok))
+
+
+def test_formats_bind_to_the_special_tokens_their_tokenizer_has(wrapper_tok: Any,
+                                                                tokenizer: Any) -> None:
+    ids = dict(zip(("[TOOL_CALLS]", "<|tool_call|>", "<|/tool_call|>"),
+                   wrapper_tok.convert_tokens_to_ids(["[TOOL_CALLS]", "<|tool_call|>",
+                                                      "<|/tool_call|>"]), strict=True))
+    assert FORMATS["mistral"].on(wrapper_tok).tokens == (("[TOOL_CALLS]", ids["[TOOL_CALLS]"]),)
+    assert FORMATS["phi"].on(wrapper_tok).tokens == (("<|tool_call|>", ids["<|tool_call|>"]),
+                                                     ("<|/tool_call|>", ids["<|/tool_call|>"]))
+    assert FORMATS["granite"].on(wrapper_tok).keep == (ids["<|tool_call|>"],)
+    for name in ("json", "hermes", "llama3"):
+        assert FORMATS[name].on(wrapper_tok).tokens == ()
+    for name in FORMATS:  # SmolLM2's own tokenizer holds none of them: text, as before
+        assert FORMATS[name].on(tokenizer).tokens == ()
+    # The front ends bind what they resolve, named or detected.
+    assert resolve_tool_format(wrapper_tok, "phi").keep == FORMATS["phi"].on(wrapper_tok).keep
+    grammar = call_grammar([WEATHER], "required", resolve_tool_format(wrapper_tok, "mistral"))
+    assert grammar is not None and grammar.keep == (ids["[TOOL_CALLS]"],)
+    with pytest.raises(GrammarError, match="no wrapper part of the mistral format"):
+        Grammar.from_spec({"type": "tool_calls", "tools": [WEATHER], "format": "mistral",
+                           "special_tokens": {"<|tool_call|>": 3}})
+    with pytest.raises(GrammarError, match="non-negative int"):
+        Grammar.from_spec({"type": "tool_calls", "tools": [WEATHER], "format": "mistral",
+                           "special_tokens": {"[TOOL_CALLS]": "x"}})
+
+
+def spelled_check(fmt: ToolFormat, seed: int, matcher: Matcher,
+                  grammar_of: Callable[[Sample], Grammar | None]) -> dict[str, int]:
+    """Valid answers in ``fmt`` written with the wrapper as its special token, and the same
+    answers with the wrapper spelled out in ordinary tokens: how many of each are admitted."""
+    import llguidance
+
+    rng = random.Random(seed)
+    tok = matcher.tokenizer
+    out = {"valid": 0, "as token admitted": 0, "spelled admitted": 0}
+    while out["valid"] < SAMPLES // 5:
+        sample = Sample(rng, fmt)
+        grammar = grammar_of(sample)
+        assert grammar is not None
+        for _ in range(5):
+            text = fmt.render(sample.calls())
+            out["valid"] += 1
+            out["as token admitted"] += matcher.admits(grammar, text)
+            spelled = tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+            m = llguidance.LLMatcher(matcher.ll, grammar.spec)
+            out["spelled admitted"] += (m.try_consume_tokens(spelled) == len(spelled)
+                                        and m.is_accepting())
+    return out
+
+
+@pytest.mark.parametrize("name", SPECIAL_FORMATS)
+def test_a_bound_wrapper_is_admitted_as_its_token_only(name: str, wrapper_tok: Any,
+                                                       wrapper_matcher: Matcher) -> None:
+    """The property test on the bound format (every valid answer admitted and parsed back, no
+    wrong one admitted), and the same answers with the wrapper spelled out all refused."""
+    fmt = FORMATS[name].on(wrapper_tok)
+    assert fmt.tokens
+    got = property_check(fmt, 50, grammar_of=_grammar, parse=fmt.parse,
+                         admits=wrapper_matcher.admits)
+    n = got["valid"]
+    assert got == {"valid": n, "admitted": n, "parsed back": n, "wrong": n, "wrong admitted": 0}, got
+    spelled = spelled_check(fmt, 51, wrapper_matcher, _grammar)
+    assert spelled == {"valid": spelled["valid"], "as token admitted": spelled["valid"],
+                       "spelled admitted": 0}, spelled
+
+
+def test_an_unbound_grammar_admits_the_spelled_wrapper_and_fails_the_check(
+        wrapper_tok: Any, wrapper_matcher: Matcher) -> None:
+    """The mistral grammar built without the tokenizer's token: the spelled-out wrapper is
+    admitted, so the check above would see a grammar that ignores the model's token."""
+    def unbound(sample: Sample) -> Grammar | None:
+        return call_grammar(sample.tools, sample.choice, "mistral")
+
+    got = spelled_check(FORMATS["mistral"].on(wrapper_tok), 51, wrapper_matcher, unbound)
+    assert got["spelled admitted"] == got["valid"] and got["as token admitted"] == 0
+
+
+@pytest.mark.parametrize("name", SPECIAL_FORMATS)
+def test_auto_with_a_bound_wrapper_starts_a_call_with_its_token(name: str,
+                                                                 wrapper_tok: Any) -> None:
+    fmt = FORMATS[name].on(wrapper_tok)
+    grammar = call_grammar([WEATHER, ADD], "auto", fmt)
+    assert grammar is not None and grammar.or_text
+    assert first_token_check(grammar, fmt, wrapper_tok) == []
+
+
+def test_the_text_keeps_the_wrapper_token_and_nothing_else_changes(wrapper_tok: Any) -> None:
+    """:class:`Detokenizer`: with wrapper tokens kept, a bound format's answer decodes to its
+    rendered text (parsed back whole), where the usual decode drops the wrapper and the parse
+    finds no call; on ids without a kept token (other special tokens among them) the text is
+    the usual decode's, over random id sequences."""
+    from agentspec.text import Detokenizer
+
+    fmt = FORMATS["phi"].on(wrapper_tok)
+    text = fmt.render([CALL, ("add", {"a": 1, "b": 2})])
+    ids = wrapper_tok.encode(text, add_special_tokens=False)
+    assert ids[0] == fmt.keep[0] and ids[-1] == fmt.keep[1]
+    kept = Detokenizer(wrapper_tok, fmt.keep)
+    assert kept(ids) == text and len(fmt.parse(kept(ids)).calls) == 2
+    usual = Detokenizer(wrapper_tok)
+    assert fmt.parse(usual(ids)).calls == ()  # a decode that drops the wrapper loses the calls
+    rng = random.Random(7)
+    specials = sorted(set(wrapper_tok.all_special_ids) - set(fmt.keep))
+    for _ in range(200):
+        seq = [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(wrapper_tok) - 3)
+               for _ in range(rng.randint(1, 24))]
+        assert kept(seq) == wrapper_tok.decode(seq, skip_special_tokens=True), seq
