@@ -59,12 +59,19 @@ def resolve_tool_format(tokenizer: Any, override: str | ToolFormat | None = None
 
 def build_prompt(tokenizer: Any, messages: list[dict[str, str]], *,
                  tools: Sequence[dict[str, Any]] = (), system: str = "",
-                 tool_format: str | ToolFormat = "json") -> list[dict[str, str]] | str:
+                 tool_format: str | ToolFormat = "json",
+                 constrained: bool = False) -> list[dict[str, str]] | str:
     """The prompt for one call: the messages, or the rendered text when the chat template
     renders the tools itself. Without template support the tools become a system block
-    that teaches ``tool_format``'s layout of a call."""
+    that teaches ``tool_format``'s layout of a call.
+
+    ``constrained``: a grammar constrains the answer from its first token (tool calls, JSON
+    mode). A template with a thinking switch (Qwen3's ``enable_thinking``) is then rendered
+    with thinking off, the model's own non-thinking mode (an empty think block opens its
+    answer): the grammar would refuse the ``<think>`` its thinking mode starts with."""
     template = getattr(tokenizer, "chat_template", None) or ""
     native = "tools" in template
+    no_thinking = constrained and "enable_thinking" in template
     if tools and not native:
         # One compact line per tool (its name, description and parameters): a third of the
         # tokens of an indented dump, paid in prefill on every call, and SmolLM2-135M follows
@@ -81,15 +88,17 @@ def build_prompt(tokenizer: Any, messages: list[dict[str, str]], *,
                         *messages[1:]]
         else:
             messages = [{"role": "system", "content": system}, *messages]
-    if not (tools and native):
+    if not (tools and native) and not no_thinking:
         return messages
-    if any(mark in template for mark in _SYSTEM_TOOLS):  # Phi-4-mini's: tools on the system turn
+    if tools and native and any(mark in template for mark in _SYSTEM_TOOLS):
+        # Phi-4-mini's: tools on the system turn
         has_system = bool(messages) and messages[0]["role"] == "system"
         head = messages[0] if has_system else {"role": "system", "content": ""}
         messages = [{**head, "tools": json.dumps(list(tools), ensure_ascii=False)},
                     *messages[has_system:]]
-    text = tokenizer.apply_chat_template(messages, tools=list(tools) or None, tokenize=False,
-                                         add_generation_prompt=True)
+    switch = {"enable_thinking": False} if no_thinking else {}
+    text = tokenizer.apply_chat_template(messages, tools=(list(tools) or None) if native else None,
+                                         tokenize=False, add_generation_prompt=True, **switch)
     bos = getattr(tokenizer, "bos_token", None)
     # A str prompt is tokenized with special tokens added: do not let the BOS appear twice.
     if bos and text.startswith(bos) and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]:

@@ -230,7 +230,8 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
         else:
             grammar, system = call_grammar(tools, kwargs.get("tool_choice"), fmt), ""
         prompt = build_prompt(self._spec().tokenizer, to_chat_messages(messages, tool_format=fmt),
-                              tools=tools, system=system, tool_format=fmt)
+                              tools=tools, system=system, tool_format=fmt,
+                              constrained=grammar is not None)
         holdback = CallHoldback(bool(tools), fmt)  # output that may still be a tool call
         for item in self._steps(prompt, stop, kwargs.get("max_tokens"), grammar):
             if isinstance(item, str):

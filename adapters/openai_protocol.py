@@ -416,7 +416,8 @@ def render(request: ChatRequest, tokenizer: Any, *,
     messages = list(request.messages)
     for i, text, calls in request.tool_turns:  # earlier calls as the model writes them
         messages[i] = {**messages[i], "content": calls_text(text, calls, fmt)}
-    prompt = build_prompt(tokenizer, messages, tools=request.tools, system=system, tool_format=fmt)
+    prompt = build_prompt(tokenizer, messages, tools=request.tools, system=system, tool_format=fmt,
+                          constrained=grammar is not None)
     sampling = SamplingParams(temperature=request.temperature, top_p=request.top_p,
                               top_k=request.top_k, seed=request.seed, grammar=grammar)
     return Rendered(prompt, sampling, tool_choice_mode(request.tools, request.tool_choice) is not None,

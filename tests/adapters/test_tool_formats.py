@@ -385,6 +385,54 @@ def test_tools_go_on_the_system_turn_for_templates_that_read_them_there() -> Non
     assert system["role"] == "system" and json.loads(system["tools"]) == [WEATHER]
 
 
+# Qwen3's switch, as its template has it: with thinking off, an empty think block opens the
+# answer (the model's non-thinking mode); tools listed for <tool_call> blocks.
+QWEN3_LIKE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}{%- for t in tools %}{{- t | tojson }}"
+    "{%- endfor %}{{- '</tools>\\nCall a tool in <tool_call></tool_call> tags.<|im_end|>\\n' }}"
+    "{%- endif %}{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + "
+    "'<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+EMPTY_THINK = "<think>\n\n</think>\n\n"
+
+
+def test_a_constrained_answer_is_asked_for_in_the_models_non_thinking_mode(tokenizer: Any) -> None:
+    """A grammar refuses the ``<think>`` a thinking model opens with, so a constrained call
+    renders the template with thinking off; an unconstrained one is left as the user has it.
+    Through the server's renderer and the chat model alike."""
+    import copy
+
+    from agentspec.adapters.langchain import ChatAgentSpec
+    from agentspec.adapters.openai_protocol import parse_chat_request, render
+    from tests.adapters.adapter_fakes import FakeSpeculator
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = QWEN3_LIKE
+    assert resolve_tool_format(tok).name == "hermes"
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    on = build_prompt(tok, ask, tools=[WEATHER], constrained=True)
+    off = build_prompt(tok, ask, tools=[WEATHER])
+    assert isinstance(on, str) and on.endswith(EMPTY_THINK) and "<tools>" in on
+    assert isinstance(off, str) and not off.endswith(EMPTY_THINK)
+    json_mode = build_prompt(tok, ask, system="Reply in JSON.", constrained=True)
+    assert isinstance(json_mode, str) and json_mode.endswith(EMPTY_THINK)
+    assert isinstance(build_prompt(tok, ask), list)  # free text: the messages, as ever
+    for choice, thinking_off in (("auto", True), ("required", True), ("none", False)):
+        req = parse_chat_request({"model": "m", "messages": ask, "tools": [WEATHER],
+                                  "tool_choice": choice}, models=["m"], max_tokens=8)
+        prompt = render(req, tok).prompt
+        assert (isinstance(prompt, str) and prompt.endswith(EMPTY_THINK)) == thinking_off, choice
+    fake = FakeSpeculator()
+    fake.tokenizer = tok
+    chat = ChatAgentSpec(speculator=fake, max_tokens=8)
+    chat.bind_tools([WEATHER], tool_choice="auto").invoke("Weather in Paris?")
+    assert fake.calls[-1]["prompt"].endswith(EMPTY_THINK)
+    chat.invoke("Weather in Paris?")
+    assert not isinstance(fake.calls[-1]["prompt"], str) \
+        or not fake.calls[-1]["prompt"].endswith(EMPTY_THINK)
+
+
 # -- the property test -------------------------------------------------------------------------
 
 _PIECES = ["a", "Paris", " ", '"', "\\", "\n", "\t", "é", "中文", "😀", "\u0001", "/", "'", "{",
