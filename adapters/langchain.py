@@ -162,7 +162,7 @@ class ChatAgentSpec(_SpecParams, BaseChatModel):
 
     tool_format: str | None = None
     """How the model writes tool calls: ``json``, ``hermes``, ``llama3``, ``mistral``,
-    ``phi`` or ``granite`` (:mod:`agentspec.grammar.tool_formats`); None: the format the chat
+    ``mistral_v11``, ``phi`` or ``granite`` (:mod:`agentspec.grammar.tool_formats`); None: the format the chat
     template teaches (``json`` when it renders no tools)."""
 
     @field_validator("tool_format")

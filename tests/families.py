@@ -93,9 +93,9 @@ def tokenizer() -> Any:
     return compat.load_tokenizer(resolve_model("smollm2-135m-instruct")[1])
 
 
-# Tool-call wrappers that real tokenizers hold as special tokens (Mistral's, Phi-4-mini's and
-# Granite's), added to a copy of SmolLM2's tokenizer by :func:`wrapper_tokenizer`.
-WRAPPER_TOKENS = ("[TOOL_CALLS]", "<|tool_call|>", "<|/tool_call|>")
+# Tool-call wrappers that real tokenizers hold as special tokens (Mistral's, with v11's [ARGS],
+# Phi-4-mini's and Granite's), added to a copy of SmolLM2's tokenizer by :func:`wrapper_tokenizer`.
+WRAPPER_TOKENS = ("[TOOL_CALLS]", "<|tool_call|>", "<|/tool_call|>", "[ARGS]")
 
 
 @functools.cache

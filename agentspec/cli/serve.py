@@ -74,7 +74,7 @@ def serve(ctx: typer.Context,
                                        "--max-batch.")] = None,
           tool_format: Annotated[str | None, typer.Option(
               "--tool-format", help="How the model writes tool calls: json, hermes, llama3, "
-                                    "mistral, phi or granite; default: the format its chat "
+                                    "mistral, mistral_v11, phi or granite; default: the format its chat "
                                     "template teaches (json when it renders no tools).")] = None,
           no_record: Annotated[bool, typer.Option(
               "--no-record", help="Draft from the memory but add nothing to it.")] = False,

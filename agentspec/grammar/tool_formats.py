@@ -16,6 +16,8 @@ The registry (:data:`FORMATS`):
   blocks, one per call, joined by a newline;
 - ``llama3``: Llama 3.1 and 3.2, a bare ``{"name": ..., "parameters": {...}}`` (one call);
 - ``mistral``: ``[TOOL_CALLS] [{"name": ..., "arguments": ...}, ...]``;
+- ``mistral_v11``: Mistral's tokenizers from v11 (Mistral Small 3.1 and later, Devstral,
+  Magistral), ``[TOOL_CALLS]name[ARGS]{...}`` per call, calls written one after the other;
 - ``phi``: Phi-4-mini, ``<|tool_call|>[{"name": ..., "arguments": ...}, ...]<|/tool_call|>``;
 - ``granite``: Granite 3, ``<|tool_call|>[{"name": ..., "arguments": ...}, ...]``.
 
@@ -86,6 +88,8 @@ class ToolFormat:
             starts with none of them (nor with whitespace), so its first token decides.
         tokens: the wrapper's parts that are one special token in the model's tokenizer,
             with their ids (set by :meth:`on`): the grammar writes each as that token.
+        named: with a value, a call is its tool's name, this text, then its arguments' JSON
+            (``open`` + name + ``named`` + arguments), not one JSON object.
     """
 
     name: str
@@ -96,6 +100,7 @@ class ToolFormat:
     between: str | None = None
     first: str = "{"
     tokens: tuple[tuple[str, int], ...] = ()
+    named: str = ""
 
     def on(self, tokenizer: Any) -> ToolFormat:
         """This format bound to ``tokenizer``'s special tokens: each wrapper part (``open`` and
@@ -115,8 +120,9 @@ class ToolFormat:
         return replace(self, tokens=tuple(found))
 
     def parts(self) -> tuple[str, ...]:
-        """The wrapper's parts: ``open`` and ``close`` without surrounding whitespace."""
-        return tuple(p for p in (self.open.strip(), self.close.strip()) if p)
+        """The wrapper's parts: ``open``, ``close`` and ``named`` without surrounding
+        whitespace."""
+        return tuple(p for p in (self.open.strip(), self.close.strip(), self.named.strip()) if p)
 
     def bound(self, tokens: Mapping[str, int]) -> ToolFormat:
         """This format with ``tokens`` (wrapper part -> special token id) as its
@@ -144,11 +150,16 @@ class ToolFormat:
     def render(self, calls: Sequence[tuple[str, Any]]) -> str:
         """``(name, arguments)`` calls as the model writes them in this format (compact JSON,
         the grammars' layout)."""
+        if self.named:
+            return self._wrap([f"{name}{self.named}{json.dumps(args, ensure_ascii=False)}"
+                               for name, args in calls])
         return self._wrap([json.dumps({"name": name, self.args_key: args}, ensure_ascii=False)
                            for name, args in calls])
 
     def shape(self) -> str:
         """The format's layout with placeholders, for a system prompt that teaches it."""
+        if self.named:
+            return self._wrap([f"<tool name>{self.named}{{<argument>: <value>}}"])
         return self._wrap(['{"name": "<tool name>", "' + self.args_key
                            + '": {<argument>: <value>}}'])
 
@@ -157,7 +168,8 @@ class ToolFormat:
             return ""
         if self.listed:
             return f"{self.open}[{', '.join(bodies)}]{self.close}"
-        return (self.between or "\n").join(f"{self.open}{b}{self.close}" for b in bodies)
+        between = "\n" if self.between is None else self.between
+        return between.join(f"{self.open}{b}{self.close}" for b in bodies)
 
     # -- the grammar's parts ----------------------------------------------------------------
 
@@ -180,7 +192,19 @@ class ToolFormat:
                      "x-guidance": dict(layout)}
             return (f"start: {opening} calls{close}\n"
                     f"calls: %json {json.dumps(items)}\n")
-        more = f" ({_lark_str(self.between)} call)*" if self.between is not None else ""
+        more = "" if self.between is None else \
+            " call*" if not self.between else f" ({_lark_str(self.between)} call)*"
+        if self.named:  # the name outside the JSON: one alternative per tool
+            options = call_schema.get("anyOf", [call_schema])
+            rules = [f"call: {opening} (" + " | ".join(f"t{i}" for i in range(len(options)))
+                     + f"){close}"]
+            for i, option in enumerate(options):
+                props = option["properties"]
+                args = {**props[self.args_key], "x-guidance": dict(layout)}
+                rules.append(f"t{i}: {_lark_str(props['name']['const'])} "
+                             f"{self._lark_part(self.named)} a{i}")
+                rules.append(f"a{i}: %json {json.dumps(args)}")
+            return f"start: call{more}\n" + "\n".join(rules) + "\n"
         return (f"start: call{more}\n"
                 f"call: {opening} body{close}\n"
                 f"body: %json {json.dumps({**call_schema, 'x-guidance': dict(layout)})}\n")
@@ -221,9 +245,49 @@ class ToolFormat:
         text; output that starts like a call but holds none (cut off by a token limit inside
         the opening, or a bare format's malformed JSON) is one invalid call carrying the whole
         text."""
+        if self.named:
+            return self._parse_named(text)
         if self.wrapped:
             return self._parse_wrapped(text)
         return _parse_bare(text, self)
+
+    def _parse_named(self, text: str) -> Parsed:
+        """Calls written ``open`` + name + ``named`` + arguments, one after the other."""
+        tag, sep = self.open.strip(), self.named.strip()
+        decoder = json.JSONDecoder()
+        calls: list[Call] = []
+        invalid: list[BadCall] = []
+        spans: list[tuple[int, int]] = []
+        pos = 0
+        while (start := text.find(tag, pos)) >= 0:
+            at = start + len(tag)
+            following = text.find(tag, at)
+            block_end = following if following >= 0 else len(text)
+            mid = text.find(sep, at, block_end)
+            name = text[at:mid if mid >= 0 else block_end].strip()
+            if mid < 0 or not name:
+                why = f"no {sep} after the tool's name" if mid < 0 else "a call without a name"
+                invalid.append(BadCall(name or None, text[at:block_end].strip(), why))
+                spans.append((start, block_end))
+                pos = block_end
+                continue
+            try:
+                value, end = decoder.raw_decode(text, _skip_space(text, mid + len(sep)))
+            except json.JSONDecodeError as exc:
+                invalid.append(BadCall(name, text[mid + len(sep):block_end].strip(),
+                                       f"arguments are not JSON: {exc}"))
+                spans.append((start, block_end))
+                pos = block_end
+                continue
+            _read_call({"name": name, self.args_key: value}, calls, invalid, require_name=True)
+            spans.append((start, end))
+            pos = end
+        if not spans:
+            head = text.strip()
+            if head and tag.startswith(head):  # cut off inside the opening tag
+                return Parsed("", (), (BadCall(None, text, f"the output stops inside {tag}"),))
+            return Parsed(text, (), ())
+        return Parsed(_cut(text, spans).strip(), tuple(calls), tuple(invalid))
 
     def _parse_wrapped(self, text: str) -> Parsed:
         tag, end_tag = self.open.strip(), self.close.strip()
@@ -339,6 +403,7 @@ FORMATS: dict[str, ToolFormat] = {f.name: f for f in (
     ToolFormat("hermes", open="<tool_call>\n", close="\n</tool_call>", between="\n", first="<"),
     ToolFormat("llama3", args_key="parameters"),
     ToolFormat("mistral", open="[TOOL_CALLS] ", listed=True, first="["),
+    ToolFormat("mistral_v11", open="[TOOL_CALLS]", named="[ARGS]", between="", first="["),
     ToolFormat("phi", open="<|tool_call|>", close="<|/tool_call|>", listed=True, first="<"),
     ToolFormat("granite", open="<|tool_call|>", listed=True, first="<"),
 )}
@@ -361,7 +426,8 @@ def tool_format(name: str | ToolFormat) -> ToolFormat:
 
 def detect_tool_format(chat_template: str | None) -> str:
     """The format a chat template teaches, read from the markers it renders calls with:
-    ``<tool_call>`` (hermes), ``[TOOL_CALLS]`` (mistral), ``<|/tool_call|>`` or ``<|tool|>``
+    ``<tool_call>`` (hermes), ``[TOOL_CALLS]`` (mistral; mistral_v11 with ``[ARGS]``),
+    ``<|/tool_call|>`` or ``<|tool|>``
     (phi), ``<|tool_call|>`` (granite), ``parameters`` beside ``<|python_tag|>`` or
     ``ipython`` (llama3); ``json`` for a template that renders no tools or none of these."""
     text = chat_template or ""
@@ -370,7 +436,7 @@ def detect_tool_format(chat_template: str | None) -> str:
     if "<tool_call>" in text:
         return "hermes"
     if "[TOOL_CALLS]" in text:
-        return "mistral"
+        return "mistral_v11" if "[ARGS]" in text else "mistral"
     if "<|/tool_call|>" in text or "<|tool|>" in text:
         return "phi"
     if "<|tool_call|>" in text:

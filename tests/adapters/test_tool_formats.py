@@ -1,6 +1,6 @@
 """Tool calls in each model's own format: the registry's grammars, renderers and parsers.
 
-For every format (``json``, ``hermes``, ``llama3``, ``mistral``, ``phi``, ``granite``):
+For every format (``json``, ``hermes``, ``llama3``, ``mistral``, ``mistral_v11``, ``phi``, ``granite``):
 
 - the grammar admits valid calls and refuses wrong ones (a wrong or unchosen tool, a missing
   required argument, a wrong type, a malformed wrapper), fed token by token through the
@@ -109,6 +109,8 @@ def test_each_format_writes_its_models_layout() -> None:
     listed = ('[{"name": "add", "arguments": {"a": 1, "b": "x\\"y"}}, '
               '{"name": "get_weather", "arguments": {"city": "Zürich"}}]')
     assert FORMATS["mistral"].render(calls) == "[TOOL_CALLS] " + listed
+    assert FORMATS["mistral_v11"].render(calls) == (
+        '[TOOL_CALLS]add[ARGS]{"a": 1, "b": "x\\"y"}[TOOL_CALLS]get_weather[ARGS]{"city": "Zürich"}')
     assert FORMATS["phi"].render(calls) == "<|tool_call|>" + listed + "<|/tool_call|>"
     assert FORMATS["granite"].render(calls) == "<|tool_call|>" + listed
 
@@ -118,6 +120,9 @@ def test_each_format_writes_its_models_layout() -> None:
      "hermes"),
     ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
      "[TOOL_CALLS] [{{ calls }}]", "mistral"),
+    ("{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+     "{% for c in m.tool_calls %}[TOOL_CALLS]{{ c.function.name }}[ARGS]{{ c.function.arguments }}"
+     "{% endfor %}", "mistral_v11"),
     ("{% if tools %}Reply as {\"name\": function name, \"parameters\": dict}{% endif %}"
      "{% if m.role == 'ipython' %}<|python_tag|>{% endif %}", "llama3"),
     ("{% if 'tools' in message %}<|tool|>{{ message['tools'] }}<|/tool|>{% endif %}", "phi"),
@@ -138,7 +143,7 @@ def test_the_format_is_read_from_the_chat_template(template: str | None, name: s
 
 
 def test_an_unknown_format_is_named_with_the_known_ones() -> None:
-    with pytest.raises(ValueError, match=r"'bogus'.*json, hermes, llama3, mistral, phi, granite"):
+    with pytest.raises(ValueError, match=r"'bogus'.*json, hermes, llama3, mistral, mistral_v11, phi, granite"):
         tool_format("bogus")
     with pytest.raises(GrammarError, match="'bogus'"):
         Grammar.tool_calls([WEATHER], tool_format="bogus")
@@ -226,6 +231,11 @@ MALFORMED = {
     "mistral": ['[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
                 '[TOOL_CALLS] {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
                 '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]'],
+    "mistral_v11": ['[TOOL_CALLS]{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}',
+                    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
+                    'get_weather[ARGS]{"city": "Paris", "unit": "celsius"}',
+                    '[TOOL_CALLS]get_weather{"city": "Paris", "unit": "celsius"}',
+                    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}[TOOL_CALLS]'],
     "phi": ['<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]',
             '[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]<|/tool_call|>'],
     "granite": ['<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}]<|/tool_call|>',
@@ -624,7 +634,7 @@ def test_a_grammar_without_the_wrapper_fails_the_property_check(matcher: Matcher
 # those models' tokenizers: bound to such a tokenizer, a format's grammar admits its wrapper as
 # that one token, never spelled out, and the text keeps it where decoding drops special tokens.
 
-SPECIAL_FORMATS = ("mistral", "phi", "granite")
+SPECIAL_FORMATS = ("mistral", "mistral_v11", "phi", "granite")
 
 
 @pytest.fixture(scope="module")
@@ -635,20 +645,41 @@ def wrapper_tok() -> Any:
 
 
 def as_model_writes(tok: Any) -> Callable[[str], list[int]]:
-    """Text to ids as a model on ``tok`` writes an answer: a wrapper token that opens or closes
-    the answer as that special token, everything else spelled out in ordinary tokens (a string
-    value holding ``[TOOL_CALLS]`` is text, not the token)."""
+    """Text to ids as a model on ``tok`` writes an answer: a wrapper outside JSON values as its
+    special token, JSON values and other text spelled out in ordinary tokens (a string value
+    holding ``[TOOL_CALLS]`` is text, not the token)."""
     from tests.families import WRAPPER_TOKENS
 
     ids = dict(zip(WRAPPER_TOKENS, tok.convert_tokens_to_ids(list(WRAPPER_TOKENS)), strict=True))
+    decoder = json.JSONDecoder()
+
+    def spelled(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
 
     def encode(text: str) -> list[int]:
-        head = next((w for w in WRAPPER_TOKENS if text.startswith(w)), "")
-        tail = next((w for w in WRAPPER_TOKENS if text.endswith(w) and len(text) > len(head)), "")
-        body = text[len(head):len(text) - len(tail)]
-        return ([ids[head]] if head else []) + tok.encode(body, add_special_tokens=False,
-                                                          split_special_tokens=True) \
-            + ([ids[tail]] if tail else [])
+        out: list[int] = []
+        pos = plain = 0
+        while pos < len(text):
+            wrapper = next((w for w in WRAPPER_TOKENS if text.startswith(w, pos)), None)
+            end = None
+            if wrapper is None and text[pos] in "{[":
+                try:
+                    end = decoder.raw_decode(text, pos)[1]
+                except json.JSONDecodeError:
+                    end = None
+            if wrapper is None and end is None:
+                pos += 1
+                continue
+            out += spelled(text[plain:pos])
+            if wrapper is not None:
+                out.append(ids[wrapper])
+                pos += len(wrapper)
+            else:
+                assert end is not None
+                out += spelled(text[pos:end])
+                pos = end
+            plain = pos
+        return out + spelled(text[plain:])
     return encode
 
 

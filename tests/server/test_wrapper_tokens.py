@@ -1,7 +1,7 @@
 """Tool-call wrappers that are special tokens, end to end (issue 49's tool formats).
 
-Mistral's ``[TOOL_CALLS]`` and Phi-4-mini's and Granite's ``<|tool_call|>`` are special tokens
-in those models' tokenizers. The packaged SmolLM2, its vocabulary grown by those three tokens
+Mistral's ``[TOOL_CALLS]`` (and its v11 ``[ARGS]``) and Phi-4-mini's and Granite's ``<|tool_call|>`` are special tokens
+in those models' tokenizers. The packaged SmolLM2, its vocabulary grown by those tokens
 (their embedding rows zero) on a copy of its tokenizer that holds them as special tokens
 (``tests/families.py``: :func:`wrapper_tokenizer`), is asked for a call in each such format, by the chat model and by the server over the same Speculator:
 
@@ -125,7 +125,7 @@ async def served_and_chat(spec: Speculator, tool_format: str | None) -> tuple[li
     return served, [(c["name"], c["args"]) for c in invoked.tool_calls]
 
 
-@pytest.mark.parametrize("name", ["mistral", "phi", "granite"])
+@pytest.mark.parametrize("name", ["mistral", "mistral_v11", "phi", "granite"])
 def test_the_model_writes_the_wrapper_as_its_token_and_the_text_keeps_it(
         spec: Speculator, name: str) -> None:
     fmt = resolve_tool_format(spec.tokenizer, name)
@@ -147,7 +147,7 @@ def test_a_grammar_without_the_token_has_the_wrapper_spelled_and_fails_the_check
     assert spec.tokenizer.convert_ids_to_tokens([first])[0] != "[TOOL_CALLS]", text
 
 
-@pytest.mark.parametrize("name", ["mistral", "phi"])
+@pytest.mark.parametrize("name", ["mistral", "mistral_v11", "phi"])
 async def test_the_servers_calls_equal_the_chat_models(spec: Speculator, name: str) -> None:
     served, chat = await served_and_chat(spec, name)
     assert served and served == chat, name
