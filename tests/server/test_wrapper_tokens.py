@@ -1,9 +1,10 @@
 """Tool-call wrappers that are special tokens, end to end (issue 49's tool formats).
 
-Mistral's ``[TOOL_CALLS]`` (and its v11 ``[ARGS]``) and Phi-4-mini's and Granite's ``<|tool_call|>`` are special tokens
-in those models' tokenizers. The packaged SmolLM2, its vocabulary grown by those tokens
-(their embedding rows zero) on a copy of its tokenizer that holds them as special tokens
-(``tests/families.py``: :func:`wrapper_tokenizer`), is asked for a call in each such format, by the chat model and by the server over the same Speculator:
+Mistral's ``[TOOL_CALLS]`` (and its v11 ``[ARGS]``) and Phi-4-mini's and Granite's
+``<|tool_call|>`` are special tokens in those models' tokenizers. The packaged SmolLM2, its
+vocabulary grown by those tokens (their embedding rows zero) on a copy of its tokenizer that
+holds them as special tokens (``tests/families.py``: :func:`wrapper_tokenizer`), is asked for
+a call in each such format, by the chat model and by the server over the same Speculator:
 
 - the answer's first token is the wrapper's token (the one the model was trained to emit), not
   the wrapper spelled out; its text keeps the wrapper, and the calls parse from it;
