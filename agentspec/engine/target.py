@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agentspec.engine import compat, malloc
+from agentspec.engine import compat, malloc, width_cache
 from agentspec.engine.forward import Forward
 from agentspec.engine.kv import REPLACED
 from agentspec.engine.model import ModelIdentity
@@ -210,30 +210,34 @@ class HFTarget:
         costs speed, a width of another class would let drafts change outputs. Then two
         sequences' steps are scored alone and together (:meth:`batch_probe`); where they
         differ, forwards carry one sequence each (:attr:`batches` False, with a warning).
+        The verdict is kept on disk for the next process that runs the same computation
+        (:mod:`agentspec.engine.width_cache`), which then probes nothing.
         """
         if self._widths_checked:
             return self.widths
         self._widths_checked = True
         known = _WIDTH_CLASS.setdefault(self.model, {})
-        asked = (self.widths, self.prefill_widths, str(self.device),
-                 str(next(self.model.parameters()).dtype), self.fused is not None,
-                 torch.get_num_threads(),  # CPU kernels split rows by thread count
-                 torch.backends.mkldnn.is_available())  # the CPU's products (engine_kernels)
-        if asked in known:  # probed already on another HFTarget of this model
-            self.widths, self.prefill_widths, self.batches = known[asked]
-            self.forward.widths = self._all_widths()
+        if self._asked() in known:  # probed already on another HFTarget of this model
+            self._settle(*known[self._asked()])
             return self.widths
         if self.fused is not None:  # its first forward: one that fails falls back here
             self._probe([0] * self.widths[0], self.widths[0])
+        asked = self._asked()  # the module path's, where the fused forward fell back
+        # Another process's verdict on this computation (the same shapes, dtype, device,
+        # threads, software and engine code: width_cache's key), else the probe below.
+        stored = width_cache.cache_file(self.model, self.fingerprint, asked, self.device)
+        verdict = width_cache.read(stored)
+        if verdict is not None and set(verdict[0]) <= set(self.widths) \
+                and set(verdict[1]) <= set(self.prefill_widths):
+            self._settle(*verdict)
+            known[asked] = verdict
+            return self.widths
         gen = torch.Generator().manual_seed(0)
+        asked_widths, asked_prefill = self.widths, self.prefill_widths
         n = self.widths[0]
         ids = torch.randint(0, self.vocab_size, (n,), generator=gen).tolist()
         rows = {w: self._probe(ids, w) for w in self.widths}
-        same = tuple(w for w in self.widths if torch.equal(rows[w], rows[self.widths[-1]]))
-        if same != self.widths:
-            warn_once(f"{self.name}: forward widths {sorted(set(self.widths) - set(same))} "
-                      f"compute rows in another order on this {self.device.type}; using {same}")
-            self.widths = same
+        self.widths = tuple(w for w in self.widths if torch.equal(rows[w], rows[self.widths[-1]]))
         if self.prefill_widths:
             # A prompt chunk's rows must be the bits a decode-width forward gives them (a
             # prefix written by one call is reused by the next): a whole widest-width chain,
@@ -241,19 +245,35 @@ class HFTarget:
             n = self.widths[-1]
             ids = torch.randint(0, self.vocab_size, (n,), generator=gen).tolist()
             ref = self._probe(ids, n)
-            kept = tuple(w for w in self.prefill_widths if torch.equal(self._probe(ids, w), ref))
-            if kept != self.prefill_widths:
-                warn_once(f"{self.name}: prefill widths "
-                          f"{sorted(set(self.prefill_widths) - set(kept))} compute rows in "
-                          f"another order on this {self.device.type}; using {kept}")
-                self.prefill_widths = kept
+            self.prefill_widths = tuple(w for w in self.prefill_widths
+                                        if torch.equal(self._probe(ids, w), ref))
         self.forward.widths = self._all_widths()
-        self.batches = self.batch_probe(gen)
-        if not self.batches:
+        verdict = (self.widths, self.prefill_widths, self.batch_probe(gen))
+        self.widths, self.prefill_widths = asked_widths, asked_prefill  # for _settle's warnings
+        self._settle(*verdict)
+        known[asked] = verdict
+        width_cache.write(stored, verdict)
+        return self.widths
+
+    def _asked(self) -> tuple[Any, ...]:
+        """What a probe's verdict holds for: the widths asked, the device, dtype and path."""
+        return (self.widths, self.prefill_widths, str(self.device),
+                str(next(self.model.parameters()).dtype), self.fused is not None,
+                torch.get_num_threads(),  # CPU kernels split rows by thread count
+                torch.backends.mkldnn.is_available())  # the CPU's products (engine_kernels)
+
+    def _settle(self, widths: tuple[int, ...], prefill: tuple[int, ...], batches: bool) -> None:
+        """Take a probe's verdict (this one's, or one kept), warning of what it drops."""
+        for kind, was, now in (("forward", self.widths, widths),
+                               ("prefill", self.prefill_widths, prefill)):
+            if now != was:
+                warn_once(f"{self.name}: {kind} widths {sorted(set(was) - set(now))} compute "
+                          f"rows in another order on this {self.device.type}; using {now}")
+        if not batches:
             warn_once(f"{self.name}: a sequence's rows differ beside other sequences' on this "
                       f"{self.device.type}; every forward carries one sequence")
-        known[asked] = (self.widths, self.prefill_widths, self.batches)
-        return self.widths
+        self.widths, self.prefill_widths, self.batches = widths, prefill, batches
+        self.forward.widths = self._all_widths()
 
     def _probe(self, ids: list[int], width: int) -> torch.Tensor:
         """Logits of a chain of ``ids`` over an empty KV in a forward of ``width`` rows."""
