@@ -225,7 +225,7 @@ class HFTarget:
         asked = self._asked()  # the module path's, where the fused forward fell back
         # Another process's verdict on this computation (the same shapes, dtype, device,
         # threads, software and engine code: width_cache's key), else the probe below.
-        stored = width_cache.cache_file(self.model, self.fingerprint, asked, self.device)
+        stored = width_cache.cache_file(self.model, asked, self.device)
         verdict = width_cache.read(stored)
         if verdict is not None and set(verdict[0]) <= set(self.widths) \
                 and set(verdict[1]) <= set(self.prefill_widths):

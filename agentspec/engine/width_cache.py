@@ -8,8 +8,8 @@ runs, chosen by the shapes, the dtype, the device, the thread count and the code
 verdict is kept under ``agentspec_home()/costs`` (beside the cost curves), in a file named by
 a digest of all of those:
 
-- the model's architecture and shapes (its config, its class, its attention implementation)
-  and tokenizer (the fingerprint), the dtype and device;
+- the model's architecture and shapes (its config, its class, its attention implementation),
+  the dtype and device;
 - the widths asked for, the fused forward or the modules, torch's thread count and oneDNN;
 - torch's, transformers' and Triton's versions, and the engine's own source files;
 - the processor (its model name and instruction-set flags) or the GPU (its name and compute
@@ -80,12 +80,11 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def cache_file(model: Any, fingerprint: str, asked: tuple[Any, ...],
-               device: torch.device) -> Path:
+def cache_file(model: Any, asked: tuple[Any, ...], device: torch.device) -> Path:
     """The file of the verdict for ``model`` probed as ``asked`` (HFTarget's key: widths,
     prefill widths, device, dtype, fused, threads, oneDNN) on ``device``."""
     config = json.loads(model.config.to_json_string(use_diff=False))
-    key = {"version": VERSION, "fingerprint": fingerprint, "config": config,
+    key = {"version": VERSION, "config": config,
            "class": type(model).__qualname__,
            "attention": str(getattr(model.config, "_attn_implementation", "")),
            "asked": repr(asked), "versions": _versions(), "engine": _engine_digest(),

@@ -282,12 +282,7 @@ class ToolFormat:
             _read_call({"name": name, self.args_key: value}, calls, invalid, require_name=True)
             spans.append((start, end))
             pos = end
-        if not spans:
-            head = text.strip()
-            if head and tag.startswith(head):  # cut off inside the opening tag
-                return Parsed("", (), (BadCall(None, text, f"the output stops inside {tag}"),))
-            return Parsed(text, (), ())
-        return Parsed(_cut(text, spans).strip(), tuple(calls), tuple(invalid))
+        return _tagged(text, tag, spans, calls, invalid)
 
     def _parse_wrapped(self, text: str) -> Parsed:
         tag, end_tag = self.open.strip(), self.close.strip()
@@ -319,12 +314,20 @@ class ToolFormat:
                 _read_call(item, calls, invalid, require_name=True)
             spans.append((start, end))
             pos = end
-        if not spans:
-            head = text.strip()
-            if head and tag.startswith(head):  # cut off inside the opening tag
-                return Parsed("", (), (BadCall(None, text, f"the output stops inside {tag}"),))
-            return Parsed(text, (), ())
-        return Parsed(_cut(text, spans).strip(), tuple(calls), tuple(invalid))
+        return _tagged(text, tag, spans, calls, invalid)
+
+
+def _tagged(text: str, tag: str, spans: list[tuple[int, int]], calls: list[Call],
+            invalid: list[BadCall]) -> Parsed:
+    """A tagged format's parse from the spans of its calls: the rest of the text is the
+    content; no span at all is plain text, or one invalid call where the output stops inside
+    the opening tag (a token limit)."""
+    if not spans:
+        head = text.strip()
+        if head and tag.startswith(head):
+            return Parsed("", (), (BadCall(None, text, f"the output stops inside {tag}"),))
+        return Parsed(text, (), ())
+    return Parsed(_cut(text, spans).strip(), tuple(calls), tuple(invalid))
 
 
 def _parse_bare(text: str, fmt: ToolFormat) -> Parsed:

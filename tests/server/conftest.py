@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,6 +48,18 @@ class Server:
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log.read_text(errors="replace")[-n:]
+
+
+async def post_chat(app: Any, request: dict[str, Any]) -> dict[str, Any]:
+    """``request`` to ``/v1/chat/completions`` of an in-process server's ASGI ``app``; the
+    answer's JSON (a 200 is asserted)."""
+    import httpx
+
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t",
+                                 timeout=300) as client:
+        res = await client.post("/v1/chat/completions", json=request)
+    assert res.status_code == 200, res.text
+    return res.json()  # type: ignore[no-any-return]
 
 
 def private_home(tmp: Path) -> Path:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import httpx
 import pytest
 
 pytest.importorskip("starlette")
@@ -27,7 +26,7 @@ from agentspec.adapters.langchain import ChatAgentSpec  # noqa: E402
 from agentspec.adapters.openai_protocol import parse_chat_request, render  # noqa: E402
 from agentspec.adapters.openai_server import OpenAIServer, ServerConfig  # noqa: E402
 from agentspec.grammar.tool_formats import FORMATS  # noqa: E402
-from tests.server.conftest import MODEL, TIME, WEATHER  # noqa: E402
+from tests.server.conftest import MODEL, TIME, WEATHER, post_chat  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -66,14 +65,6 @@ def served_calls(answer: dict[str, Any]) -> list[Any]:
             for c in message.get("tool_calls") or ()]
 
 
-async def post(server: OpenAIServer, request: dict[str, Any]) -> dict[str, Any]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app),
-                                 base_url="http://t", timeout=300) as client:
-        res = await client.post("/v1/chat/completions", json=request)
-    assert res.status_code == 200, res.text
-    return res.json()  # type: ignore[no-any-return]
-
-
 @pytest.mark.parametrize("name", list(FORMATS))
 async def test_the_servers_tool_calls_equal_the_chat_models(spec: Any, name: str) -> None:
     server = OpenAIServer(spec, ServerConfig(models=(MODEL,), tool_format=name))
@@ -82,7 +73,7 @@ async def test_the_servers_tool_calls_equal_the_chat_models(spec: Any, name: str
         # A forced call, and a turn after a call and its result.
         for request, messages, choice in ((body(ASK, "required"), ASK[0]["content"], "required"),
                                           (body(AFTER, "auto"), AFTER_LC, "auto")):
-            answer = await post(server, request)
+            answer = await post_chat(server.app, request)
             message = chat.bind_tools([WEATHER, TIME], tool_choice=choice).invoke(messages)
             got_chat = [(c["name"], c["args"]) for c in message.tool_calls]
             assert served_calls(answer) == got_chat, name

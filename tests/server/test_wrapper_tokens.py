@@ -24,7 +24,6 @@ import copy
 import json
 from typing import Any
 
-import httpx
 import pytest
 
 pytest.importorskip("starlette")
@@ -38,6 +37,7 @@ from agentspec.drafters.policy import DEFAULT_COST  # noqa: E402
 from agentspec.engine.target import HFTarget  # noqa: E402
 from agentspec.grammar.tool_formats import FORMATS  # noqa: E402
 from tests.families import wrapper_tokenizer  # noqa: E402
+from tests.server.conftest import post_chat  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -99,21 +99,13 @@ def first_token_and_text(spec: Speculator, fmt: Any) -> tuple[int, str]:
     return gen.token_ids[0], gen.text
 
 
-async def post(server: OpenAIServer, request: dict[str, Any]) -> dict[str, Any]:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app),
-                                 base_url="http://t", timeout=300) as client:
-        res = await client.post("/v1/chat/completions", json=request)
-    assert res.status_code == 200, res.text
-    return res.json()  # type: ignore[no-any-return]
-
-
 async def served_and_chat(spec: Speculator, tool_format: str | None) -> tuple[list[Any], list[Any]]:
     """One required call through the server and through the chat model: their calls."""
     server = OpenAIServer(spec, ServerConfig(models=(MODEL,), tool_format=tool_format))
     chat = ChatAgentSpec(speculator=spec, tool_format=tool_format, temperature=0,
                          max_tokens=MAX_TOKENS)
     try:
-        answer = await post(server, {"model": MODEL, "messages": ASK, "tools": [CITY],
+        answer = await post_chat(server.app, {"model": MODEL, "messages": ASK, "tools": [CITY],
                                      "tool_choice": "required", "max_tokens": MAX_TOKENS,
                                      "temperature": 0})
     finally:

@@ -99,8 +99,8 @@ def test_a_key_without_the_dtype_hands_a_verdict_across_dtypes(
     """The deliberately wrong key: the fp32 verdict is read for the bf16 model, unprobed."""
     real = width_cache.cache_file
 
-    def without_dtype(model: Any, fingerprint: str, asked: tuple[Any, ...], device: Any) -> Path:
-        return real(model, fingerprint, asked[:3] + asked[4:], device)
+    def without_dtype(model: Any, asked: tuple[Any, ...], device: Any) -> Path:
+        return real(model, asked[:3] + asked[4:], device)
 
     monkeypatch.setattr(width_cache, "cache_file", without_dtype)
     assert probes_after(_bf16, home, probes) == 0
