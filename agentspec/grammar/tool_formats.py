@@ -103,9 +103,8 @@ class ToolFormat:
     named: str = ""
 
     def on(self, tokenizer: Any) -> ToolFormat:
-        """This format bound to ``tokenizer``'s special tokens: each wrapper part (``open`` and
-        ``close`` without their surrounding whitespace) that the tokenizer holds as one special
-        token (one it drops from decoded text). Parts that are plain text or ordinary added
+        """This format bound to ``tokenizer``'s special tokens: each wrapper part (:meth:`parts`)
+        that the tokenizer holds as one special token (one it drops from decoded text). Parts that are plain text or ordinary added
         tokens stay text: the grammar admits an added token through its text."""
         if not hasattr(tokenizer, "convert_tokens_to_ids"):
             return self
