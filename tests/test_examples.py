@@ -40,16 +40,25 @@ def test_langchain_agent(tmp_path: Path) -> None:
     assert "model calls" in out and "human: 'What is 12 times 7?" in out
 
 
-@pytest.mark.slow
-def test_bfcl_agent(tmp_path: Path) -> None:
-    """The agent's tool calls go through the grammar: at the real budget the call it makes on
-    this task (``cat``) parses and runs, and no reply is a malformed call."""
-    out = _run("bfcl_agent.py", "--tasks", "multi_turn_base_12", db_dir=tmp_path)
+def _check_bfcl_agent(out: str) -> None:
     assert "warm pass" in out and "memory warm:" in out
     exact = re.search(r"exact match: (\d+)/(\d+) calls", out)
     assert exact and exact[1] == exact[2] and int(exact[1]) >= 4, out[-2000:]
     assert re.search(r"^\s+cat\(file_name='[^']+'\) -> ", out, re.M), out[-4000:]
     assert "tool calls through the grammar: 0 malformed" in out and "malformed tool call" not in out
+
+
+@pytest.mark.slow
+def test_bfcl_agent(tmp_path: Path) -> None:
+    """The agent's tool calls go through the grammar: on this task's first turn, the call it
+    makes (``cat``) parses and runs, cold and warm, and no reply is a malformed call."""
+    _check_bfcl_agent(_run("bfcl_agent.py", "--tasks", "multi_turn_base_12", "--max-turns", "1",
+                           "--max-new-tokens", "32", db_dir=tmp_path))
+
+
+@pytest.mark.long  # the same checks at the example's own budget, every turn (make test-long)
+def test_bfcl_agent_at_its_own_budget(tmp_path: Path) -> None:
+    _check_bfcl_agent(_run("bfcl_agent.py", "--tasks", "multi_turn_base_12", db_dir=tmp_path))
 
 
 def _code(line: str) -> str:
