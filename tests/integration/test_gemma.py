@@ -135,7 +135,10 @@ def test_gemma_greedy_identity(gemma, index):
     assert list(lookup.token_ids) == expected
 
 
+# long (make test-long): tests/integration/test_families.py holds trees and rollback across a
+# crossed window on gemma3_text in make test, with its windowless control.
 @pytest.mark.slow
+@pytest.mark.long
 def test_gemma_tree_scoring_past_the_window(gemma):
     prompt_ids = gemma.tokenizer(LONG)["input_ids"]
     tokens = tuple(gemma.tokenizer(" def average values total", add_special_tokens=False)["input_ids"])
@@ -152,7 +155,10 @@ def test_gemma_tree_scoring_past_the_window(gemma):
     assert (wrong - right).abs().max() > 1.0
 
 
+# long (make test-long): tests/integration/test_families.py holds trees and rollback across a
+# crossed window on gemma3_text in make test, with its windowless control.
 @pytest.mark.slow
+@pytest.mark.long
 def test_gemma_rollback_past_the_window(gemma):
     target = CheckingTarget(gemma.model, gemma.tokenizer, atol=ATOL)
     reference = list(Speculator(gemma, speculate=False, memory=None).generate(LONG, 6).token_ids)
