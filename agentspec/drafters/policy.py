@@ -300,7 +300,8 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
     of 1 and 8 rows at :data:`PROBE_CONTEXT` tokens, about a tenth of a second) is stored with
     the curve and re-timed whenever the cache is read: when either probe now runs faster than
     :data:`STALE_RATIO` of its cached time, the curve was measured under load and is measured
-    again. A machine loaded now (a slower probe) keeps the cached curve.
+    again. A machine loaded now (a slower probe) keeps the cached curve. A file that passed
+    the probe is not probed again in the same process (the same bytes, the same widths).
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -309,6 +310,11 @@ def measure_cost(target: Any, *, sizes: tuple[int, ...] | None = None, context: 
     uncached = getattr(target, "uncached", None)
     with uncached() if callable(uncached) else contextlib.nullcontext():
         return _cached_or_measured(target, sizes, context, repeats, cache_file)
+
+
+# Cost files that passed the probe in this process, by path, bytes and widths: another
+# Speculator over the same model reads its curve without timing the probe again.
+_CHECKED: dict[tuple[str, bytes, tuple[int, ...]], CostModel] = {}
 
 
 def _cached_or_measured(target: Any, sizes: tuple[int, ...] | None, context: int, repeats: int,
@@ -320,7 +326,11 @@ def _cached_or_measured(target: Any, sizes: tuple[int, ...] | None, context: int
     widths = [int(w) for w in getattr(target, "widths", ()) or ()]
     if cache_file is not None and cache_file.exists():
         try:
-            data = json.loads(cache_file.read_text())
+            raw = cache_file.read_bytes()
+            seen = _CHECKED.get((str(cache_file), raw, tuple(widths)))
+            if seen is not None:  # this very file passed the probe in this process already
+                return seen
+            data = json.loads(raw)
             if data.get("version") == COST_CACHE_VERSION and data.get("widths", []) == widths:
                 cached = CostModel(float(data["base"]), float(data["per_token"]),
                                    tuple((int(t), float(sec)) for t, sec in data["points"]),
@@ -328,6 +338,7 @@ def _cached_or_measured(target: Any, sizes: tuple[int, ...] | None, context: int
                 then = [float(x) for x in data["probe"]]
                 now = probe_cost(target)
                 if all(n >= STALE_RATIO * t for n, t in zip(now, then, strict=True)):
+                    _CHECKED[(str(cache_file), raw, tuple(widths))] = cached
                     return cached
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache file is measured again

@@ -64,6 +64,24 @@ def test_cost_cache_is_used_and_older_versions_are_measured_again(tmp_path):
     assert data["version"] == COST_CACHE_VERSION and len(data["probe"]) == 2
 
 
+def test_a_file_that_passed_the_probe_is_read_without_probing_again(tmp_path):
+    """Another target in the same process reads the checked curve without a forward; the file
+    rewritten (other bytes) is probed again."""
+    cache = tmp_path / "cost.json"
+    cached = {"version": COST_CACHE_VERSION, "base": 0.05, "per_token": 0.001,
+              "points": [[1, 0.05], [4, 0.06]], "probe": [0.0, 0.0]}
+    cache.write_text(json.dumps(cached))
+    first, second = _FakeTarget(), _FakeTarget()
+    assert measure_cost(first, cache_file=cache).seconds(3) == pytest.approx(0.06)
+    assert first.scored  # the probe ran once
+    assert measure_cost(second, cache_file=cache).seconds(3) == pytest.approx(0.06)
+    assert second.scored == []
+    cache.write_text(json.dumps(dict(cached, base=0.07)))
+    third = _FakeTarget()
+    measure_cost(third, cache_file=cache)
+    assert third.scored == [1, 8] * 4
+
+
 def test_a_curve_of_other_widths_is_measured_again(tmp_path):
     """A curve is a step per forward width: one cached for other widths (an older default,
     a width the probe dropped) would size drafts on steps the target does not have."""
