@@ -27,7 +27,11 @@ def _oracle_tree(spec, target, prompt, max_new: int):
                                  cost=DEFAULT_COST, memory=None)
 
 
+# long (make test-long): in make test, test_invariance's every-verified-row check holds each
+# row after rollbacks, the families matrix walks trees off the spine, and the rest of this file
+# checks reused prefixes row by row with its no-rollback control.
 @pytest.mark.slow
+@pytest.mark.long
 def test_rollback_chains_and_trees(spec):
     target = CheckingTarget(spec.target.model, spec.target.tokenizer, atol=ATOL)
     # Trees whose accepted path skips nodes, then prompt-lookup chains, then sampling.
