@@ -191,7 +191,7 @@ def _all_blocks_free(target: HFTarget) -> bool:
 
 # -- 1. batch invariance ------------------------------------------------------------------------
 # fp32 is long (make test-long): bf16, where a rounding difference flips tokens, holds the
-# same check in make test at 1, 8 and 16.
+# same check in make test at the ends, 1 and 16.
 @pytest.mark.parametrize("dtype_name", [pytest.param("fp32", marks=pytest.mark.long), "bf16"])
 def test_every_request_at_every_concurrency_equals_its_solo_run(dtype_name, monkeypatch):
     calls = _mixed_calls()
@@ -199,7 +199,7 @@ def test_every_request_at_every_concurrency_equals_its_solo_run(dtype_name, monk
     forwards = Forwards(monkeypatch, target)
     spec = _speculator(target)
     steps = {}
-    for c in (1, 2, 8, 16) if dtype_name == "fp32" else (1, 8, 16):
+    for c in (1, 2, 8, 16) if dtype_name == "fp32" else (1, 16):
         forwards.seen.clear()
         outs = _together(spec, calls, c)
         assert _differing(outs, calls, dtype_name) == [], f"concurrency {c}, {dtype_name}"
