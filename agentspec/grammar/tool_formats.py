@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -253,12 +253,8 @@ class ToolFormat:
     def _parse_named(self, text: str) -> Parsed:
         """Calls written ``open`` + name + ``named`` + arguments, one after the other."""
         tag, sep = self.open.strip(), self.named.strip()
-        decoder = json.JSONDecoder()
-        calls: list[Call] = []
-        invalid: list[BadCall] = []
-        spans: list[tuple[int, int]] = []
-        pos = 0
-        while (start := text.find(tag, pos)) >= 0:
+
+        def block(start: int, calls: list[Call], invalid: list[BadCall]) -> int:
             at = start + len(tag)
             following = text.find(tag, at)
             block_end = following if following >= 0 else len(text)
@@ -267,42 +263,30 @@ class ToolFormat:
             if mid < 0 or not name:
                 why = f"no {sep} after the tool's name" if mid < 0 else "a call without a name"
                 invalid.append(BadCall(name or None, text[at:block_end].strip(), why))
-                spans.append((start, block_end))
-                pos = block_end
-                continue
+                return block_end
             try:
-                value, end = decoder.raw_decode(text, _skip_space(text, mid + len(sep)))
+                value, end = _DECODER.raw_decode(text, _skip_space(text, mid + len(sep)))
             except json.JSONDecodeError as exc:
                 invalid.append(BadCall(name, text[mid + len(sep):block_end].strip(),
                                        f"arguments are not JSON: {exc}"))
-                spans.append((start, block_end))
-                pos = block_end
-                continue
+                return block_end
             _read_call({"name": name, self.args_key: value}, calls, invalid, require_name=True)
-            spans.append((start, end))
-            pos = end
-        return _tagged(text, tag, spans, calls, invalid)
+            return end
+
+        return _scan_tagged(text, tag, block)
 
     def _parse_wrapped(self, text: str) -> Parsed:
         tag, end_tag = self.open.strip(), self.close.strip()
-        decoder = json.JSONDecoder()
-        calls: list[Call] = []
-        invalid: list[BadCall] = []
-        spans: list[tuple[int, int]] = []
-        pos = 0
-        while (start := text.find(tag, pos)) >= 0:
+
+        def block(start: int, calls: list[Call], invalid: list[BadCall]) -> int:
             body = start + len(tag)
             stop = text.find(end_tag, body) if end_tag else -1
-            block_end = stop + len(end_tag) if stop >= 0 else len(text)
-            at = _skip_space(text, body)
             try:
-                value, end = decoder.raw_decode(text, at)
+                value, end = _DECODER.raw_decode(text, _skip_space(text, body))
             except json.JSONDecodeError as exc:
                 raw = text[body:stop if stop >= 0 else len(text)].strip()
                 invalid.append(BadCall(None, raw, f"no parseable call JSON after {tag}: {exc}"))
-                spans.append((start, block_end))
-                pos = block_end
-                continue
+                return stop + len(end_tag) if stop >= 0 else len(text)
             after = _skip_space(text, end)
             rest = text[after:].rstrip()
             if end_tag and text.startswith(end_tag, after):
@@ -311,16 +295,27 @@ class ToolFormat:
                 end = len(text)
             for item in value if isinstance(value, list) else [value]:
                 _read_call(item, calls, invalid, require_name=True)
-            spans.append((start, end))
-            pos = end
-        return _tagged(text, tag, spans, calls, invalid)
+            return end
+
+        return _scan_tagged(text, tag, block)
 
 
-def _tagged(text: str, tag: str, spans: list[tuple[int, int]], calls: list[Call],
-            invalid: list[BadCall]) -> Parsed:
-    """A tagged format's parse from the spans of its calls: the rest of the text is the
-    content; no span at all is plain text, or one invalid call where the output stops inside
-    the opening tag (a token limit)."""
+_DECODER = json.JSONDecoder()
+
+
+def _scan_tagged(text: str, tag: str,
+                 block: Callable[[int, list[Call], list[BadCall]], int]) -> Parsed:
+    """A tagged format's parse: ``block`` reads the call (or calls) opened by ``tag`` at a
+    start into the lists and returns where it ends; the rest of the text is the content. No
+    block at all is plain text, or one invalid call where the output stops inside the opening
+    tag (a token limit)."""
+    calls: list[Call] = []
+    invalid: list[BadCall] = []
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    while (start := text.find(tag, pos)) >= 0:
+        pos = block(start, calls, invalid)
+        spans.append((start, pos))
     if not spans:
         head = text.strip()
         if head and tag.startswith(head):
