@@ -24,9 +24,9 @@ from agentspec.grammar.spec import GRAMMAR_SOURCE, Grammar, GrammarError
 from agentspec.grammar.tokenizer import (
     SharedGrammar,
     cache_mask,
+    fill_mask,
     keep_mask,
     ll_tokenizer,
-    settle_specials,
     shared_grammar,
     text_start_spec,
     trie_child,
@@ -108,9 +108,8 @@ class GrammarState:
         if cached is not None:
             v.copy_(cached)
         else:
-            self.matcher.unsafe_compute_mask_ptr(v.data_ptr(), self._words * 4)
+            fill_mask(self._shared.ll_tok, self.matcher, v)
             self._check()
-            settle_specials(self._shared.ll_tok, self.matcher, v)
             if node is not None:
                 keep_mask(self._shared, node, v.clone())
         if (row == 0 if first is None else first) and self.mode == "undecided" \

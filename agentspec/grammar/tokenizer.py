@@ -130,32 +130,40 @@ def cache_mask(shared: SharedGrammar, matcher: Any, node: list[Any], words: int)
     """The matcher's current mask into trie node ``node`` of ``shared``; False when the
     matcher failed."""
     bits = torch.zeros(words, dtype=torch.int32)
-    matcher.unsafe_compute_mask_ptr(bits.data_ptr(), words * 4)
+    fill_mask(shared.ll_tok, matcher, bits)
     if matcher.is_error():
         return False
-    settle_specials(shared.ll_tok, matcher, bits)
     keep_mask(shared, node, bits)
     return True
 
 
-_SPECIALS: dict[int, torch.Tensor] = {}
+def fill_mask(ll_tok: Any, matcher: Any, bits: torch.Tensor) -> None:
+    """The matcher's mask into ``bits`` (one row of int32 words, contiguous, on the CPU):
+    llguidance's, less the special tokens the matcher would refuse to consume
+    (:func:`settle_specials`). Every mask the engine computes is computed here; the caller
+    checks ``matcher.is_error()``."""
+    matcher.unsafe_compute_mask_ptr(bits.data_ptr(), bits.numel() * 4)
+    if not matcher.is_error():
+        settle_specials(ll_tok, matcher, bits)
 
 
-def _special_ids(ll_tok: Any) -> torch.Tensor:
-    """The tokenizer's special tokens but its stop tokens, as ids (found once per tokenizer;
-    ``ll_tok`` lives in ``_TOKENIZERS``, so its id is not reused)."""
+# Per llguidance tokenizer (by id: it lives in _TOKENIZERS, so its id is not reused): its
+# special tokens but its stop tokens, with each one's word and bit in a mask row.
+_SPECIALS: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _special_ids(ll_tok: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     hit = _SPECIALS.get(id(ll_tok))
     if hit is None:
         eos = set(ll_tok.eos_tokens)
-        hit = _SPECIALS[id(ll_tok)] = torch.tensor(
-            [t for t in range(ll_tok.vocab_size) if ll_tok.is_special_token(t) and t not in eos],
-            dtype=torch.long)
+        ids = torch.tensor([t for t in range(ll_tok.vocab_size)
+                            if ll_tok.is_special_token(t) and t not in eos], dtype=torch.long)
+        hit = _SPECIALS[id(ll_tok)] = (ids, ids >> 5, (ids & 31).to(torch.int32))
     return hit
 
 
 def settle_specials(ll_tok: Any, matcher: Any, bits: torch.Tensor) -> None:
-    """Clear the bits of ``bits`` (one row, int32 words, on the CPU) for special tokens the
-    matcher refuses to consume.
+    """Clear the bits of ``bits`` for special tokens the matcher refuses to consume.
 
     llguidance 1.9.1 masks a special token by its text where the grammar spells that text (a
     format's ``[TOOL_CALLS]`` written as text, on a tokenizer holding it as a special token)
@@ -166,11 +174,13 @@ def settle_specials(ll_tok: Any, matcher: Any, bits: torch.Tensor) -> None:
     Where the grammar forces that text, llguidance's mask holds the special token alone; once
     it is cleared, the row allows the first token of the forced text spelled in ordinary
     tokens (llguidance's greedy tokenization, which never yields a special token)."""
-    ids = _special_ids(ll_tok)
+    ids, words, shifts = _special_ids(ll_tok)
     if not len(ids):
         return
-    ids = ids[ids < bits.shape[-1] * 32]
-    on = ((bits[ids >> 5] >> (ids & 31)) & 1).bool()
+    if int(ids[-1]) >= bits.shape[-1] * 32:  # a row narrower than the vocabulary
+        inside = ids < bits.shape[-1] * 32
+        ids, words, shifts = ids[inside], words[inside], shifts[inside]
+    on = ((bits[words] >> shifts) & 1).bool()
     cleared = False
     for token in ids[on].tolist():
         if matcher.validate_tokens([token]) != 1:

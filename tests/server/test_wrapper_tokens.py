@@ -14,7 +14,7 @@ a call in each such format, by the chat model and by the server over the same Sp
 A grammar built without the tokenizer's tokens (the format as plain text) has the model spell
 the wrapper out: the first check fails on it. That grammar spells a special token's text, where
 llguidance 1.9.1 masks the special token but refuses to consume it; the engine's masks drop
-such tokens (:func:`agentspec.grammar.tokenizer.settle_specials`), and without that the request
+such tokens (:func:`agentspec.grammar.tokenizer.fill_mask`), and without that the request
 fails, which the last test shows.
 """
 
@@ -156,11 +156,10 @@ async def test_the_format_is_detected_from_the_template_and_bound(
 
 def test_without_settled_masks_a_grammar_spelling_a_special_token_fails_the_request(
         spec: Speculator, monkeypatch: pytest.MonkeyPatch) -> None:
-    from agentspec.grammar import state, tokenizer
+    from agentspec.grammar import tokenizer
     from agentspec.grammar.spec import GrammarError
 
-    for module in (state, tokenizer):
-        monkeypatch.setattr(module, "settle_specials", lambda *a: None)
+    monkeypatch.setattr(tokenizer, "settle_specials", lambda *a: None)
     tokenizer.forget_masks()  # the masks cached by the tests above were settled
     with pytest.raises(GrammarError):
         first_token_and_text(spec, FORMATS["mistral"])
