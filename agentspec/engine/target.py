@@ -217,8 +217,9 @@ class HFTarget:
             return self.widths
         self._widths_checked = True
         known = _WIDTH_CLASS.setdefault(self.model, {})
-        if self._asked() in known:  # probed already on another HFTarget of this model
-            self._settle(*known[self._asked()])
+        hit = known.get(self._asked())
+        if hit is not None:  # probed already on another HFTarget of this model
+            self._settle(*hit)
             return self.widths
         if self.fused is not None:  # its first forward: one that fails falls back here
             self._probe([0] * self.widths[0], self.widths[0])
@@ -249,8 +250,7 @@ class HFTarget:
                                         if torch.equal(self._probe(ids, w), ref))
         self.forward.widths = self._all_widths()
         verdict = (self.widths, self.prefill_widths, self.batch_probe(gen))
-        self.widths, self.prefill_widths = asked_widths, asked_prefill  # for _settle's warnings
-        self._settle(*verdict)
+        self._settle(*verdict, asked=(asked_widths, asked_prefill))
         known[asked] = verdict
         width_cache.write(stored, verdict)
         return self.widths
@@ -262,10 +262,12 @@ class HFTarget:
                 torch.get_num_threads(),  # CPU kernels split rows by thread count
                 torch.backends.mkldnn.is_available())  # the CPU's products (engine_kernels)
 
-    def _settle(self, widths: tuple[int, ...], prefill: tuple[int, ...], batches: bool) -> None:
-        """Take a probe's verdict (this one's, or one kept), warning of what it drops."""
-        for kind, was, now in (("forward", self.widths, widths),
-                               ("prefill", self.prefill_widths, prefill)):
+    def _settle(self, widths: tuple[int, ...], prefill: tuple[int, ...], batches: bool, *,
+                asked: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> None:
+        """Take a probe's verdict (this one's, or one kept), warning of what it drops from the
+        widths ``asked`` (default: the target's now)."""
+        was_widths, was_prefill = asked or (self.widths, self.prefill_widths)
+        for kind, was, now in (("forward", was_widths, widths), ("prefill", was_prefill, prefill)):
             if now != was:
                 warn_once(f"{self.name}: {kind} widths {sorted(set(was) - set(now))} compute "
                           f"rows in another order on this {self.device.type}; using {now}")
