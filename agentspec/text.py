@@ -182,7 +182,7 @@ class Detokenizer:
     them in the text. With nothing to keep it is the tokenizer's
     ``decode(ids, skip_special_tokens=True)``; else the other special tokens are taken out of
     the ids and the rest decoded with special tokens, which is the same text where none of
-    ``keep`` occurs (tests/unit/test_text.py)."""
+    ``keep`` occurs (tests/adapters/test_tool_formats.py checks it on random ids)."""
 
     def __init__(self, tokenizer: Any, keep: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
