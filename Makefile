@@ -56,6 +56,21 @@ test-long: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/agentspec demo
 
+# Not part of `make test`: llama.cpp's own llama-server and llama-bench, only for the comparison
+# (`agentspec bench --against llama.cpp`), built from the sources vendored in the pinned
+# llama-cpp-python sdist (fetched with pip; cmake, -DGGML_NATIVE=ON, no curl or OpenSSL), about
+# 8 minutes on 2 cores, into $$AGENTSPEC_HOME/llama.cpp/<version>/bin. Fails naming cmake or
+# a compiler when one is missing.
+.PHONY: llama-cpp compare
+llama-cpp: $(STAMP)
+	$(PY) -m agentspec.bench.llama_cpp build
+
+# The README's llama.cpp column: the build, then agentspec serve against llama-server on the
+# packaged SmolLM2 Q4_1 file, bfcl-live at 1 and 8 clients (about 25 minutes on 2 cores).
+compare: llama-cpp
+	$(VENV)/bin/agentspec bench --against llama.cpp --workload bfcl-live --concurrency 1,8 \
+		--out out/compare.json --report out/compare.md --plot out/compare.png
+
 bench: $(STAMP)
 	$(VENV)/bin/agentspec bench --out out/bench.json --report out/bench.md --plot out/bench.png
 

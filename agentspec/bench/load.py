@@ -291,7 +291,7 @@ def run_load(workload: Workload, model: str, *, systems: Sequence[str] = DEFAULT
     return out
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:
         return 0.0
@@ -320,10 +320,10 @@ def summarize(passes: Sequence[Pass]) -> dict[str, Any]:
             "x_solo": round(median.tokens_per_second / solo_rate, 3) if solo_rate else None,
             "tokens": median.tokens, "seconds": round(median.seconds, 3),
             "tokens_per_step": round(median.tokens / steps, 3) if steps else None,
-            "per_token_ms_p50": round(1e3 * _percentile([c.per_token_seconds for c in calls], 0.5), 2),
-            "per_token_ms_p99": round(1e3 * _percentile([c.per_token_seconds for c in calls], 0.99), 2),
-            "ttft_ms_p50": round(1e3 * _percentile([c.first_token_seconds for c in calls], 0.5), 1),
-            "ttft_ms_p99": round(1e3 * _percentile([c.first_token_seconds for c in calls], 0.99), 1),
+            "per_token_ms_p50": round(1e3 * percentile([c.per_token_seconds for c in calls], 0.5), 2),
+            "per_token_ms_p99": round(1e3 * percentile([c.per_token_seconds for c in calls], 0.99), 2),
+            "ttft_ms_p50": round(1e3 * percentile([c.first_token_seconds for c in calls], 0.5), 1),
+            "ttft_ms_p99": round(1e3 * percentile([c.first_token_seconds for c in calls], 0.99), 1),
             "exact": round(sum(exact) / len(exact), 4) if exact else None,
         }
         table[f"{system}@{level}"] = row

@@ -156,6 +156,24 @@ def bench(
     max_batch: Annotated[int | None, typer.Option(
         "--max-batch", help="With --concurrency: the most requests an engine steps at once "
                             "(default 16).")] = None,
+    against: Annotated[str | None, typer.Option(
+        "--against", metavar="SERVERS",
+        help="Measure agentspec serve against other servers on the same GGUF file instead, "
+             "through the OpenAI chat API, at each --concurrency level (default 1,4,8,16): "
+             "comma-separated among llama.cpp, llama.cpp-ngram-mod (and its other n-gram "
+             "types: -ngram-simple, -ngram-map-k, -ngram-map-k4v, -ngram-cache), "
+             "agentspec-plain, vllm, vllm-suffix (llama.cpp: make "
+             "llama-cpp builds it; vllm: make test-vllm's venv). Workloads: a file, bfcl-live, "
+             "bfcl, humaneval.")] = None,
+    tools: Annotated[bool, typer.Option(
+        "--tools", help="With --against: send each line's tools as OpenAI tools with "
+                        "tool_choice 'required' and report the share of valid calls.")] = False,
+    threads: Annotated[int | None, typer.Option(
+        "--threads", min=1, help="With --against: every server's threads (default: the "
+                                 "cores).")] = None,
+    context: Annotated[int, typer.Option(
+        "--context", min=256, help="With --against: a request's context budget in tokens "
+                                   "(llama-server gets this per slot).")] = 4096,
 ) -> None:
     """Run every request of a workload through each system, interleaved, and compare.
 
@@ -163,6 +181,13 @@ def bench(
     """
     if ctx.invoked_subcommand is not None:
         return
+    if against is not None:
+        _against(workload, model, against, concurrency or "1,4,8,16", tools=tools,
+                 threads=threads, context=context, max_new_tokens=max_new_tokens, out=out,
+                 report=report, plot=plot, json_out=json_out)
+        return
+    if tools:
+        fail("--tools goes with --against", EXIT_USAGE)
     if concurrency is not None:
         _load(workload, model, concurrency, systems, repeats=repeats, max_batch=max_batch,
               max_new_tokens=max_new_tokens, device=device, dtype=dtype, temperature=temperature,
@@ -269,6 +294,58 @@ def _load(workload: str, model: str, concurrency: str, systems: str | None, *, r
              if r["exact"] is not None and r["exact"] < 1.0]
     if wrong:
         fail(f"outputs differ from agentspec-plain alone: {', '.join(wrong)}")
+
+
+def _against(workload: str, model: str, against: str, concurrency: str, *, tools: bool,
+             threads: int | None, context: int, max_new_tokens: int | None, out: Path | None,
+             report: Path | None, plot: Path | None, json_out: bool) -> None:
+    """``--against``: agentspec serve beside other servers (:mod:`agentspec.bench.servers`)."""
+    import tempfile
+
+    from agentspec.bench import servers, servers_report
+    from agentspec.bench.report import write_json
+
+    levels = parse_levels(concurrency)
+    others = [s.strip() for s in against.split(",") if s.strip()]
+    bad = [s for s in others if s not in servers.SYSTEMS or s == "agentspec"]
+    if bad or not others:
+        fail(f"--against takes servers among {', '.join(servers.SYSTEMS[1:])}, got "
+             f"{against!r}", EXIT_USAGE)
+    if max_new_tokens is not None and max_new_tokens < 1:
+        fail(f"max-new-tokens must be a positive integer, got {max_new_tokens}", EXIT_USAGE)
+    loaded = servers.load_served_workload(workload, max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
+    for line, error in loaded.errors:
+        err_console.print(f"warning: {loaded.path}:{line}: skipped: {error}", markup=False)
+    with progress() as bar, tempfile.TemporaryDirectory(prefix="agentspec-against-") as tmp:
+        passes = len(set(levels) | {1})
+        task = bar.add_task("servers", total=(1 + len(others)) * (passes + 1))
+
+        def tick(label: str) -> None:
+            bar.update(task, advance=1 if (" at " in label or "warm" in label) else 0,
+                       description=label.split(":")[0])
+            if not err_console.is_terminal:
+                err_console.print(label, markup=False)
+
+        try:
+            summary = servers.run_against(loaded, model, ["agentspec", *others], levels,
+                                          tools=tools, threads=threads, context=context,
+                                          workdir=Path(tmp), on_progress=tick)
+        except ValueError as e:
+            fail(str(e), EXIT_USAGE)
+    shown = err_console if json_out else console
+    shown.print(servers_report.rich_table(summary), width=max(console.width, 150))
+    for line in servers_report.notes(summary):
+        shown.print(line, markup=False)
+    if out is not None:
+        write_json(summary, out)
+    if json_out:
+        print_json(summary)
+    if report is not None:
+        servers_report.write_markdown(summary, report)
+    if plot is not None:
+        servers_report.plot(summary, plot)
+    if summary["failed"]:
+        fail(f"{', '.join(summary['failed'])} failed (the others' figures are above)")
 
 
 def _run_and_report(loaded: Any, model: str, config: Any, *, json_out: bool, out: Path | None,

@@ -99,6 +99,22 @@ def _packaged_gguf(name: str) -> Path:
         raise not_installed(entry, f"is not fully installed ({exc})") from exc
 
 
+def gguf_file(name_or_path: str) -> Path:
+    """The GGUF file behind a packaged model's name, or ``name_or_path`` itself when it is a
+    ``.gguf`` file: what another engine (llama.cpp) loads to run the same weights.
+
+    Raises:
+        ValueError: neither (a model folder or a hub id has no GGUF file); the message names it.
+    """
+    if name_or_path in PACKAGED_MODELS:
+        return _packaged_gguf(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise ValueError(f"{name_or_path!r} is neither a packaged model nor a .gguf file; "
+                     f"packaged: {', '.join(PACKAGED_MODELS)}")
+
+
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     """Dequantise a GGUF once and keep safetensors + config + tokenizer in ``out_dir``."""
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}-{id(out_dir)}")
