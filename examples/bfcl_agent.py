@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import argparse
 
-from agentspec.bench.demo import DEFAULT_TASK_IDS, DemoConfig, print_summary, run_demo
+from agentspec.bench.demo import DEFAULT_TASK_IDS, DemoConfig, print_summary, run_demo, task_ids
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default=",".join(DEFAULT_TASK_IDS),
-                        help="comma-separated BFCL multi-turn task ids")
+                        help="comma-separated BFCL multi-turn task ids (N: multi_turn_base_N)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--max-turns", type=int, default=None)
     parser.add_argument("--max-calls-per-turn", type=int, default=2)
     parser.add_argument("--no-grammar", dest="grammar", action="store_false",
                         help="free text instead of tool calls through the grammar")
     args = parser.parse_args()
-    config = DemoConfig(tuple(args.tasks.split(",")), max_new_tokens=args.max_new_tokens,
+    config = DemoConfig(task_ids(args.tasks), max_new_tokens=args.max_new_tokens,
                         max_turns=args.max_turns, max_calls_per_turn=args.max_calls_per_turn,
                         grammar=args.grammar)
     summary = run_demo(config)  # cold pass (empty memory), then warm pass

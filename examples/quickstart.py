@@ -14,7 +14,8 @@ from agentspec import Speculator
 def main(max_new_tokens: int = 48) -> None:
     spec = Speculator.from_pretrained("smollm2-135m-instruct")
 
-    # 1. One call: the output is token-identical to plain greedy decoding, only faster.
+    # 1. One call: the output is token-identical to plain greedy decoding; the stats show
+    #    what the drafts saved (tokens per step, accepted by source).
     messages = [{"role": "user", "content": "List three uses of Python, one line each."}]
     gen = spec.generate(messages, max_new_tokens)
     print(gen.text)
