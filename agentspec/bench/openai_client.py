@@ -8,7 +8,8 @@ carries content or a tool call, its latency the time to ``[DONE]``.
 What a server says of its steps is read where it says it: agentspec's last chunk carries
 ``agentspec.stats.steps``; llama.cpp's carries ``timings`` (``predicted_n``, and with its own
 speculation ``draft_n_accepted``: every step commits its accepted draft tokens and one more,
-so steps = ``predicted_n - draft_n_accepted``). A server that says neither has no steps.
+so steps = ``predicted_n - draft_n_accepted``; it leaves the draft counts out when it drafted
+nothing). A server that says neither has no steps.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def _steps(chunk: dict[str, Any]) -> int | None:
     if isinstance(stats.get("steps"), int):
         return int(stats["steps"])
     timings = chunk.get("timings") or {}
-    if isinstance(timings.get("predicted_n"), int) and "draft_n_accepted" in timings:
+    if isinstance(timings.get("predicted_n"), int):  # no draft_n_*: nothing was drafted
         return int(timings["predicted_n"]) - int(timings.get("draft_n_accepted") or 0)
     return None
 

@@ -62,6 +62,9 @@ SYSTEMS = ("agentspec", "agentspec-plain", "llama.cpp",
 DEFAULT_SYSTEMS = ("agentspec", "llama.cpp")
 BASELINE = "llama.cpp"
 VLLM_VENV = Path(".venv-vllm")
+SERVED_NAME = "bench"
+"""The model name every request gives (agentspec and vLLM are told to serve under it;
+llama-server takes any)."""
 Progress = Callable[[str], None]
 
 
@@ -109,7 +112,8 @@ def launch(name: str, setup: Setup) -> Launch:
     if name in ("agentspec", "agentspec-plain"):
         db = f"sqlite:///{setup.workdir / (name + '.db')}"
         base = (*setup.agentspec, "serve", "--model", setup.model, "--port", "{port}",
-                "--db", db, "--max-batch", str(setup.slots), "--log-level", "warning")
+                "--db", db, "--max-batch", str(setup.slots), "--log-level", "warning",
+                "--served-model-name", SERVED_NAME)
         if name == "agentspec-plain":
             return Launch(name, (*base, "--no-speculate"), env=threads)
         return Launch(name, base, (*base, "--no-record"), env=threads)
@@ -132,7 +136,8 @@ def launch(name: str, setup: Setup) -> Launch:
             raise NotFoundError(f"{name} needs the model as a transformers folder")
         command = (str(vllm), "serve", str(setup.vllm_model), "--port", "{port}",
                    "--dtype", "float32", "--max-model-len", str(setup.context),
-                   "--max-num-seqs", str(setup.slots), "--enforce-eager")
+                   "--max-num-seqs", str(setup.slots), "--enforce-eager",
+                   "--served-model-name", SERVED_NAME)
         if name == "vllm-suffix":
             command += ("--speculative-config",
                         json.dumps({"method": "suffix", "num_speculative_tokens": 8}))
@@ -208,7 +213,7 @@ def start(spec: Launch, command: Sequence[str], log: Path) -> Running:
                      f"(log: {log})")
 
 
-def request_body(item: WorkloadItem, *, tools: bool, model: str = "default") -> dict[str, Any]:
+def request_body(item: WorkloadItem, *, tools: bool, model: str = SERVED_NAME) -> dict[str, Any]:
     """The chat request of a workload line: greedy, its own budget; with ``tools``, its tools
     as OpenAI ``tools`` with ``tool_choice: "required"``.
 
@@ -301,12 +306,19 @@ def warm(server: Running, items: Sequence[WorkloadItem], *, tools: bool) -> None
 def bring_up(spec: Launch, items: Sequence[WorkloadItem], *, tools: bool, logs: Path) -> Running:
     """Start ``spec`` and warm it (see the module docstring)."""
     log = logs / f"{spec.name}.log"
-    server = start(spec, spec.command, log)
-    warm(server, items, tools=tools)
-    if spec.measure_command is not None:
-        server.stop()
-        server = start(spec, spec.measure_command, log)
-        warm(server, items, tools=tools)
+    server: Running | None = None
+    for command in (spec.command, spec.measure_command):
+        if command is None:
+            break
+        if server is not None:
+            server.stop()
+        server = start(spec, command, log)
+        try:
+            warm(server, items, tools=tools)
+        except BaseException:
+            server.stop(5)
+            raise
+    assert server is not None
     return server
 
 

@@ -300,6 +300,7 @@ def _against(workload: str, model: str, against: str, concurrency: str, *, tools
              threads: int | None, context: int, max_new_tokens: int | None, out: Path | None,
              report: Path | None, plot: Path | None, json_out: bool) -> None:
     """``--against``: agentspec serve beside other servers (:mod:`agentspec.bench.servers`)."""
+    import shutil
     import tempfile
 
     from agentspec.bench import servers, servers_report
@@ -316,7 +317,8 @@ def _against(workload: str, model: str, against: str, concurrency: str, *, tools
     loaded = servers.load_served_workload(workload, max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
     for line, error in loaded.errors:
         err_console.print(f"warning: {loaded.path}:{line}: skipped: {error}", markup=False)
-    with progress() as bar, tempfile.TemporaryDirectory(prefix="agentspec-against-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="agentspec-against-")  # kept when a server fails: its log
+    with progress() as bar:
         passes = len(set(levels) | {1})
         task = bar.add_task("servers", total=(1 + len(others)) * (passes + 1))
 
@@ -345,7 +347,9 @@ def _against(workload: str, model: str, against: str, concurrency: str, *, tools
     if plot is not None:
         servers_report.plot(summary, plot)
     if summary["failed"]:
-        fail(f"{', '.join(summary['failed'])} failed (the others' figures are above)")
+        fail(f"{', '.join(summary['failed'])} failed (the others' figures are above; the "
+             f"servers' logs are in {tmp}/logs)")
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _run_and_report(loaded: Any, model: str, config: Any, *, json_out: bool, out: Path | None,

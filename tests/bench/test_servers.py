@@ -177,3 +177,20 @@ def test_launch_commands(tmp_path: Path) -> None:
         servers.launch("vllm", setup)
     with pytest.raises(ValueError, match="unknown system 'x'"):
         servers.launch("x", setup)
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--against", "llama.cpp,warp-drive"], "'llama.cpp,warp-drive'"),
+    (["--against", "agentspec"], "'agentspec'"),
+    (["--against", "llama.cpp", "--concurrency", "0"], "'0'"),
+    (["--against", "llama.cpp", "--max-new-tokens", "0"], "got 0"),
+    (["--tools"], "--tools goes with --against"),
+])
+def test_bad_input_exits_2_naming_the_value(args: list[str], named: str) -> None:
+    from typer.testing import CliRunner
+
+    from agentspec.cli import app
+
+    res = CliRunner().invoke(app, ["bench", *args])
+    assert res.exit_code == 2, res.output
+    assert named in res.stderr and res.stderr.count("\n") == 1
