@@ -60,7 +60,6 @@ LLAMA_NGRAM = ("ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngr
 SYSTEMS = ("agentspec", "agentspec-plain", "llama.cpp",
            *(f"llama.cpp-{t}" for t in LLAMA_NGRAM), "vllm", "vllm-suffix")
 DEFAULT_SYSTEMS = ("agentspec", "llama.cpp")
-BASELINE = "llama.cpp"
 VLLM_VENV = Path(".venv-vllm")
 SERVED_NAME = "bench"
 """The model name every request gives (agentspec and vLLM are told to serve under it;

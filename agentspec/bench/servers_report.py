@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from agentspec.bench.load import percentile
-from agentspec.bench.servers import BASELINE, Pass
 from agentspec.bench.workload import WorkloadItem
+
+BASELINE = "llama.cpp"
+"""The server every level's ratios are taken against."""
 
 
 def processor() -> str:
@@ -53,7 +55,7 @@ def valid_call(answer_calls: Sequence[Mapping[str, str]], tools: Sequence[Mappin
     return True
 
 
-def _row(p: Pass, solo: Mapping[str, str] | None, tools: Mapping[str, Any] | None
+def _row(p: Any, solo: Mapping[str, str] | None, tools: Mapping[str, Any] | None
          ) -> dict[str, Any]:
     answers = [c.answer for c in p.calls]
     tokens = sum(a.completion_tokens for a in answers)
@@ -80,9 +82,10 @@ def _row(p: Pass, solo: Mapping[str, str] | None, tools: Mapping[str, Any] | Non
     return row
 
 
-def summarize(passes: Sequence[Pass], failed: Mapping[str, str],
+def summarize(passes: Sequence[Any], failed: Mapping[str, str],
               items: Sequence[WorkloadItem], *, tools: bool) -> dict[str, Any]:
-    """Rows per system and level, ratios to :data:`BASELINE`, agreement, failures."""
+    """Rows per system and level, ratios to :data:`BASELINE`, agreement, failures;
+    ``passes`` are :class:`agentspec.bench.servers.Pass` values."""
     solo = {p.system: {c.id: c.answer.output() for c in p.calls}
             for p in passes if p.concurrency == 1}
     bound = {i.id: (i.grammar or {}).get("tools") or () for i in items} if tools else None

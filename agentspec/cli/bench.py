@@ -182,9 +182,14 @@ def bench(
     if ctx.invoked_subcommand is not None:
         return
     if against is not None:
-        _against(workload, model, against, concurrency or "1,4,8,16", tools=tools,
-                 threads=threads, context=context, max_new_tokens=max_new_tokens, out=out,
-                 report=report, plot=plot, json_out=json_out)
+        from agentspec.cli.against import against_servers
+
+        if max_new_tokens is not None and max_new_tokens < 1:
+            fail(f"max-new-tokens must be a positive integer, got {max_new_tokens}", EXIT_USAGE)
+        against_servers(workload, model, against, parse_levels(concurrency or "1,4,8,16"),
+                        tools=tools, threads=threads, context=context,
+                        max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS, out=out,
+                        report=report, plot=plot, json_out=json_out)
         return
     if tools:
         fail("--tools goes with --against", EXIT_USAGE)
@@ -294,62 +299,6 @@ def _load(workload: str, model: str, concurrency: str, systems: str | None, *, r
              if r["exact"] is not None and r["exact"] < 1.0]
     if wrong:
         fail(f"outputs differ from agentspec-plain alone: {', '.join(wrong)}")
-
-
-def _against(workload: str, model: str, against: str, concurrency: str, *, tools: bool,
-             threads: int | None, context: int, max_new_tokens: int | None, out: Path | None,
-             report: Path | None, plot: Path | None, json_out: bool) -> None:
-    """``--against``: agentspec serve beside other servers (:mod:`agentspec.bench.servers`)."""
-    import shutil
-    import tempfile
-
-    from agentspec.bench import servers, servers_report
-    from agentspec.bench.report import write_json
-
-    levels = parse_levels(concurrency)
-    others = [s.strip() for s in against.split(",") if s.strip()]
-    bad = [s for s in others if s not in servers.SYSTEMS or s == "agentspec"]
-    if bad or not others:
-        fail(f"--against takes servers among {', '.join(servers.SYSTEMS[1:])}, got "
-             f"{against!r}", EXIT_USAGE)
-    if max_new_tokens is not None and max_new_tokens < 1:
-        fail(f"max-new-tokens must be a positive integer, got {max_new_tokens}", EXIT_USAGE)
-    loaded = servers.load_served_workload(workload, max_new_tokens or DEFAULT_MAX_NEW_TOKENS)
-    for line, error in loaded.errors:
-        err_console.print(f"warning: {loaded.path}:{line}: skipped: {error}", markup=False)
-    tmp = tempfile.mkdtemp(prefix="agentspec-against-")  # kept when a server fails: its log
-    with progress() as bar:
-        passes = len(set(levels) | {1})
-        task = bar.add_task("servers", total=(1 + len(others)) * (passes + 1))
-
-        def tick(label: str) -> None:
-            bar.update(task, advance=1 if (" at " in label or "warm" in label) else 0,
-                       description=label.split(":")[0])
-            if not err_console.is_terminal:
-                err_console.print(label, markup=False)
-
-        try:
-            summary = servers.run_against(loaded, model, ["agentspec", *others], levels,
-                                          tools=tools, threads=threads, context=context,
-                                          workdir=Path(tmp), on_progress=tick)
-        except ValueError as e:
-            fail(str(e), EXIT_USAGE)
-    shown = err_console if json_out else console
-    shown.print(servers_report.rich_table(summary), width=max(console.width, 150))
-    for line in servers_report.notes(summary):
-        shown.print(line, markup=False)
-    if out is not None:
-        write_json(summary, out)
-    if json_out:
-        print_json(summary)
-    if report is not None:
-        servers_report.write_markdown(summary, report)
-    if plot is not None:
-        servers_report.plot(summary, plot)
-    if summary["failed"]:
-        fail(f"{', '.join(summary['failed'])} failed (the others' figures are above; the "
-             f"servers' logs are in {tmp}/logs)")
-    shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _run_and_report(loaded: Any, model: str, config: Any, *, json_out: bool, out: Path | None,

@@ -194,3 +194,17 @@ def test_bad_input_exits_2_naming_the_value(args: list[str], named: str) -> None
     res = CliRunner().invoke(app, ["bench", *args])
     assert res.exit_code == 2, res.output
     assert named in res.stderr and res.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("name", ["bfcl-live", "bfcl", "humaneval"])
+def test_the_three_workloads_make_chat_requests(name: str) -> None:
+    """Every line of the shipped workloads and of HumanEval's becomes a chat request (bfcl's
+    tool results included, as role "tool"); bfcl-live's also with its tools bound."""
+    loaded = servers.load_served_workload(name, 64)
+    assert loaded.warmup and loaded.measure
+    bodies = [servers.request_body(i, tools=False) for i in loaded.items]
+    assert all(b["messages"] and b["temperature"] == 0 for b in bodies)
+    if name == "bfcl":
+        assert any(m["role"] == "tool" for b in bodies for m in b["messages"])
+    if name == "bfcl-live":
+        assert all(servers.request_body(i, tools=True)["tools"] for i in loaded.items)
