@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from agentspec.bench.results import grammar_of, prompt_of
 from agentspec.bench.workload import Workload, WorkloadItem
@@ -138,17 +138,24 @@ def teach_oracle(oracle: OracleDrafter, reference: Any, items: Sequence[Workload
         oracle.outputs[tuple(reference.encode(prompt_of(item)))] = tuple(gen.token_ids)
 
 
-def run_pass(spec: Any, items: Sequence[WorkloadItem], concurrency: int, budget: int | None,
-             *, system: str = "") -> Pass:
-    """The requests ``items`` on ``spec`` by ``concurrency`` clients at once (closed loop);
-    ``budget``: every request's token budget (None: each item's own)."""
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def closed_loop(items: Sequence[T], concurrency: int, call: Callable[[T], R],
+                *, name: str = "bench-client") -> tuple[float, list[R], BaseException | None]:
+    """``call`` on every item by ``concurrency`` client threads, closed loop: a client takes
+    the next item as soon as its last call returns. The first error stops the clients.
+
+    Returns:
+        The wall time, the results in item order (those that finished), and the first error
+        (or None).
+    """
     if concurrency < 1:
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
-    from agentspec import SamplingParams
-
     queue = list(enumerate(items))
     lock = threading.Lock()
-    calls: dict[int, Call] = {}
+    results: dict[int, R] = {}
     errors: list[BaseException] = []
 
     def client() -> None:
@@ -158,21 +165,13 @@ def run_pass(spec: Any, items: Sequence[WorkloadItem], concurrency: int, budget:
                     return
                 index, item = queue.pop(0)
             try:
-                started = time.perf_counter()
-                gen = spec.generate(prompt_of(item), budget or item.max_new_tokens or 128,
-                                    sampling=SamplingParams(grammar=grammar_of(item)),
-                                    scope=item.scope, record=False)
-                seconds = time.perf_counter() - started
-                # The generation's clock starts after the prompt is encoded; the pass's before.
-                first = gen.stats.first_token_seconds + (seconds - gen.stats.seconds)
-                tokens = cut_at_stop(gen.token_ids, spec.stop_token_ids)[0]
-                calls[index] = Call(item.id, tuple(tokens), seconds, first, gen.stats.steps)
-            except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+                results[index] = call(item)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
                 with lock:
                     errors.append(e)
                 return
 
-    threads = [threading.Thread(target=client, name=f"bench-client-{i}")
+    threads = [threading.Thread(target=client, name=f"{name}-{i}", daemon=True)
                for i in range(min(concurrency, len(items)))]
     started = time.perf_counter()
     for t in threads:
@@ -180,9 +179,30 @@ def run_pass(spec: Any, items: Sequence[WorkloadItem], concurrency: int, budget:
     for t in threads:
         t.join()
     seconds = time.perf_counter() - started
-    if errors:
-        raise errors[0]
-    return Pass(system, concurrency, seconds, tuple(calls[i] for i in sorted(calls)))
+    return seconds, [results[i] for i in sorted(results)], errors[0] if errors else None
+
+
+def run_pass(spec: Any, items: Sequence[WorkloadItem], concurrency: int, budget: int | None,
+             *, system: str = "") -> Pass:
+    """The requests ``items`` on ``spec`` by ``concurrency`` clients at once (closed loop);
+    ``budget``: every request's token budget (None: each item's own)."""
+    from agentspec import SamplingParams
+
+    def call(item: WorkloadItem) -> Call:
+        started = time.perf_counter()
+        gen = spec.generate(prompt_of(item), budget or item.max_new_tokens or 128,
+                            sampling=SamplingParams(grammar=grammar_of(item)),
+                            scope=item.scope, record=False)
+        seconds = time.perf_counter() - started
+        # The generation's clock starts after the prompt is encoded; the pass's before.
+        first = gen.stats.first_token_seconds + (seconds - gen.stats.seconds)
+        tokens = cut_at_stop(gen.token_ids, spec.stop_token_ids)[0]
+        return Call(item.id, tuple(tokens), seconds, first, gen.stats.steps)
+
+    seconds, calls, error = closed_loop(items, concurrency, call)
+    if error is not None:
+        raise error
+    return Pass(system, concurrency, seconds, tuple(calls))
 
 
 def build_load_systems(target: Any, names: Sequence[str], tmp: Path, *,

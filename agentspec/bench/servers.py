@@ -44,7 +44,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -52,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentspec.bench.load import closed_loop
 from agentspec.bench.openai_client import Answer, ServerGone, chat
 from agentspec.bench.workload import WorkloadItem
 
@@ -213,8 +213,9 @@ def start(spec: Launch, command: Sequence[str], log: Path) -> Running:
 
 
 def request_body(item: WorkloadItem, *, tools: bool, model: str = SERVED_NAME) -> dict[str, Any]:
-    """The chat request of a workload line: greedy, its own budget; with ``tools``, its tools
-    as OpenAI ``tools`` with ``tool_choice: "required"``.
+    """The chat request of a workload line: greedy, its own budget, every tool result given a
+    ``tool_call_id`` (the workloads write calls as text); with ``tools``, its tools as OpenAI
+    ``tools`` with ``tool_choice: "required"``.
 
     Raises:
         ValueError: the line is a raw prompt (this bench speaks the chat API).
@@ -222,7 +223,11 @@ def request_body(item: WorkloadItem, *, tools: bool, model: str = SERVED_NAME) -
     if item.messages is None:
         raise ValueError(f"line {item.id!r} is a raw prompt; the servers bench sends chat "
                          f"messages only")
-    body: dict[str, Any] = {"model": model, "messages": [dict(m) for m in item.messages],
+    messages = [dict(m) for m in item.messages]
+    for i, m in enumerate(messages):  # a tool result names its call (OpenAI's API asks it)
+        if m["role"] == "tool" and "tool_call_id" not in m:
+            m["tool_call_id"] = f"call_{i}"
+    body: dict[str, Any] = {"model": model, "messages": messages,
                             "max_tokens": item.max_new_tokens or 128, "temperature": 0.0,
                             "seed": 0}
     if tools:
@@ -261,40 +266,18 @@ def run_pass(server: Running, items: Sequence[WorkloadItem], concurrency: int, *
     Raises:
         ServerGone: a call failed and the server is gone (its exit and log named).
     """
-    queue = list(enumerate(items))
-    lock = threading.Lock()
-    answers: dict[int, Call] = {}
-    errors: list[BaseException] = []
+    def call(item: WorkloadItem) -> Call:
+        return Call(item.id, chat(server.base_url, request_body(item, tools=tools),
+                                  timeout=timeout))
 
-    def client() -> None:
-        while True:
-            with lock:
-                if not queue or errors:
-                    return
-                index, item = queue.pop(0)
-            try:
-                answer = chat(server.base_url, request_body(item, tools=tools), timeout=timeout)
-            except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
-                with lock:
-                    errors.append(e)
-                return
-            answers[index] = Call(item.id, answer)
-
-    threads = [threading.Thread(target=client, name=f"served-client-{i}", daemon=True)
-               for i in range(min(concurrency, len(items)))]
-    started = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - started
-    if errors:
+    seconds, calls, error = closed_loop(items, concurrency, call, name="served-client")
+    if error is not None:
         time.sleep(0.5)  # a dying process: let it exit so its code can be read
         gone = server.died()
         if gone:
-            raise ServerGone(gone) from errors[0]
-        raise errors[0]
-    return Pass(server.name, concurrency, seconds, [answers[i] for i in sorted(answers)])
+            raise ServerGone(gone) from error
+        raise error
+    return Pass(server.name, concurrency, seconds, calls)
 
 
 def warm(server: Running, items: Sequence[WorkloadItem], *, tools: bool) -> None:

@@ -205,6 +205,7 @@ def test_the_three_workloads_make_chat_requests(name: str) -> None:
     bodies = [servers.request_body(i, tools=False) for i in loaded.items]
     assert all(b["messages"] and b["temperature"] == 0 for b in bodies)
     if name == "bfcl":
-        assert any(m["role"] == "tool" for b in bodies for m in b["messages"])
+        results = [m for b in bodies for m in b["messages"] if m["role"] == "tool"]
+        assert results and all(isinstance(m["tool_call_id"], str) for m in results)
     if name == "bfcl-live":
         assert all(servers.request_body(i, tools=True)["tools"] for i in loaded.items)
