@@ -64,7 +64,9 @@ VLLM_VENV = Path(".venv-vllm")
 SERVED_NAME = "bench"
 """The model name every request gives (agentspec and vLLM are told to serve under it;
 llama-server takes any)."""
-Progress = Callable[[str], None]
+Progress = Callable[[str, bool], None]
+"""``(label, step)``: what is happening, and whether it is one unit of work (a server started
+and warmed, a pass) done, for a progress bar."""
 
 
 @dataclass(frozen=True)
@@ -312,19 +314,20 @@ def run(items_warmup: Sequence[WorkloadItem], items_measure: Sequence[WorkloadIt
     Returns:
         The passes, and for each system that failed, why (it is left out from then on).
     """
-    say = on_progress or (lambda _: None)
+    say = on_progress or (lambda label, step: None)
     levels = sorted(set(levels) | {1})  # level 1 is every invariance check's reference
     up: dict[str, Running] = {}
     failed: dict[str, str] = {}
     passes: list[Pass] = []
     try:
         for spec in launches:
-            say(f"{spec.name}: start and warm on {len(items_warmup)} lines")
+            say(f"{spec.name}: start and warm on {len(items_warmup)} lines", False)
             try:
                 up[spec.name] = bring_up(spec, items_warmup, tools=tools, logs=logs)
+                say(f"{spec.name}: warmed", True)
             except (ServerGone, RuntimeError) as e:
                 failed[spec.name] = f"{type(e).__name__}: {e}"
-                say(f"{spec.name} failed: {e}")
+                say(f"{spec.name} failed: {e}", False)
         for turn, level in enumerate(levels):
             names = [s.name for s in launches if s.name in up]
             shift = turn % len(names) if names else 0
@@ -333,12 +336,12 @@ def run(items_warmup: Sequence[WorkloadItem], items_measure: Sequence[WorkloadIt
                     done = run_pass(up[name], items_measure, level, tools=tools)
                 except (ServerGone, RuntimeError) as e:
                     failed[name] = f"at level {level}: {type(e).__name__}: {e}"
-                    say(f"{name} failed at level {level}: {e}")
+                    say(f"{name} failed at level {level}: {e}", False)
                     up.pop(name).stop(5)
                     continue
                 passes.append(done)
                 tokens = sum(c.answer.completion_tokens for c in done.calls)
-                say(f"{name} at {level}: {tokens / max(done.seconds, 1e-9):.1f} tok/s")
+                say(f"{name} at {level}: {tokens / max(done.seconds, 1e-9):.1f} tok/s", True)
     finally:
         for server in up.values():
             server.stop()

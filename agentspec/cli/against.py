@@ -35,9 +35,8 @@ def against_servers(workload: str, model: str, against: str, levels: list[int], 
         passes = len(set(levels) | {1})
         task = bar.add_task("servers", total=(1 + len(others)) * (passes + 1))
 
-        def tick(label: str) -> None:
-            bar.update(task, advance=1 if (" at " in label or "warm" in label) else 0,
-                       description=label.split(":")[0])
+        def tick(label: str, step: bool) -> None:
+            bar.update(task, advance=int(step), description=label.split(":")[0])
             if not err_console.is_terminal:
                 err_console.print(label, markup=False)
 
