@@ -27,6 +27,11 @@ class UnsupportedVersionError(AgentSpecError, ImportError):
     when the engine is imported; the message names the installed and supported versions)."""
 
 
+class ContextLengthError(AgentSpecError, ValueError):
+    """A request's prompt plus its ``max_new_tokens`` is longer than the model can attend (the
+    message names both counts); a ValueError too, as the bad argument it also is."""
+
+
 class StoreError(AgentSpecError):
     """The completion memory's database cannot be opened, read or written."""
 

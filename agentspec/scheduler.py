@@ -49,6 +49,16 @@ from agentspec.protocols import StepShare
 
 logger = logging.getLogger("agentspec")
 
+@dataclass(frozen=True)
+class Load:
+    """A scheduler's load: requests ``running`` (admitted, not ended), ``waiting`` for room,
+    and the most it runs at once (``max_batch``)."""
+
+    running: int
+    waiting: int
+    max_batch: int
+
+
 class _Done:
     """The event that ends a request's steps."""
 
@@ -201,6 +211,12 @@ class Scheduler:
             with self._cond:
                 self._running = False
                 self._cond.notify_all()
+
+    def load(self) -> Load:
+        """What the scheduler carries now: requests admitted, requests waiting, and its
+        ``max_batch`` (what a server reports and refuses by)."""
+        with self._cond:
+            return Load(len(self._live), len(self._waiting), self.max_batch)
 
     @property
     def live(self) -> int:

@@ -32,7 +32,7 @@ from agentspec.engine.pool import BLOCK, DEFAULT_CACHE_BYTES, KVPool, PoolStats
 from agentspec.engine.sequence import Sequence as KVSequence
 from agentspec.engine.torch_thread import device_work
 from agentspec.engine.widths import default_widths, ordered_widths
-from agentspec.errors import UnsupportedModelError, warn_once
+from agentspec.errors import ContextLengthError, UnsupportedModelError, warn_once
 from agentspec.tree import ancestor_matrix, common_prefix_len, depths
 from agentspec.types import Draft, Verdict
 
@@ -195,7 +195,7 @@ class HFTarget:
         still rolls back exactly; the window is applied by the masks.
         """
         if total_tokens > self.max_context:
-            raise ValueError(
+            raise ContextLengthError(
                 f"prompt plus max_new_tokens is {total_tokens} tokens, more than the model's "
                 f"context of {self.max_context}")
 
