@@ -25,6 +25,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentspec.adapters.openai_answers import SSE_DONE, sse, usage_body
+from agentspec.adapters.openai_errors import ApiError, bad, refused
 from agentspec.adapters.openai_logprobs import (
     Sent,
     TokenText,
@@ -32,14 +34,7 @@ from agentspec.adapters.openai_logprobs import (
     legacy,
     no_prompt_logprobs,
 )
-from agentspec.adapters.openai_protocol import (
-    SSE_DONE,
-    ApiError,
-    bad,
-    parse_chat_request,
-    sse,
-    usage_body,
-)
+from agentspec.adapters.openai_protocol import parse_chat_request
 from agentspec.config import SamplingParams
 from agentspec.types import Generation, GenerationStats
 
@@ -162,8 +157,8 @@ class Completions:
 
     def open(self, req: CompletionRequest, scope: str) -> Opened:
         """Open one stream per prompt (in a worker: tokenising takes time); a prompt the
-        Speculator refuses (too long for the context, an id outside the vocabulary) is a 400
-        naming it, and no stream is left open."""
+        Speculator refuses (too long for the context, an id outside the vocabulary:
+        :data:`~.openai_errors.REFUSALS`) is a 400 naming it, and no stream is left open."""
         streams: list[Any] = []
         for i, prompt in enumerate(req.prompts):
             where = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
@@ -171,11 +166,12 @@ class Completions:
                 streams.append(self.spec.stream(
                     list(prompt) if isinstance(prompt, tuple) else prompt, req.max_tokens,
                     sampling=req.sampling, stop=req.stop, scope=scope, record=self.record))
-            except ValueError as exc:
+            except Exception as exc:
                 for stream in streams:
                     stream.close()
-                code = "context_length_exceeded" if "context" in str(exc) else "invalid_request"
-                raise ApiError(400, f"{where}: {exc}"[:500], param=where, code=code) from None
+                if (error := refused(exc, param=where, where=f"{where}: ")) is None:
+                    raise
+                raise error from None
         texts = [p if isinstance(p, str) else self.spec.tokenizer.decode(list(p))
                  for p in req.prompts] if req.echo else [""] * len(req.prompts)
         return Opened(req, scope, streams, texts,

@@ -1,7 +1,7 @@
-"""OpenAI's chat-completions protocol, read and written without a web framework.
+"""OpenAI's chat-completions requests, read without a web framework.
 
 The server (:mod:`agentspec.adapters.openai_server`) only moves bytes; this module decides
-what a request means and what an answer looks like, so both can be tested without a socket:
+what a request means, so it can be tested without a socket:
 
 - :func:`parse_chat_request` checks a decoded JSON body field by field and returns a
   :class:`ChatRequest`, or raises :class:`ApiError` naming the field (OpenAI's ``param``);
@@ -10,9 +10,10 @@ what a request means and what an answer looks like, so both can be tested withou
   ``top_logprobs``: :func:`~agentspec.adapters.openai_logprobs.chat_logprobs`);
 - :func:`render` turns it into what ``Speculator.stream`` takes (the prompt and the sampling
   parameters, a grammar included) through :mod:`agentspec.adapters.chat`, the code the
-  LangChain models use;
-- :func:`completion_body`, :func:`chunk_body` and :func:`usage_body` write the answers, and
-  :func:`sse` frames a streamed one as server-sent events.
+  LangChain models use.
+
+What an answer looks like is :mod:`.openai_answers`' (:func:`completion_body`,
+:func:`chunk_body`, :func:`sse`; importable from here too), the errors :mod:`.openai_errors`'.
 """
 
 from __future__ import annotations
@@ -28,16 +29,26 @@ from agentspec.adapters.chat import (
     build_prompt,
     call_grammar,
     calls_text,
-    parse_tool_calls,
     resolve_tool_format,
     schema_grammar,
     tool_choice_mode,
 )
 from agentspec.adapters.json_text import lone_surrogate
+from agentspec.adapters.openai_answers import (
+    SSE_DONE,
+    chunk_body,
+    completion_body,
+    openai_calls,
+    sse,
+)
+from agentspec.adapters.openai_errors import ApiError, bad
 from agentspec.config import SamplingParams
 from agentspec.grammar import Grammar
 from agentspec.grammar.tool_formats import ToolFormat
-from agentspec.types import Generation
+
+# The answers and errors are their own modules' (above); importable from here as before.
+__all__ = ["SSE_DONE", "ApiError", "ChatRequest", "Rendered", "bad", "check_scope", "chunk_body",
+           "completion_body", "openai_calls", "parse_chat_request", "render", "sse"]
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
          "tool": "tool"}
@@ -55,24 +66,6 @@ SCOPE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@-]{0,127}")
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_STOPS = 4
 MAX_TOOLS = 128
-
-
-class ApiError(Exception):
-    """An answer other than 200: its HTTP status and OpenAI's error object."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    """A 400 about ``param``."""
-    return ApiError(400, message, param=param, code=code)
 
 
 def check_scope(name: Any, param: str) -> str:
@@ -422,75 +415,3 @@ def render(request: ChatRequest, tokenizer: Any, *,
                               top_k=request.top_k, seed=request.seed, grammar=grammar)
     return Rendered(prompt, sampling, tool_choice_mode(request.tools, request.tool_choice) is not None,
                     fmt)
-
-
-# -- answers ----------------------------------------------------------------------------------
-
-def openai_calls(text: str, tool_format: str | ToolFormat = "json"
-                 ) -> tuple[str, list[dict[str, Any]]]:
-    """Output that may hold tool calls (in ``tool_format``) as ``(content, tool_calls)`` in
-    OpenAI's shape (no valid call: the text unchanged and no calls)."""
-    content, calls, _ = parse_tool_calls(text, tool_format)
-    if not calls:
-        return text, []
-    return content, [{"id": c["id"], "type": "function",
-                      "function": {"name": c["name"],
-                                   "arguments": json.dumps(c["args"], ensure_ascii=False)}}
-                     for c in calls]
-
-
-def usage_body(gen: Generation) -> dict[str, Any]:
-    prompt, completion = gen.stats.prompt_tokens, len(gen.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": gen.stats.cached_tokens}}
-
-
-def extension(gen: Generation, scope: str) -> dict[str, Any]:
-    """agentspec's own figures of a call (the ``agentspec`` field of an answer)."""
-    return {"scope": scope, "stats": gen.stats.as_dict()}
-
-
-def finish_reason(gen: Generation, calls: list[dict[str, Any]]) -> str:
-    return "tool_calls" if calls else gen.finish_reason
-
-
-def completion_body(*, id: str, created: int, model: str, content: str,
-                    calls: list[dict[str, Any]], gen: Generation, scope: str) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else ""),
-                               "refusal": None}
-    if calls:
-        message["tool_calls"] = calls
-    return {"id": id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
-                         "finish_reason": finish_reason(gen, calls)}],
-            "usage": usage_body(gen), "system_fingerprint": None,
-            "agentspec": extension(gen, scope)}
-
-
-def chunk_body(*, id: str, created: int, model: str, delta: dict[str, Any] | None,
-               finish: str | None = None, usage: dict[str, Any] | None = None,
-               **extra: Any) -> dict[str, Any]:
-    """One ``chat.completion.chunk``; ``delta`` None: the usage chunk (no choices)."""
-    body: dict[str, Any] = {"id": id, "object": "chat.completion.chunk", "created": created,
-                            "model": model, "system_fingerprint": None,
-                            "choices": [] if delta is None else [
-                                {"index": 0, "delta": delta, "logprobs": None,
-                                 "finish_reason": finish}]}
-    if usage is not None:
-        body["usage"] = usage
-    body.update(extra)
-    return body
-
-
-def stream_calls(calls: list[dict[str, Any]]) -> dict[str, Any]:
-    """The delta that carries a stream's tool calls, each whole."""
-    return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
-
-
-def sse(obj: Any) -> bytes:
-    """One server-sent event carrying ``obj`` as JSON."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"

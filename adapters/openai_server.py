@@ -6,8 +6,9 @@ plain or streamed as server-sent events, with log-probabilities on request), ``G
 the drafts did (``GET /`` and its data, :mod:`.dashboard`), on Starlette. Needs
 ``pip install 'agentspec-llm[serve]'``.
 
-What a request means and what an answer looks like is :mod:`.openai_protocol`'s business;
-this module moves bytes, guards the door and runs generations:
+What a request means is :mod:`.openai_protocol`'s business, what an answer looks like
+:mod:`.openai_answers`', a chat request's generation and answer :mod:`.openai_chat`'s; this
+module moves bytes, guards the door and hands generations to worker threads:
 
 - Access: with keys configured (``ServerConfig.api_keys``, ``key_scopes``) every ``/v1``
   request needs ``Authorization: Bearer <key>`` (401 without a known one). A request's memory
@@ -38,8 +39,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 try:
@@ -53,40 +53,16 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError("the OpenAI server needs: pip install 'agentspec-llm[serve]'") from exc
 
-from agentspec.adapters.chat import (
-    CallHoldback,
-    deltas_then_generation,
-    in_thread,
-    resolve_tool_format,
-)
+from agentspec.adapters.chat import deltas_then_generation, in_thread, resolve_tool_format
 from agentspec.adapters.dashboard import Dashboard
 from agentspec.adapters.json_text import lone_surrogate
 from agentspec.adapters.lifecycle import Lifecycle, ServiceConfig, Ticket, ticket_of
+from agentspec.adapters.openai_chat import Chat, to_worker
 from agentspec.adapters.openai_completions import Completions, parse_completion_request
-from agentspec.adapters.openai_logprobs import (
-    Sent,
-    TokenText,
-    chat_content,
-    chat_logprobs,
-    put_logprobs,
-)
-from agentspec.adapters.openai_protocol import (
-    SSE_DONE,
-    ApiError,
-    ChatRequest,
-    Rendered,
-    chunk_body,
-    completion_body,
-    extension,
-    finish_reason,
-    openai_calls,
-    parse_chat_request,
-    render,
-    sse,
-    stream_calls,
-    usage_body,
-)
+from agentspec.adapters.openai_errors import ApiError
+from agentspec.adapters.openai_logprobs import chat_logprobs
 from agentspec.adapters.openai_protocol import check_scope as scope_name
+from agentspec.adapters.openai_protocol import parse_chat_request
 from agentspec.grammar.tool_formats import tool_format as find_format
 from agentspec.types import Generation
 
@@ -259,6 +235,8 @@ class OpenAIServer:
         self.spec, self.config = spec, config
         self.tool_format = resolve_tool_format(spec.tokenizer, config.tool_format)
         self.executor = ThreadPoolExecutor(config.workers, thread_name_prefix="agentspec-serve")
+        self._chat = Chat(spec, record=config.record, tool_format=self.tool_format,
+                          executor=self.executor)
         self._completions = Completions(spec, config.record)
         self.lifecycle = Lifecycle(service or ServiceConfig(), memory=getattr(spec, "memory", None),
                                    max_batch=getattr(getattr(spec, "config", None), "max_batch", 1))
@@ -304,31 +282,30 @@ class OpenAIServer:
             scope = resolve_scope(self.config, key, request.headers.get(SCOPE_HEADER), req.user)
             # A Speculator stream either way, stopped when its ticket says so (its deadline,
             # the server's shutdown, a client gone): abandoned, freed at its next step.
-            rendered, run = await _to_worker(self.executor, self._open, req, scope, top)
+            rendered, run = await to_worker(self.executor, self._chat.open, req, scope, top)
         except ApiError as e:
             return _error(e)
         ticket = ticket_of(request)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": req.model}
+
+        def finished(gen: Generation) -> None:
+            self.lifecycle.finished(ticket, gen, scope)
+            self.dashboard.finished(head["id"], gen, scope, "chat")
+
         if req.stream:
-            return _EventStream(self._events(run, rendered, req, scope, head, ticket),
+            items = ticket.guard(self._steps(ticket, run))
+            return _EventStream(self._chat.events(run, rendered, req, scope, head, items,
+                                                  finished),
                                 media_type="text/event-stream",
                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            gen = await ticket.last(in_thread(lambda: deltas_then_generation(run),
-                                              executor=self.executor), request)
+            gen = await ticket.last(self._steps(ticket, run), request)
         except ApiError as e:
             return _error(e)
         assert isinstance(gen, Generation)
-        self.lifecycle.finished(ticket, gen, scope)
-        self.dashboard.finished(head["id"], gen, scope, "chat")
-        content, calls = openai_calls(gen.text, rendered.tool_format) if rendered.calls \
-            else (gen.text, [])
-        body = completion_body(content=content, calls=calls, gen=gen, scope=scope, **head)
-        if top is not None:
-            text = await _to_worker(self.executor, TokenText.of, self.spec)
-            put_logprobs(body, chat_content(text, gen.logprobs or ()))
-        return JSONResponse(body)
+        finished(gen)
+        return JSONResponse(await self._chat.body(rendered, gen, top, scope, head))
 
     async def completions(self, request: Request) -> Response:
         """``POST /v1/completions`` (:mod:`.openai_completions`): keys and scopes as for chat."""
@@ -338,7 +315,7 @@ class OpenAIServer:
             req = parse_completion_request(body, models=self.config.models,
                                            max_tokens=self.config.max_tokens)
             scope = resolve_scope(self.config, key, request.headers.get(SCOPE_HEADER), req.user)
-            opened = await _to_worker(self.executor, self._completions.open, req, scope)
+            opened = await to_worker(self.executor, self._completions.open, req, scope)
         except ApiError as e:
             return _error(e)
         ticket = ticket_of(request)
@@ -349,12 +326,10 @@ class OpenAIServer:
             self.dashboard.finished(head["id"], gen, scope, "completions")
 
         def whole(stream: Any) -> Any:
-            return ticket.last(in_thread(lambda: deltas_then_generation(stream),
-                                         executor=self.executor), request)
+            return ticket.last(self._steps(ticket, stream), request)
 
         if req.stream:
-            items = ticket.guard(in_thread(lambda: deltas_then_generation(opened.streams[0]),
-                                           executor=self.executor))
+            items = ticket.guard(self._steps(ticket, opened.streams[0]))
             return _EventStream(self._completions.events(opened, items, head=head,
                                                          finished=finished),
                                 media_type="text/event-stream",
@@ -370,84 +345,12 @@ class OpenAIServer:
         for gen in gens:
             finished(gen)
         # In a worker: with logprobs, each token's text offset decodes the tokens before it.
-        return JSONResponse(await _to_worker(self.executor, self._completions.body, opened, gens,
-                                             head))
+        return JSONResponse(await to_worker(self.executor, self._completions.body, opened, gens,
+                                            head))
 
-    def _open(self, req: ChatRequest, scope: str, top: int | None = None) -> tuple[Rendered, Any]:
-        """Render the request (``top``: the log-probability alternatives asked for, None for
-        none), then open its Speculator stream (in a worker: tokenising and compiling a
-        grammar take time); bad input raises ApiError before any token."""
-        rendered = render(req, self.spec.tokenizer, tool_format=self.tool_format)
-        if top is not None:
-            rendered = replace(rendered, sampling=replace(rendered.sampling, logprobs=top))
-        try:
-            run = self.spec.stream(rendered.prompt, req.max_tokens, sampling=rendered.sampling,
-                                   stop=req.stop, scope=scope, record=self.config.record)
-        except ValueError as exc:
-            code = "context_length_exceeded" if "context" in str(exc) else "invalid_request"
-            raise ApiError(400, str(exc)[:500], param="messages", code=code) from None
-        except Exception as exc:
-            if type(exc).__module__.startswith("jinja2"):  # the chat template refused them
-                raise ApiError(400, f"the chat template cannot render these messages: {exc}"[:500],
-                               param="messages", code="invalid_messages") from None
-            raise
-        return rendered, run
-
-    async def _events(self, stream: Any, rendered: Rendered, req: ChatRequest, scope: str,
-                      head: dict[str, Any], ticket: Ticket) -> AsyncIterator[bytes]:
-        yield sse(chunk_body(**head, delta={"role": "assistant", "content": ""}))
-        holdback = CallHoldback(rendered.calls, rendered.tool_format)  # may still be a call
-        gen: Generation | None = None
-        sent = None if rendered.sampling.logprobs is None else Sent(
-            await _to_worker(self.executor, TokenText.of, self.spec))
-        shown = 0  # characters of content sent
-        try:
-            async with aclosing(ticket.guard(in_thread(lambda: deltas_then_generation(stream),
-                                                       executor=self.executor))) as items:
-                async for item in items:
-                    if isinstance(item, str):
-                        text = holdback.push(item)
-                        if text:
-                            shown += len(text)
-                            chunk = chunk_body(**head, delta={"content": text})
-                            if sent is not None:
-                                put_logprobs(chunk, chat_content(sent.text,
-                                                                 sent.shown(stream, shown)[1]))
-                            yield sse(chunk)
-                    else:
-                        gen = item
-        except ApiError as e:  # stopped: its deadline passed, or the server shuts down
-            yield sse(e.body())
-            yield SSE_DONE
-            return
-        except Exception as exc:  # the answer has begun: the error goes in the stream
-            logger.exception("a streamed generation failed")
-            yield sse(ApiError(500, f"the generation failed: {type(exc).__name__}",
-                               type="server_error").body())
-            yield SSE_DONE
-            return
-        assert gen is not None
-        self.lifecycle.finished(ticket, gen, scope)
-        self.dashboard.finished(head["id"], gen, scope, "chat")
-        content, calls = openai_calls(holdback.held, rendered.tool_format) if holdback.held \
-            else ("", [])
-        if content:
-            yield sse(chunk_body(**head, delta={"content": content}))
-        if calls:
-            yield sse(chunk_body(**head, delta=stream_calls(calls)))
-        last = chunk_body(**head, delta={}, finish=finish_reason(gen, calls),
-                          agentspec=extension(gen, scope))
-        if sent is not None:
-            put_logprobs(last, chat_content(sent.text, sent.rest(gen)[1]))
-        yield sse(last)
-        if req.include_usage:
-            yield sse(chunk_body(**head, delta=None, usage=usage_body(gen)))
-        yield SSE_DONE
-
-
-async def _to_worker(executor: ThreadPoolExecutor, fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` in a worker thread, awaited."""
-    return await asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    def _steps(self, ticket: Ticket, stream: Any) -> AsyncIterator[Any]:
+        """``stream``'s text deltas, then its Generation, from a worker thread."""
+        return in_thread(lambda: deltas_then_generation(stream), executor=self.executor)
 
 
 def _error(e: ApiError) -> JSONResponse:

@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("starlette")
 
 from agentspec.adapters.chat import in_thread  # noqa: E402
+from agentspec.adapters.openai_errors import refused  # noqa: E402
 from agentspec.adapters.openai_protocol import (  # noqa: E402
     SSE_DONE,
     ApiError,
@@ -32,6 +33,8 @@ from agentspec.adapters.openai_server import (  # noqa: E402
     create_app,
     resolve_scope,
 )
+from agentspec.errors import ContextLengthError  # noqa: E402
+from agentspec.grammar.spec import GrammarError  # noqa: E402
 from agentspec.stream import Stream  # noqa: E402
 from agentspec.types import Generation, GenerationStats  # noqa: E402
 from tests.adapters.adapter_fakes import FakeTokenizer  # noqa: E402
@@ -249,6 +252,48 @@ async def test_the_app_streams_a_tool_call_and_refuses_bad_requests() -> None:
     assert (await _post(spec, b"{", api_keys=frozenset({"k"}))).status_code == 400
     assert (await _post(spec, OK, api_keys=frozenset({"other"}))).status_code == 401
     assert (await _post(spec, {**OK, "x": "y" * 100}, max_body_bytes=50)).status_code == 413
+
+
+class _Refusing(_Scripted):
+    """A Speculator double whose stream raises ``error`` as it opens, as a Speculator
+    refuses a request."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__("")
+        self.error = error
+
+    def stream(self, prompt: Any, max_new_tokens: int, **kw: Any) -> Stream:
+        raise self.error
+
+
+# None of the first two messages holds "context": the code comes from the type. The last is
+# the control: a plain ValueError saying "context" is not a context-length error.
+@pytest.mark.parametrize(("error", "code"), [
+    (ContextLengthError("prompt plus max_new_tokens is 9000 tokens, over the 4096 the model "
+                        "attends"), "context_length_exceeded"),
+    (GrammarError("the json grammar is malformed"), "invalid_schema"),
+    (ValueError("the context of this request is odd"), "invalid_request")])
+async def test_a_refused_request_is_answered_by_its_error_type(error: Exception,
+                                                               code: str) -> None:
+    """Chat and completions map the Speculator's refusal to the same code by its type."""
+    app = create_app(_Refusing(error), ServerConfig(models=("m",)))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://t") as client:
+        chat = await client.post("/v1/chat/completions", json=OK)
+        plain = await client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
+    for res, param, prefix in ((chat, "messages", ""), (plain, "prompt", "prompt: ")):
+        assert res.status_code == 400, res.text
+        assert res.json()["error"] == {"message": f"{prefix}{error}",
+                                       "type": "invalid_request_error", "param": param,
+                                       "code": code}
+
+
+def test_only_the_request_s_errors_are_refusals() -> None:
+    """An error that is not the request's (a RuntimeError) is no 400: it is raised on."""
+    assert refused(RuntimeError("context"), param="messages") is None
+    error = refused(ContextLengthError("too long"), param="prompt[1]", where="prompt[1]: ")
+    assert error is not None and (error.status, error.code, error.param, error.message) == \
+        (400, "context_length_exceeded", "prompt[1]", "prompt[1]: too long")
 
 
 def test_serve_refuses_bad_options_before_loading(tmp_path: Any) -> None:
