@@ -2,10 +2,13 @@
 server starts and stops.
 
 - Admission: every generation request (``POST /v1/chat/completions``, ``/v1/completions``)
-  gets a :class:`Ticket` at the door. Requests beyond the scheduler's batch (``max_batch``)
-  wait; with ``max_queue`` set, a request that finds that many already waiting is refused
-  with a 429 and a ``Retry-After`` header (the mean duration of recent requests, in whole
-  seconds), in OpenAI's error shape.
+  gets a :class:`Ticket` at the door. The load is the scheduler's (``Speculator.load``: its
+  requests running, waiting for room, and its ``max_batch``), and the requests admitted here
+  that have not reached it yet (being read and rendered, or waiting for a worker thread:
+  :meth:`Ticket.hand` marks the moment): those fill the batch's free room first, the rest
+  wait (:meth:`Lifecycle.load`). With ``max_queue`` set, a request that finds that many
+  already waiting is refused with a 429 and a ``Retry-After`` header (the mean duration of
+  recent requests, in whole seconds), in OpenAI's error shape.
 - Deadlines and departures: a ticket stops its generation when ``request_timeout`` passes
   (504), when the server's grace runs out at shutdown (503), or, for a request not streamed,
   when its client disconnects (polled while it runs; counted as 499, nginx's "client closed
@@ -51,6 +54,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 from agentspec.adapters.metrics import ServerMetrics
 from agentspec.adapters.openai_protocol import ApiError
 from agentspec.errors import StoreError
+from agentspec.scheduler import Load
 from agentspec.types import Generation
 
 T = TypeVar("T")
@@ -69,8 +73,8 @@ class ServiceConfig:
     """How the service admits, times and stops requests, and what its metrics show.
 
     Attributes:
-        max_queue: requests that may wait beyond the running batch; one more gets a 429.
-            None: no bound.
+        max_queue: requests that may wait beyond the running batch (:meth:`Lifecycle.load`'s
+            ``waiting``); one more gets a 429. None: no bound.
         request_timeout: seconds a generation request may take from its admission; past it
             the request is stopped (504). None: no limit.
         grace: seconds the requests in flight get to finish after SIGTERM.
@@ -102,7 +106,15 @@ class Ticket:
         self.error: ApiError | None = None
         self.reason: str | None = None
         self.scope: str | None = None
+        self.handed = False  # its generation asked of the scheduler (:meth:`hand`)
         self._stopped = asyncio.Event()
+
+    def hand(self, stream: T) -> T:
+        """``stream``, the request's Speculator stream, as its worker thread is about to ask
+        it for its first step (which hands it to the scheduler): from then on the request is
+        counted in the scheduler's load, not as one still at the door."""
+        self.handed = True
+        return stream
 
     def stop(self, error: ApiError, reason: str) -> None:
         """Stop the request (on the event loop); the first reason given is the one kept."""
@@ -182,38 +194,63 @@ class Lifecycle:
 
     Args:
         config: the service's settings.
-        max_batch: the Speculator's batch: requests beyond it wait.
+        load: the Speculator's load now (``Speculator.load``: its scheduler's).
         memory: the Speculator's memory, for the metrics (None: none).
     """
 
-    def __init__(self, config: ServiceConfig, *, max_batch: int, memory: Any = None) -> None:
-        self.config, self.max_batch = config, max_batch
-        self.tickets: set[Ticket] = set()
+    def __init__(self, config: ServiceConfig, *, load: Callable[[], Load],
+                 memory: Any = None) -> None:
+        self.config, self._scheduler_load = config, load
+        self.tickets: set[Ticket] = set()  # the generation requests in flight
         self.draining_since: float | None = None
         self.stopped_at: float | None = None
         self.mean_s = 1.0  # recent requests' duration (an exponential average)
-        self.metrics = ServerMetrics(scopes=config.metrics_scopes, load=self.load, memory=memory)
+        self.metrics = ServerMetrics(scopes=config.metrics_scopes, load=self.counts,
+                                     memory=memory)
 
-    def load(self) -> tuple[int, int]:
-        """Generation requests ``(running, waiting)``: beyond the batch, a request waits."""
-        running = min(len(self.tickets), self.max_batch)
-        return running, len(self.tickets) - running
+    def load(self) -> Load:
+        """The generation requests ``running`` (the scheduler's) and ``waiting``: the
+        scheduler's waiting ones, and those admitted here but not handed to it yet that find
+        no free room in its batch. Safe from any thread."""
+        return self._ahead()[0]
+
+    def counts(self) -> tuple[int, int]:
+        """``(running, waiting)`` of :meth:`load`, for the metrics and the dashboard."""
+        load = self.load()
+        return load.running, load.waiting
+
+    def _ahead(self) -> tuple[Load, int]:
+        """The load, and the requests a new one would find ahead of it for the batch: the
+        scheduler's, and those admitted here and not handed to it yet (not counted by it)."""
+        scheduler = self._scheduler_load()
+        # A snapshot in one call (the set changes on the event loop; this may run elsewhere).
+        at_door = sum(not ticket.handed for ticket in tuple(self.tickets))
+        ahead = scheduler.running + scheduler.waiting + at_door
+        waiting = max(scheduler.waiting, ahead - scheduler.max_batch)
+        return Load(scheduler.running, waiting, scheduler.max_batch), ahead
 
     def admit(self) -> Ticket:
         """A ticket for a new generation request.
 
         Raises:
-            ApiError: 503 while draining, 429 when ``max_queue`` requests wait already.
+            ApiError: 503 while draining, 429 when ``max_queue`` requests wait already (a
+                request that would find room in the batch is never refused).
         """
         if self.draining_since is not None:
             raise ApiError(503, "the server is shutting down; retry on another replica or "
                                 "after its restart", type="server_error", code="shutting_down")
-        waiting, full = self.load()[1], len(self.tickets) >= self.max_batch
-        if self.config.max_queue is not None and full and waiting >= self.config.max_queue:
+        if self.config.max_queue is None:
+            return self._ticket()
+        load, ahead = self._ahead()
+        waiting, full = load.waiting, ahead >= load.max_batch
+        if full and waiting >= self.config.max_queue:
             raise ApiError(429, f"{waiting} requests are waiting already, this server's "
                                 f"limit (serve --max-queue {self.config.max_queue}); retry "
                                 f"after the Retry-After header's seconds",
                            type="rate_limit_error", code="queue_full")
+        return self._ticket()
+
+    def _ticket(self) -> Ticket:
         ticket = Ticket(self.config.request_timeout)
         self.tickets.add(ticket)
         return ticket

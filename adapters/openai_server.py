@@ -26,7 +26,8 @@ module moves bytes, guards the door and hands generations to worker threads:
   sequence is freed at the next step. One not streamed is the same stream read whole; it
   stops the same way when its client disconnects.
 - Admission, deadlines, shutdown and metrics are :mod:`.lifecycle`'s (``ServiceConfig``):
-  a bounded queue (429), a request timeout (504), a drain on SIGTERM (503), ``/metrics``.
+  a bounded queue (429), a request timeout (504), a drain on SIGTERM (503), ``/metrics``;
+  the load they report and refuse by is the Speculator's (``Speculator.load``).
 """
 
 from __future__ import annotations
@@ -238,14 +239,15 @@ class OpenAIServer:
         self._chat = Chat(spec, record=config.record, tool_format=self.tool_format,
                           executor=self.executor)
         self._completions = Completions(spec, config.record)
-        self.lifecycle = Lifecycle(service or ServiceConfig(), memory=getattr(spec, "memory", None),
-                                   max_batch=getattr(getattr(spec, "config", None), "max_batch", 1))
+        # The load is the scheduler's (Speculator.load), asked whenever it is needed.
+        self.lifecycle = Lifecycle(service or ServiceConfig(), load=lambda: spec.load(),
+                                   memory=getattr(spec, "memory", None))
         metrics = self.lifecycle.metrics_page(
             lambda request: authenticate(self.config, request.headers.get("authorization")))
         self.dashboard = Dashboard(
             spec, authorize=lambda request: authenticate(self.config,
                                                          request.headers.get("authorization")),
-            scopes_for=lambda key: visible_scopes(self.config, key), load=self.lifecycle.load)
+            scopes_for=lambda key: visible_scopes(self.config, key), load=self.lifecycle.counts)
         self.app = self.lifecycle.wrap(Starlette(
             routes=[Route("/", self.dashboard.page, methods=["GET"]),
                     Route("/v1/agentspec/dashboard", self.dashboard.data, methods=["GET"]),
@@ -349,8 +351,11 @@ class OpenAIServer:
                                             head))
 
     def _steps(self, ticket: Ticket, stream: Any) -> AsyncIterator[Any]:
-        """``stream``'s text deltas, then its Generation, from a worker thread."""
-        return in_thread(lambda: deltas_then_generation(stream), executor=self.executor)
+        """``stream``'s text deltas, then its Generation, from a worker thread, where it is
+        handed to the scheduler (and counted as the scheduler's from then on:
+        :meth:`~.lifecycle.Ticket.hand`)."""
+        return in_thread(lambda: deltas_then_generation(ticket.hand(stream)),
+                         executor=self.executor)
 
 
 def _error(e: ApiError) -> JSONResponse:

@@ -35,6 +35,7 @@ from agentspec.adapters.openai_server import (  # noqa: E402
 )
 from agentspec.errors import ContextLengthError  # noqa: E402
 from agentspec.grammar.spec import GrammarError  # noqa: E402
+from agentspec.scheduler import Load  # noqa: E402
 from agentspec.stream import Stream  # noqa: E402
 from agentspec.types import Generation, GenerationStats  # noqa: E402
 from tests.adapters.adapter_fakes import FakeTokenizer  # noqa: E402
@@ -222,6 +223,9 @@ class _Scripted:
     def generate(self, prompt: Any, max_new_tokens: int, **kw: Any) -> Generation:
         self.calls.append(kw)
         return self._gen()
+
+    def load(self) -> Load:
+        return Load(running=0, waiting=0, max_batch=1)
 
 
 async def _post(spec: Any, body: Any, **config: Any) -> httpx.Response:
