@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from agentspec.decoding.untrusted import Guarded
 from agentspec.drafters.policy import (
@@ -51,6 +52,53 @@ PROBE_RATIO = 30
 # A node's support class by how many of its drafter's candidates back it (index: the count,
 # the last entry for any count beyond): one, two or three, four or more.
 SUPPORT_CLASSES = ("s1", "s1", "s2", "s2", "s4")
+
+
+class AcceptanceKey(NamedTuple):
+    """An acceptance class the chain learns a rate for: a proposal's ``source`` (the drafter's
+    name, or the finer class it declared, :attr:`~agentspec.types.Draft.acceptance`), refined
+    per node by whether the request's context holds the node's token right after its
+    parent's (``seen``), then by how many of the drafter's candidates back it (``support``,
+    one of :data:`SUPPORT_CLASSES`; only under ``seen``). Printed as ``source|seen|s2``
+    (``new`` where not seen), as the chain's reports name classes.
+
+    Immutable, and a tuple so that hashing and comparing it (per node, every step) cost what
+    a string's do."""
+
+    source: str
+    seen: bool | None = None
+    support: str | None = None
+
+    @property
+    def name(self) -> str:
+        """The drafter the class is of: the source up to its first ``/`` (``memory`` for
+        ``memory/follow``), whose prior a declared class without one of its own starts from."""
+        return self.source.partition("/")[0]
+
+    @property
+    def coarser(self) -> AcceptanceKey | None:
+        """The class this one refines (its rate is learned over that one's); None for a
+        source's own class."""
+        source, seen, support = self
+        if support is not None:
+            return _make_key(AcceptanceKey, (source, seen, None))
+        if seen is not None:
+            return _make_key(AcceptanceKey, (source, None, None))
+        return None
+
+    def of(self, drafter: str) -> bool:
+        """Whether a draft of ``drafter`` may get this class: its own name, or a class it
+        declares under it (``drafter/...``), at any refinement."""
+        return self.source == drafter or self.source.startswith(drafter + "/")
+
+    def __str__(self) -> str:
+        out = self.source if self.seen is None else f"{self.source}|{'seen' if self.seen else 'new'}"
+        return out if self.support is None else f"{out}|{self.support}"
+
+
+# Builds a key from its three fields without the named tuple's Python-level constructor (the
+# chain walks up the refinements of every node's class each step).
+_make_key = tuple.__new__
 
 
 def alternatives_tried(parents: tuple[int, ...], path: tuple[int, ...]) -> tuple[int, int]:
@@ -104,7 +152,7 @@ class _Request:
 
     sources: list[Guarded]
     untimed: set[str] = field(default_factory=set)
-    proposals: list[tuple[tuple[str, ...], tuple[int, ...]]] = field(default_factory=list)
+    proposals: list[tuple[tuple[AcceptanceKey, ...], tuple[int, ...]]] = field(default_factory=list)
     # Every pair of consecutive tokens of the context, and how many of its tokens they cover.
     pairs: set[tuple[int, int]] = field(default_factory=set)
     paired: int = 0
@@ -130,7 +178,8 @@ class DrafterChain:
         self.max_depth = max_depth
         self.cost = cost
         self.trees = trees
-        self.acceptance = {d.name: Acceptance(PRIORS.get(d.name, 0.5)) for d in self.drafters}
+        self.acceptance = {AcceptanceKey(d.name): Acceptance(PRIORS.get(d.name, 0.5))
+                           for d in self.drafters}
         # Per source: how often a tree's alternative branch was right where its first was wrong.
         self.alternatives = {d.name: Acceptance(ALTERNATIVE_PRIOR) for d in self.drafters}
         # Seconds a drafter takes to propose (running mean: a lookup costs far less than a
@@ -188,7 +237,7 @@ class DrafterChain:
             # A drafter may name a finer acceptance class for this proposal (the memory: a
             # candidate that has matched every generated token so far); the chain refines it
             # per node (:meth:`_node_keys`).
-            key = draft.acceptance or drafter.name
+            key = AcceptanceKey(draft.acceptance or drafter.name)
             if not self.trees and not draft.is_chain:
                 draft = first_path(draft)
             keys = self._node_keys(req.pairs, context, key, draft)
@@ -206,8 +255,8 @@ class DrafterChain:
         return best
 
     @staticmethod
-    def _node_keys(pairs: set[tuple[int, int]], context: DraftContext, key: str,
-                   draft: Draft) -> tuple[str, ...]:
+    def _node_keys(pairs: set[tuple[int, int]], context: DraftContext, key: AcceptanceKey,
+                   draft: Draft) -> tuple[AcceptanceKey, ...]:
         """Each node's acceptance class: the proposal's ``key`` refined by whether the
         request's context (its consecutive token ``pairs``) holds the node's token right after
         its parent's (``key|seen``) or not (``key|new``), and, for a draft that carries its
@@ -223,35 +272,35 @@ class DrafterChain:
         own (:meth:`rate`).
         """
         last = context.tokens[-1] if context.tokens else -1
-        ids, seen, new = draft.token_ids, f"{key}|seen", f"{key}|new"
+        ids = draft.token_ids
+        seen, new = AcceptanceKey(key.source, True), AcceptanceKey(key.source, False)
         keys = (seen if (ids[p] if p >= 0 else last, t) in pairs else new
                 for t, p in zip(ids, draft.parents, strict=True))
         if draft.support is None:  # a sanitized draft's support fits its nodes
             return tuple(keys)
         top = len(SUPPORT_CLASSES) - 1
-        return tuple(f"{k}|{SUPPORT_CLASSES[min(c, top)]}"
+        return tuple(_make_key(AcceptanceKey, (k.source, k.seen, SUPPORT_CLASSES[min(c, top)]))
                      for k, c in zip(keys, draft.support, strict=True))
 
-    def _acceptance(self, key: str) -> Acceptance:
+    def _acceptance(self, key: AcceptanceKey) -> Acceptance:
         if key not in self.acceptance:
-            self.acceptance[key] = (Acceptance.refining() if "|" in key else
-                                    Acceptance(PRIORS.get(key, PRIORS.get(key.split("/")[0], 0.5))))
+            self.acceptance[key] = (Acceptance.refining() if key.coarser is not None else
+                                    Acceptance(PRIORS.get(key.source, PRIORS.get(key.name, 0.5))))
         return self.acceptance[key]
 
-    def rate(self, key: str) -> float:
-        """The acceptance rate of class ``key``; a refinement ``coarser|...`` over the rate of
-        ``coarser`` (:meth:`Acceptance.alpha_over`)."""
-        coarser, _, _ = key.rpartition("|")
+    def rate(self, key: AcceptanceKey) -> float:
+        """The acceptance rate of class ``key``; a refinement over the rate of the class it
+        refines (:attr:`AcceptanceKey.coarser`, :meth:`Acceptance.alpha_over`)."""
+        coarser = key.coarser
         acc = self._acceptance(key)
-        return acc.alpha_over(self.rate(coarser)) if coarser else acc.alpha
+        return acc.alpha_over(self.rate(coarser)) if coarser is not None else acc.alpha
 
     def _best_rate(self, name: str, max_tokens: int, spent: float,
                    cost: CostModel | SharedCost, base: float) -> float:
         """The best rate any draft from source ``name`` could reach, chain or tree, by the
         best of its acceptance classes (``memory`` and ``memory/follow``: which one a
         proposal gets is known only once it is made)."""
-        alpha = max(self.rate(key) for key in list(self.acceptance)
-                    if key == name or key.startswith((name + "/", name + "|")))
+        alpha = max(self.rate(key) for key in list(self.acceptance) if key.of(name))
         return best_tree_rate(alpha, cost, spent, max_depth=max_tokens, base=base,
                               alternative=self.alternatives[name].alpha if self.trees else 0.0)
 
@@ -274,11 +323,12 @@ class DrafterChain:
             rejected = accepted < min(len(spine), len(committed))
             # Each class met on the way, and each coarser class it refines: its accepted nodes,
             # and the rejection where it fell.
-            counts: dict[str, list[int]] = {}
-            for i, key in enumerate(keys[: accepted + rejected]):
-                while key:
+            counts: dict[AcceptanceKey, list[int]] = {}
+            for i, node_key in enumerate(keys[: accepted + rejected]):
+                key: AcceptanceKey | None = node_key
+                while key is not None:
                     counts.setdefault(key, [0, 0])[i >= accepted] += 1
-                    key = key.rpartition("|")[0]
+                    key = key.coarser
             for key, (hits, misses) in counts.items():
                 self._acceptance(key).add(hits, misses)
         req.proposals = []
@@ -293,9 +343,10 @@ class DrafterChain:
 
     def proposals(self, context: DraftContext) -> list[tuple[str, tuple[int, ...]]]:
         """Every proposal of the request's last ``propose``, chosen or not: its first node's
-        acceptance class and its first path (what the replays' hindsight ceilings choose
-        among)."""
-        return [(keys[0] if keys else "", spine) for keys, spine in self._request(context).proposals]
+        acceptance class (as printed, :class:`AcceptanceKey`) and its first path (what the
+        replays' hindsight ceilings choose among)."""
+        return [(str(keys[0]) if keys else "", spine)
+                for keys, spine in self._request(context).proposals]
 
     def end(self, context: DraftContext) -> None:
         for d in self._request(context).sources:

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from agentspec.drafters.chain import DrafterChain, first_path, trim_to_depth
+from agentspec.drafters.chain import AcceptanceKey, DrafterChain, first_path, trim_to_depth
 from agentspec.drafters.policy import (
     COST_CACHE_VERSION,
     Acceptance,
@@ -251,8 +251,8 @@ def test_chain_prefers_the_reliable_source():
     chain = DrafterChain([FixedDrafter("suffix", [1] * 30), FixedDrafter("memory", [2] * 30)], cost=CPU)
     ctx = DraftContext(tokens=[1, 2], prompt_len=2)
     for _ in range(5):
-        chain.acceptance["suffix"].update(8, 0)
-        chain.acceptance["memory"].update(8, 8)
+        chain.acceptance[AcceptanceKey("suffix")].update(8, 0)
+        chain.acceptance[AcceptanceKey("memory")].update(8, 8)
     assert chain.propose(ctx, max_tokens=30).source == "memory"
 
 
@@ -272,7 +272,7 @@ def test_a_costly_drafter_is_not_asked_when_a_cheap_draft_is_as_good():
     chain = DrafterChain([lookup, model], cost=CPU)
     ctx = DraftContext(tokens=[1, 2], prompt_len=2)
     for _ in range(5):
-        chain.acceptance["prompt_lookup"].update(8, 8)
+        chain.acceptance[AcceptanceKey("prompt_lookup")].update(8, 8)
     chain.propose_seconds["model"] = 0.5  # as measured: a draft-model pass costs 0.5 s
     assert chain.propose(ctx, max_tokens=30).source == "prompt_lookup"
     assert lookup.asked == 1 and model.asked == 0
@@ -289,7 +289,7 @@ def test_a_costly_drafter_is_not_asked_when_a_cheap_draft_is_as_good():
 def test_max_depth_bounds_every_draft():
     chain = DrafterChain([FixedDrafter("memory", list(range(10, 60)))], cost=CPU, max_depth=5)
     for _ in range(5):
-        chain.acceptance["memory"].update(8, 8)
+        chain.acceptance[AcceptanceKey("memory")].update(8, 8)
     assert chain.propose(DraftContext(tokens=[1, 2], prompt_len=2), max_tokens=40).num_nodes == 5
     with pytest.raises(ValueError, match="max_depth"):
         DrafterChain([], max_depth=0)
@@ -338,11 +338,11 @@ def test_trees_shrink_to_chains_when_alternatives_are_never_right():
     two = Draft((5, 6, 7, 8, 9, 10), (-1, 0, 1, -1, 3, 4), "memory")
     tree[0].propose = lambda context, *, max_tokens: two
     ctx = DraftContext(tokens=[1], prompt_len=1)
-    chain.acceptance["memory"] = Acceptance(0.6)
+    chain.acceptance[AcceptanceKey("memory")] = Acceptance(0.6)
     assert chain.propose(ctx, max_tokens=8).num_nodes > 3  # the alternative is worth a try
     for _ in range(30):  # alternatives tried and always wrong
         chain.observe(ctx, two, Verdict((), (), 0))
-    chain.acceptance["memory"] = Acceptance(0.6)
+    chain.acceptance[AcceptanceKey("memory")] = Acceptance(0.6)
     assert chain.propose(ctx, max_tokens=8).token_ids == (5, 6, 7)  # the first branch only
     assert node_probabilities([-1, -1], 0.6, 0.0) == pytest.approx([0.6, 0.0])
 
@@ -388,8 +388,8 @@ def test_a_drafter_can_name_a_finer_acceptance_class():
     assert chain.propose(ctx, max_tokens=50).num_nodes > plain.propose(ctx, max_tokens=50).num_nodes
     draft = chain.propose(ctx, max_tokens=50)
     chain.observe(ctx, draft, Verdict((), (), 0))  # a miss is booked on the class, not the source
-    assert chain.acceptance["memory/follow"].alpha < 0.97
-    assert chain.acceptance["memory"].alpha == pytest.approx(0.85)
+    assert chain.acceptance[AcceptanceKey("memory/follow")].alpha < 0.97
+    assert chain.acceptance[AcceptanceKey("memory")].alpha == pytest.approx(0.85)
 
 
 class ScriptedDrafter(FixedDrafter):
@@ -434,19 +434,20 @@ def test_a_source_never_chosen_still_learns_from_what_the_steps_commit():
     sources = _run(chain, truth, 20)
     assert sources[0] == "memory"
     assert sources[-5:] == ["prompt_lookup"] * 5
-    assert chain.acceptance["prompt_lookup"].alpha > 0.9 > chain.acceptance["memory"].alpha
+    lookup, memory = chain.acceptance[AcceptanceKey("prompt_lookup")], chain.acceptance[AcceptanceKey("memory")]
+    assert lookup.alpha > 0.9 > memory.alpha
 
 
 def test_a_prefix_that_reaches_past_the_committed_tokens_is_no_rejection():
     chain = DrafterChain([FixedDrafter("suffix", [5, 6, 7, 8])], cost=CPU)
     ctx = DraftContext(tokens=[1], prompt_len=1)
     draft = chain.propose(ctx, max_tokens=4)
-    before = chain.acceptance["suffix"].misses
+    before = chain.acceptance[AcceptanceKey("suffix")].misses
     chain.observe(ctx, draft, Verdict((0,), (5,), 6))  # 2 of 4 matched, the rest unseen
-    assert chain.acceptance["suffix"].misses == pytest.approx(0.9 * before)
+    assert chain.acceptance[AcceptanceKey("suffix")].misses == pytest.approx(0.9 * before)
     draft = chain.propose(ctx, max_tokens=4)
     chain.observe(ctx, draft, Verdict((0,), (5,), 9))  # rejected at the second token
-    assert chain.acceptance["suffix"].misses == pytest.approx(0.81 * before + 1)
+    assert chain.acceptance[AcceptanceKey("suffix")].misses == pytest.approx(0.81 * before + 1)
 
 
 def _random_tree(rng, nodes):
@@ -515,7 +516,7 @@ def test_a_cheap_tree_source_that_cannot_win_is_asked_rarely_and_a_free_one_ever
     head = Timed("head", [4] * 30, 0.005)
     chain = DrafterChain([memory, lookup, head], cost=CPU)
     ctx = DraftContext(tokens=[1, 2], prompt_len=2)
-    chain.acceptance["memory"] = Acceptance(0.99, strength=1000)
+    chain.acceptance[AcceptanceKey("memory")] = Acceptance(0.99, strength=1000)
     steps = 300
     for _ in range(steps):
         assert chain.propose(ctx, max_tokens=30).source == "memory"
@@ -525,8 +526,8 @@ def test_a_cheap_tree_source_that_cannot_win_is_asked_rarely_and_a_free_one_ever
     cycle = math.ceil(30 * 0.005 / CPU.seconds(0))
     assert cycle == 3 and head.asked == math.ceil(steps / cycle)
     # Where it could win, it is asked every step.
-    chain.acceptance["memory"] = Acceptance(0.05, strength=1000)
-    chain.acceptance["head"] = Acceptance(0.9, strength=1000)
+    chain.acceptance[AcceptanceKey("memory")] = Acceptance(0.05, strength=1000)
+    chain.acceptance[AcceptanceKey("head")] = Acceptance(0.9, strength=1000)
     asked = head.asked
     for _ in range(10):
         chain.propose(ctx, max_tokens=30)
@@ -582,26 +583,30 @@ def test_the_chain_learns_that_copies_break_at_a_pair_the_context_never_showed()
     chain = DrafterChain([PairedDrafter(truth, 3)], cost=CPU)
     ctx = DraftContext(tokens=[1, *truth[:80]], prompt_len=81)
     _run(chain, truth, 25, ctx)
-    assert chain.rate("memory|seen") > 0.9 > 0.25 > chain.rate("memory|new")
-    assert chain.rate("memory|new") < chain.rate("memory") < chain.rate("memory|seen")
+    memory = AcceptanceKey("memory")
+    seen, new = AcceptanceKey("memory", seen=True), AcceptanceKey("memory", seen=False)
+    assert chain.rate(seen) > 0.9 > 0.25 > chain.rate(new)
+    assert chain.rate(new) < chain.rate(memory) < chain.rate(seen)
     # Sized by its nodes' own classes the draft stops at the unseen pair (or just after it,
     # where that node costs nothing more): one rate for every node would draft on past it.
     assert chain.propose(ctx, max_tokens=30).num_nodes <= 4
     from agentspec.drafters.policy import best_subtree
 
-    assert len(best_subtree([-1, *range(29)], chain.rate("memory"), CPU)[0]) > 4
+    assert len(best_subtree([-1, *range(29)], chain.rate(AcceptanceKey("memory")), CPU)[0]) > 4
 
 
 def test_each_step_books_its_nodes_on_their_classes_and_the_classes_they_refine():
     chain = DrafterChain([FixedDrafter("memory", [2, 3, 9, 9])], cost=CPU)
     ctx = DraftContext(tokens=[1, 2, 3, 1], prompt_len=4)  # holds the pairs 1-2 and 2-3
     draft = chain.propose(ctx, max_tokens=4)
-    coarse = chain.acceptance["memory"].hits, chain.acceptance["memory"].misses
+    memory = AcceptanceKey("memory")
+    seen, new = AcceptanceKey("memory", seen=True), AcceptanceKey("memory", seen=False)
+    coarse = chain.acceptance[memory].hits, chain.acceptance[memory].misses
     chain.observe(ctx, draft, Verdict((0, 1), (2, 3), 5))  # 2 and 3 accepted, 9 rejected
-    assert (chain.acceptance["memory|seen"].hits, chain.acceptance["memory|seen"].misses) == (2, 0)
-    assert (chain.acceptance["memory|new"].hits, chain.acceptance["memory|new"].misses) == (0, 1)
-    assert chain.acceptance["memory"].hits == pytest.approx(0.9 * coarse[0] + 2)
-    assert chain.acceptance["memory"].misses == pytest.approx(0.9 * coarse[1] + 1)
+    assert (chain.acceptance[seen].hits, chain.acceptance[seen].misses) == (2, 0)
+    assert (chain.acceptance[new].hits, chain.acceptance[new].misses) == (0, 1)
+    assert chain.acceptance[memory].hits == pytest.approx(0.9 * coarse[0] + 2)
+    assert chain.acceptance[memory].misses == pytest.approx(0.9 * coarse[1] + 1)
 
 
 class BackedDrafter(FixedDrafter):
@@ -632,8 +637,9 @@ def test_the_chain_learns_that_a_token_one_candidate_alone_holds_is_a_weaker_bet
     _run(chain, truth, 25, ctx)
     size = chain.propose(ctx, max_tokens=30).num_nodes
     if support:
-        assert chain.rate("memory|seen|s4") > 0.9 > 0.25 > chain.rate("memory|seen|s1")
+        four, one = (AcceptanceKey("memory", seen=True, support=s) for s in ("s4", "s1"))
+        assert chain.rate(four) > 0.9 > 0.25 > chain.rate(one)
         assert size <= 4  # stops at (or just past) the token one candidate holds
     else:  # the deliberately blind chain: one rate for every seen node drafts on past it
-        assert "memory|seen|s1" not in chain.acceptance
+        assert AcceptanceKey("memory", seen=True, support="s1") not in chain.acceptance
         assert size > 4
