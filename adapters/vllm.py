@@ -281,11 +281,14 @@ class Proposer:
         """Off the step path: the prompt's text, scope and key, then the drafters' ``begin``
         (the memory's lookup, the suffix index's catch-up)."""
         started = time.perf_counter()
-        context = live.context
-        text = self.tokenizer.decode(context.tokens[: context.prompt_len],
-                                     skip_special_tokens=False)
+        seen = live.context
+        text = self.tokenizer.decode(seen.tokens[: seen.prompt_len], skip_special_tokens=False)
         live.identity = prompt_identity(text, self.options["scope"])
-        context.scope, context.key_text = live.identity.scope, live.identity.key_text
+        # The request's context, built once its identity is known (its tokens the same list,
+        # which the steps go on extending).
+        live.context = context = DraftContext(tokens=seen.tokens, prompt_len=seen.prompt_len,
+                                              scope=live.identity.scope,
+                                              key_text=live.identity.key_text)
         self.chain.begin(context)
         self.stats["begin_seconds"] += time.perf_counter() - started
 
@@ -327,7 +330,7 @@ class Proposer:
             warn_once(f"agentspec: ending a request's drafters failed ({e})")
         if self.memory is None:
             return
-        credits = tuple(sorted((rid, n) for (_, rid), n in live.context.credits.items()))
+        credits = tuple(sorted((rid, n) for (_, rid), n in self.chain.credits(live.context).items()))
         remember = self.record and bool(completion)
         if not (credits or remember):
             return

@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -33,7 +33,8 @@ class StepShare:
 
 @dataclass
 class DraftContext:
-    """What a drafter may look at. Owned and updated by the decode loop.
+    """What a drafter may look at. Written by the decode loop only: the caller builds it in
+    one call, then the loop extends ``tokens`` and hands the hidden rows; drafters read it.
 
     Attributes:
         tokens: every committed token id: the prompt, then the generated ones.
@@ -45,22 +46,15 @@ class DraftContext:
         sampling: the request's sampling parameters, for drafters that sample like the target
             (a small model drafting with probabilities); None: unknown, draft point masses.
         generator: the request's explicit random source, for those drafters.
-        credits: ``(memory, record id)`` -> the accepted draft tokens that remembered
-            completion drafted in this request; drafters add to it, and each memory hears its
-            own when the request ends (:meth:`Memory.finish`).
-        keep_hidden: a drafter that reads the target's final hidden rows (the draft head)
-            sets it in ``begin``; the decode loop then keeps them.
         hidden: the last step's final hidden rows ``[rows, hidden]`` (row 0 the root's, row
-            ``i + 1`` draft node ``i``'s) where ``keep_hidden``, else None; row ``r`` was
-            computed at position ``hidden_position + r``. Read only: never decides a token.
-        step_share: set by the scheduler before each ``propose`` of a batched step: what the
-            step's other rows cost and yield (:class:`StepShare`), so a draft is sized by its
-            marginal cost in that forward; None: the request is alone.
-        expected_tokens: set by a drafter that sizes its drafts (the chain): the tokens its
-            last proposal is expected to yield, the accepted and the next one.
+            ``i + 1`` draft node ``i``'s) where the drafter ``wants_hidden``, else None; row
+            ``r`` was computed at position ``hidden_position + r``. Read only: never decides
+            a token.
 
     Per-request drafter state lives here (:meth:`state`), not on the drafter: the steps of
-    several calls may interleave (streams on several threads take turns on one model).
+    several calls may interleave (streams on several threads take turns on one model). It is
+    each drafter's own (what the memory drafter credits, say), asked of the drafter, never
+    read from here by others.
     """
 
     tokens: list[int]
@@ -70,12 +64,8 @@ class DraftContext:
     extra_sources: Sequence[Sequence[int]] = field(default_factory=tuple)
     sampling: SamplingParams | None = None
     generator: torch.Generator | None = None
-    credits: Counter[tuple[Any, int]] = field(default_factory=Counter, repr=False, compare=False)
-    keep_hidden: bool = False
     hidden: torch.Tensor | None = field(default=None, repr=False, compare=False)
     hidden_position: int = -1
-    step_share: StepShare | None = None
-    expected_tokens: float = 1.0
     _states: dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -105,6 +95,10 @@ class Drafter(Protocol):
     requests may interleave: keep per-request state in :meth:`DraftContext.state`. Drafts
     are untrusted (:mod:`agentspec.decoding.untrusted`): a malformed one is cleaned, and a drafter that
     raises is skipped for the rest of the request.
+
+    Optional: ``wants_hidden = True`` (an attribute) asks the decode loop to keep the target's
+    final hidden rows for it (:attr:`DraftContext.hidden`); ``credits(context)`` returns the
+    request's :data:`Credits`, which the caller hands to the memories when it ends.
     """
 
     name: str
@@ -116,6 +110,32 @@ class Drafter(Protocol):
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None: ...
 
     def end(self, context: DraftContext) -> None: ...
+
+
+class Proposal(NamedTuple):
+    """One step's proposal: the draft, and the tokens it is expected to yield (the accepted
+    ones plus the one the verdict adds; 1.0 from a drafter that does not size its drafts),
+    which the scheduler weighs when it sizes the step's other rows."""
+
+    draft: Draft
+    expected_tokens: float = 1.0
+
+
+# A request's credits: ``(memory, record id)`` -> the accepted draft tokens that remembered
+# completion drafted in it; each memory hears its own when the request ends
+# (:meth:`Memory.finish`).
+Credits: TypeAlias = Counter[tuple[Any, int]]
+
+
+@runtime_checkable
+class SizingDrafter(Drafter, Protocol):
+    """A drafter that sizes its drafts by the step's cost (the drafter chain): in a batched
+    step, by what the step's other rows cost and yield (``share``; None: the request is
+    alone), each node against its marginal row. It says what its proposal is expected to
+    yield."""
+
+    def propose_sized(self, context: DraftContext, *, max_tokens: int,
+                      share: StepShare | None) -> Proposal: ...
 
 
 @runtime_checkable

@@ -21,6 +21,7 @@ from typing import Any
 from agentspec.config import SamplingParams, SpecConfig
 from agentspec.decoding.loop import Decoding, NoDrafter, Step
 from agentspec.decoding.sampling import make_generator
+from agentspec.decoding.untrusted import Guarded
 from agentspec.drafters.chain import DrafterChain
 from agentspec.drafters.head_rows import RowKeeper
 from agentspec.drafters.policy import CostModel, measure_cost
@@ -278,7 +279,7 @@ class Speculator:
                             observers=() if keeper is None else (keeper,))
 
         job = Job(list(request.prompt_ids), loop,
-                  on_abandon=functools.partial(self._end, request, context, None))
+                  on_abandon=functools.partial(self._end, request, context, drafter, None))
         self._scheduler.submit(job)
         finished = False
         try:
@@ -322,19 +323,21 @@ class Speculator:
                                 else tuple(run.logprobs[: len(run.token_ids)]), origins)
         if session is not None:
             session.observe(generation)
-        self._end(request, context, generation, keeper)
+        self._end(request, context, drafter, generation, keeper)
         return generation
 
-    def _end(self, request: Request, context: DraftContext, generation: Generation | None,
-             keeper: RowKeeper | None = None) -> None:
-        """The request's one exit to the memory: the credits its drafts earned, then its
-        completion's record (``generation`` None: an abandoned stream, credits only), each
-        memory once; then the head's training rows of a recorded completion. Never fails the
-        call: the generation is done and exact, a memory is an accelerator."""
+    def _end(self, request: Request, context: DraftContext, drafter: Drafter,
+             generation: Generation | None, keeper: RowKeeper | None = None) -> None:
+        """The request's one exit to the memory: the credits its drafts earned (the
+        ``drafter``'s ledger of the request), then its completion's record (``generation``
+        None: an abandoned stream, credits only), each memory once; then the head's training
+        rows of a recorded completion. Never fails the call: the generation is done and exact,
+        a memory is an accelerator."""
         ids = () if generation is None else generation.token_ids
         remember = request.record and bool(ids) and self._memory is not None
         credits: dict[Memory, list[tuple[int, int]]] = {}  # each memory's own, by record id
-        for (memory, record_id), accepted in sorted(context.credits.items(), key=lambda c: c[0][1]):
+        earned = Guarded(drafter).credits(context)
+        for (memory, record_id), accepted in sorted(earned.items(), key=lambda c: c[0][1]):
             credits.setdefault(memory, []).append((record_id, accepted))
         if remember and self._memory is not None:
             credits.setdefault(self._memory, [])

@@ -15,13 +15,14 @@ from __future__ import annotations
 import logging
 import operator
 import weakref
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
 import torch
 
-from agentspec.protocols import DraftContext, Drafter
+from agentspec.protocols import Credits, DraftContext, Drafter, Proposal, StepShare
 from agentspec.tree import preorder, sub_draft
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict, support_fits
 
@@ -194,8 +195,10 @@ class Guarded:
 
     ``propose`` returns the drafter's proposal made valid for ``vocab_size`` (None: any
     non-negative id, for a drafter chain that only sizes its sources' trees), ``max_tokens``
-    deep and ``max_nodes`` wide, or an empty draft once the drafter has failed. Only
-    ``Exception`` is caught: an interrupt still stops.
+    deep and ``max_nodes`` wide, or an empty draft once the drafter has failed; with what it
+    is expected to yield where the drafter sizes its drafts
+    (:class:`~agentspec.protocols.SizingDrafter`). Only ``Exception`` is caught: an interrupt
+    still stops.
     """
 
     def __init__(self, drafter: Drafter, *, vocab_size: int | None = None,
@@ -215,17 +218,66 @@ class Guarded:
             report(self.drafter, method, exc)
             return None
 
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether the drafter reads the target's final hidden rows, so the loop keeps them
+        (:func:`wants_hidden`)."""
+        return wants_hidden(self.drafter)
+
     def begin(self, context: DraftContext) -> None:
         self._call("begin", context)
 
-    def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
+    def propose(self, context: DraftContext, *, max_tokens: int,
+                share: StepShare | None = None) -> Proposal:
+        """The drafter's proposal, sanitised; sized by ``share`` (the rest of a batched step)
+        where the drafter sizes its drafts, whose expected tokens it carries (1.0 otherwise
+        and for an empty draft)."""
         if max_tokens <= 0:
-            return EMPTY_DRAFT
-        out = self._call("propose", context, max_tokens=max_tokens)
-        return sanitize(out, vocab_size=self.vocab_size, room=max_tokens, max_nodes=self.max_nodes)
+            return Proposal(EMPTY_DRAFT)
+        expected = 1.0
+        if callable(getattr(self.drafter, "propose_sized", None)):
+            out = self._call("propose_sized", context, max_tokens=max_tokens, share=share)
+            if isinstance(out, Proposal):
+                expected = _expected(out.expected_tokens)
+                out = out.draft
+        else:
+            out = self._call("propose", context, max_tokens=max_tokens)
+        draft = sanitize(out, vocab_size=self.vocab_size, room=max_tokens, max_nodes=self.max_nodes)
+        return Proposal(draft, expected if draft.num_nodes else 1.0)
 
     def observe(self, context: DraftContext, draft: Draft, verdict: Verdict) -> None:
         self._call("observe", context, draft, verdict)
 
     def end(self, context: DraftContext) -> None:
         self._call("end", context)
+
+    def credits(self, context: DraftContext) -> Credits:
+        """The request's credits (:data:`~agentspec.protocols.Credits`) from the drafter's
+        ``credits`` where it has one, even after it failed (what it earned before stands);
+        empty when it has none or it raises here."""
+        method = getattr(self.drafter, "credits", None)
+        if not callable(method):
+            return Counter()
+        try:
+            out = method(context)
+        except Exception as exc:  # noqa: BLE001 - untrusted code: logged, credits lost
+            report(self.drafter, "credits", exc)
+            return Counter()
+        return out if isinstance(out, Counter) else Counter()
+
+
+def wants_hidden(drafter: object) -> bool:
+    """Whether ``drafter`` declares that it reads the target's final hidden rows (its
+    ``wants_hidden`` attribute is True: the draft head, a chain holding one)."""
+    try:
+        return getattr(drafter, "wants_hidden", False) is True
+    except Exception:  # noqa: BLE001 - untrusted code: an attribute that raises asks for nothing
+        return False
+
+
+def _expected(value: object) -> float:
+    """A sizing drafter's expected tokens as a float of at least 1 (the verdict's own token);
+    1.0 for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 1.0:
+        return float(value) if value != float("inf") else 1.0
+    return 1.0

@@ -23,11 +23,12 @@ needs no exploration: it follows the source whose recent acceptance is best.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from agentspec.decoding.untrusted import Guarded
+from agentspec.decoding.untrusted import Guarded, wants_hidden
 from agentspec.drafters.policy import (
     DEFAULT_COST,
     Acceptance,
@@ -37,7 +38,7 @@ from agentspec.drafters.policy import (
     best_tree_rate,
     node_probabilities,
 )
-from agentspec.protocols import DraftContext, Drafter
+from agentspec.protocols import Credits, DraftContext, Drafter, Proposal, StepShare
 from agentspec.tree import common_prefix_len, depths, spine_length, sub_draft
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
@@ -198,12 +199,21 @@ class DrafterChain:
         for d in req.sources:
             d.begin(context)
 
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether a source reads the target's final hidden rows (the draft head)."""
+        return any(wants_hidden(d) for d in self.drafters)
+
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:
-        """The best proposal by expected tokens per second; in a batched step
-        (``context.step_share``) by the whole step's, each node against its marginal row. Sets
-        ``context.expected_tokens``."""
+        """The best proposal by expected tokens per second, the request alone in its step."""
+        return self.propose_sized(context, max_tokens=max_tokens, share=None).draft
+
+    def propose_sized(self, context: DraftContext, *, max_tokens: int,
+                      share: StepShare | None) -> Proposal:
+        """The best proposal by expected tokens per second; in a batched step (``share``: what
+        the step's other rows cost and yield) by the whole step's, each node against its
+        marginal row. With the tokens it is expected to yield, the scheduler's to weigh."""
         req = self._request(context)
-        share = context.step_share
         cost: CostModel | SharedCost = self.cost if share is None else SharedCost(
             self.cost, share.rows, share.seconds)
         base = 0.0 if share is None else share.tokens
@@ -230,7 +240,7 @@ class DrafterChain:
                 continue
             self._skipped[drafter.name] = 0
             started = time.perf_counter()
-            draft = drafter.propose(context, max_tokens=max_tokens)  # sanitised by the guard
+            draft = drafter.propose(context, max_tokens=max_tokens, share=share).draft  # sanitised
             spent = self._timed(req, drafter.name, time.perf_counter() - started)
             if draft.num_nodes == 0:
                 continue
@@ -251,8 +261,7 @@ class DrafterChain:
                 best, best_rate = sub_draft(draft, keep), rate
                 probs = node_probabilities(draft.parents, alphas, alternative)
                 best_expected = 1.0 + sum(probs[i] for i in keep)
-        context.expected_tokens = best_expected
-        return best
+        return Proposal(best, best_expected)
 
     @staticmethod
     def _node_keys(pairs: set[tuple[int, int]], context: DraftContext, key: AcceptanceKey,
@@ -351,4 +360,11 @@ class DrafterChain:
     def end(self, context: DraftContext) -> None:
         for d in self._request(context).sources:
             d.end(context)
+
+    def credits(self, context: DraftContext) -> Credits:
+        """The request's credits, its sources' together (the memory drafter's)."""
+        total: Credits = Counter()
+        for d in self._request(context).sources:
+            total.update(d.credits(context))
+        return total
 

@@ -239,6 +239,7 @@ class HeadDrafter:
     """
 
     name = "head"
+    wants_hidden = True  # the decode loop keeps each step's final hidden rows for it
 
     def __init__(self, target: Any, heads: dict[str, RecurrentHead] | None = None, *,
                  home: Path | None = None, width: int = 4, depth: int = 6,
@@ -271,7 +272,6 @@ class HeadDrafter:
         return context.state(self, _Hidden)
 
     def begin(self, context: DraftContext) -> None:
-        context.keep_hidden = True  # the decode loop keeps each step's final hidden rows
         self.head_for(context.scope)  # a (re)load happens here, before the timed steps
 
     def propose(self, context: DraftContext, *, max_tokens: int) -> Draft:

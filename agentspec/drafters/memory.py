@@ -6,18 +6,19 @@ it: the candidate that has matched every generated token so far continues from t
 the others re-align on the longest suffix n-gram of the context (the same tool call with other
 arguments realigns after the argument). The candidates' continuations merge into one prefix
 tree, best first, each node marked with how many candidates back it (``Draft.support``).
-Accepted tokens are credited to the records they came from (:attr:`DraftContext.credits`),
-which the memory hears when the request ends.
+Accepted tokens are credited to the records they came from, in the request's own ledger
+(:meth:`MemoryDrafter.credits`), which the memory hears when the request ends.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from agentspec.drafters.ngram import NgramIndex
 from agentspec.memory.foreign import as_memory
-from agentspec.protocols import DraftContext
+from agentspec.protocols import Credits, DraftContext
 from agentspec.tree import child_index, merge_chains, node_support
 from agentspec.types import EMPTY_DRAFT, Draft, Verdict
 
@@ -30,13 +31,15 @@ _SAME_REQUEST = 0.999
 
 @dataclass
 class _Request:
-    """One request's candidates and the owner of each node of its last draft."""
+    """One request's candidates, the owner of each node of its last draft, and the accepted
+    tokens each record drafted in it (keyed ``(memory, record id)``, :data:`Credits`)."""
 
     cands: list[_Candidate] = field(default_factory=list)
     # The last draft's (parent node, token) -> node, and each node's candidate (into cands):
     # the verified draft may be a reordered subset of it, so accepted tokens are matched by path.
     children: dict[tuple[int, int], int] = field(default_factory=dict)
     owners: list[int] = field(default_factory=list)
+    credits: Credits = field(default_factory=Counter)
 
 
 @dataclass
@@ -130,7 +133,7 @@ class MemoryDrafter:
                     break
                 record_id = req.cands[req.owners[node]].record_id
                 if record_id is not None:
-                    context.credits[(self.memory, record_id)] += 1
+                    req.credits[(self.memory, record_id)] += 1
         new = verdict.new_tokens
         for cand in req.cands:
             if cand.follow >= 0:
@@ -139,3 +142,8 @@ class MemoryDrafter:
 
     def end(self, context: DraftContext) -> None:
         pass
+
+    def credits(self, context: DraftContext) -> Credits:
+        """The accepted draft tokens each remembered completion drafted in this request, for
+        the caller to hand to the memory when the request ends."""
+        return self._request(context).credits

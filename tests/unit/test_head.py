@@ -188,7 +188,7 @@ def test_drafter_is_absent_without_a_head_and_drafts_with_one(target, tmp_path):
     from agentspec.types import Verdict
 
     draft = Draft.chain([2, 3], "t")
-    assert ctx.keep_hidden  # the drafter asked for the hidden rows in begin
+    assert drafter.wants_hidden  # the drafter asks the loop for the hidden rows
     twin.score(7, draft, keep_hidden=True)
     ctx.hidden, ctx.hidden_position = twin.hidden, twin.hidden_position  # as the loop hands them
     verdict = Verdict((0,), (2,), 9)  # node 0 accepted, 9 recovered: the hidden row is row 1

@@ -79,7 +79,7 @@ def test_accepted_tokens_are_credited_to_their_record(memory):
     c.tokens += [10, 11, 99]
     drafter.observe(c, draft, Verdict((0, 1), (10, 11), 99))
     drafter.end(c)
-    assert c.credits == {(drafter.memory, rid): 2}  # the request's credits, for its end
+    assert drafter.credits(c) == {(drafter.memory, rid): 2}  # the request's credits, for its end
     assert memory.store.get(rid).accepted_tokens == 0
     memory.finish(Finished(Record("s", "m", "r", KEY, "", ()), remember=False, credits=((rid, 2),)))
     assert memory.store.get(rid).accepted_tokens == 2

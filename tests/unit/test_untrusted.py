@@ -96,8 +96,8 @@ def test_guard_skips_a_drafter_for_the_rest_of_the_call_and_logs_once(caplog):
         ctx = DraftContext(tokens=[1, 2, 3], prompt_len=3)
         guard = Guarded(flaky)
         guard.begin(ctx)
-        assert guard.propose(ctx, max_tokens=4) == EMPTY_DRAFT
-        assert guard.propose(ctx, max_tokens=4) == EMPTY_DRAFT
+        assert guard.propose(ctx, max_tokens=4).draft == EMPTY_DRAFT
+        assert guard.propose(ctx, max_tokens=4).draft == EMPTY_DRAFT
         guard.observe(ctx, EMPTY_DRAFT, None)  # type: ignore[arg-type]
         guard.end(ctx)
     assert flaky.calls == 2  # once per call
@@ -149,10 +149,10 @@ def test_the_guard_sanitises_every_proposal_and_keeps_a_declared_acceptance_clas
 
     ctx = DraftContext(tokens=[1, 2], prompt_len=2)
     guard = Guarded(Raw(), vocab_size=50, max_nodes=8)
-    draft = guard.propose(ctx, max_tokens=4)
+    draft = guard.propose(ctx, max_tokens=4).draft
     assert draft.token_ids == (5, 7) and draft.parents == (-1, 0)
     assert draft.acceptance == "raw/long"
-    assert guard.propose(ctx, max_tokens=0) == EMPTY_DRAFT
+    assert guard.propose(ctx, max_tokens=0).draft == EMPTY_DRAFT
     hostile = object.__new__(Draft)
     for field, value in (("token_ids", (5,)), ("parents", (-1,)), ("source", "raw"),
                          ("draft_probs", None), ("support", None), ("acceptance", 3)):
