@@ -4,16 +4,21 @@ Calls on one :class:`~agentspec.Speculator` from any number of threads become ro
 forwards (continuous batching at step granularity). Each step:
 
 1. retire what was cancelled; admit waiting requests up to ``max_batch`` (a sequence each, its
-   prompt's cached prefix held, :meth:`HFTarget.prefill_chunks`);
+   prompt's cached prefix held, the rest a :class:`~agentspec.engine.plan.Prefill`:
+   :meth:`HFTarget.prefill`);
 2. plan every decoding request's rows (:meth:`Decoding.plan`), one after the other, each draft
-   sized by its marginal cost in this forward (:class:`~agentspec.protocols.StepShare`): the
-   more rows the step carries, the likelier a node must be to earn its row, so drafts shrink
-   as load grows;
+   sized by its marginal cost in this forward (:class:`~agentspec.protocols.StepShare`, handed
+   to it as a value; it answers the tokens it expects): the more rows the step carries, the
+   likelier a node must be to earn its row, so drafts shrink as load grows;
 3. give the prompts being prefilled what rows are left, oldest first, within a bound that keeps
    the decoding requests' step time (``prefill_latency``);
 4. one forward over all of it (:meth:`HFTarget.run`);
 5. conclude each decoding request (verify, commit, observe) and hand it its step; commit the
    prompt chunks; retire the finished.
+
+The scheduler enters the engine in one place: :meth:`Scheduler._engine_step`, the only call
+that hops to the torch thread and the only one that runs a forward; who may run it is decided
+by one hand-off (:meth:`Scheduler._take_engine`).
 
 Nothing here changes a token: a row's bits depend neither on its forward's width, nor on its
 place, nor on the other sequences in it (:mod:`agentspec.engine.plan`), and each request
@@ -35,61 +40,24 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
-from agentspec.decoding.loop import Decoding, Step
+import torch
+
+from agentspec.config import SamplingParams
+from agentspec.decoding.loop import Decoding, Planned, Step
 from agentspec.engine.plan import Member
 from agentspec.engine.sequence import Sequence as KVSequence
-from agentspec.engine.target import HFTarget, causal
+from agentspec.engine.target import HFTarget
 from agentspec.engine.torch_thread import for_device
-from agentspec.protocols import StepShare
+from agentspec.jobs import DONE as _DONE
+from agentspec.jobs import Job as Job
+from agentspec.jobs import Load as Load
+from agentspec.protocols import DraftContext, Drafter, StepObserver, StepShare
 
 logger = logging.getLogger("agentspec")
-
-@dataclass(frozen=True)
-class Load:
-    """A scheduler's load: requests ``running`` (admitted, not ended), ``waiting`` for room,
-    and the most it runs at once (``max_batch``)."""
-
-    running: int
-    waiting: int
-    max_batch: int
-
-
-class _Done:
-    """The event that ends a request's steps."""
-
-
-_DONE = _Done()
-
-
-@dataclass(eq=False)
-class Job:
-    """One request in the scheduler.
-
-    Args:
-        prompt_ids: the prompt's token ids.
-        make: builds the request's decode loop on its sequence (at admission).
-        on_abandon: called once when the request ends without finishing (cancelled or
-            failed), after its drafters' ``end``: the Speculator books its drafts' credits.
-    """
-
-    prompt_ids: list[int]
-    make: Callable[[KVSequence], Decoding]
-    on_abandon: Callable[[], None] | None = None
-    seq: KVSequence | None = None
-    decoding: Decoding | None = None
-    chunks: deque[list[int]] = field(default_factory=deque)
-    events: deque[Any] = field(default_factory=deque)
-    cached_tokens: int = 0
-    admitted: float = 0.0
-    state: str = "new"  # new, waiting, prefill, decode, ended
-    cancelled: bool = False
-    _abandon_done: bool = False
-
 
 class Scheduler:
     """The steps of every live request on ``target``.
@@ -141,18 +109,13 @@ class Scheduler:
                         return event  # type: ignore[no-any-return]
                     if job.state == "ended":
                         return None
-                    if not self._running:
-                        self._running = True
+                    if self._take_engine(wait=False):
                         break
                     self._cond.wait()
             try:
-                # On the CPU the whole step (drafts, forward, verification) runs on the torch
-                # thread: one OpenMP team for every caller (agentspec.engine.torch_thread).
-                for_device(self.target.device, self._step)
+                self._engine_step()
             finally:
-                with self._cond:
-                    self._running = False
-                    self._cond.notify_all()
+                self._give_engine()
 
     def cancel(self, job: Job) -> None:
         """End ``job`` early (a stream closed or dropped). Never waits: this may run in a
@@ -166,51 +129,54 @@ class Scheduler:
         if not self._cond.acquire(blocking=False):
             return
         try:
-            if self._running:
+            if not self._take_engine(wait=False):
                 return
-            self._running = True
         finally:
             self._cond.release()
         try:
             self._retire_cancelled()
         finally:
-            with self._cond:
-                self._running = False
-                self._cond.notify_all()
+            self._give_engine()
 
     def close(self, job: Job) -> None:
         """End ``job`` early and wait until it is retired (its drafters ended, its sequence
         back in the pool): a caller that stops reading a request it is done with."""
         job.cancelled = True
-        while True:
-            with self._cond:
-                if job.state == "ended":
-                    return
-                if not self._running:
-                    self._running = True
-                    break
+        with self._cond:
+            while job.state != "ended" and not self._take_engine(wait=False):
                 self._cond.wait()
+            if job.state == "ended":
+                return
         try:
             self._retire_cancelled()
         finally:
-            with self._cond:
-                self._running = False
-                self._cond.notify_all()
+            self._give_engine()
 
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold the engine between steps (warm-up, building the drafters: work that runs
         forwards of its own)."""
         with self._cond:
-            while self._running:
-                self._cond.wait()
-            self._running = True
+            self._take_engine(wait=True)
         try:
             yield
         finally:
-            with self._cond:
-                self._running = False
-                self._cond.notify_all()
+            self._give_engine()
+
+    def _take_engine(self, *, wait: bool) -> bool:
+        """The one hand-off of the engine (held with the condition's lock): take it when no
+        step or other holder has it; with ``wait``, wait until then. False: taken by another."""
+        while self._running:
+            if not wait:
+                return False
+            self._cond.wait()
+        self._running = True
+        return True
+
+    def _give_engine(self) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
 
     def load(self) -> Load:
         """What the scheduler carries now: requests admitted, requests waiting, and its
@@ -229,6 +195,12 @@ class Scheduler:
         return len(self._waiting)
 
     # -- one step -----------------------------------------------------------------------------
+
+    def _engine_step(self) -> None:
+        """The scheduler's one entry into the engine: a step, on the CPU on the torch thread
+        (one OpenMP team for every caller: agentspec.engine.torch_thread), where it plans,
+        runs one forward and concludes."""
+        for_device(self.target.device, self._step)
 
     def _step(self) -> None:
         self._retire_cancelled()
@@ -251,34 +223,31 @@ class Scheduler:
         for i, job in enumerate(order):
             later = len(order) - i - 1  # each takes a root row at least
             room = budget - share_rows - later
-            member = self._plan(job, StepShare(share_tokens + later, share_rows + later,
-                                               self._kv_seconds(order, job)), room)
-            if member is None:
+            planned = self._plan(job, StepShare(share_tokens + later, share_rows + later,
+                                                self._kv_seconds(order, job)), room)
+            if planned is None:
                 continue
-            members.append((job, member))
-            share_rows += len(member.ids)
-            share_tokens += job.decoding.context.expected_tokens if job.decoding else 1.0
+            members.append((job, planned.rows))
+            share_rows += len(planned.rows.ids)
+            share_tokens += planned.expected_tokens
         rows_left = budget - sum(len(m.ids) for _, m in members)
         for job in prefilling:
             if rows_left <= 0 or prefill_rows <= 0:
                 break
-            take = min(rows_left, prefill_rows, len(job.chunks[0]))
-            part = job.chunks[0][:take]
-            assert job.seq is not None
-            members.append((job, Member(job.seq, part, list(range(take)), causal(take),
-                                        logits=False)))
-            rows_left -= take
-            prefill_rows -= take
+            assert job.prefill is not None
+            chunk = job.prefill.chunk(min(rows_left, prefill_rows, self.target.widest))
+            members.append((job, chunk))
+            rows_left -= len(chunk.ids)
+            prefill_rows -= len(chunk.ids)
         if members:
             self._forward(members)
         self._retire_cancelled()  # closed during the step: no later step may come to do it
 
-    def _plan(self, job: Job, share: StepShare, room: int) -> Member | None:
+    def _plan(self, job: Job, share: StepShare, room: int) -> Planned | None:
         loop = job.decoding
         assert loop is not None
         try:
-            loop.context.step_share = share if self.cost is not None and share.rows else None
-            return loop.plan(max_nodes=max(room, 1) - 1)
+            return loop.plan(max(room, 1) - 1, share if self.cost is not None and share.rows else None)
         except Exception as e:  # noqa: BLE001 - this request fails, the others go on
             self._fail(job, e)
             return None
@@ -287,28 +256,23 @@ class Scheduler:
         wants_hidden = any(j.decoding is not None and j.state == "decode" and j.decoding.wants_hidden
                            for j, _ in members)
         try:
-            logits = self.target.run([m for _, m in members], hidden=wants_hidden)
+            scored = self.target.run([m for _, m in members], hidden=wants_hidden)
         except Exception as e:  # noqa: BLE001 - every request of the step fails with it
             for job, _ in members:
                 self._fail(job, e)
             return
         self.steps += 1
-        argmax = self._argmax(members, logits)
-        for (job, member), rows in zip(members, logits, strict=True):
+        argmax = self._argmax(members, scored)
+        for (job, member), rows, hidden in zip(members, scored, scored.hidden, strict=True):
             if job.state == "prefill":
-                assert job.seq is not None
-                job.seq.commit(member.ids)
-                rest = job.chunks[0][len(member.ids):]
-                if rest:
-                    job.chunks[0] = rest
-                else:
-                    job.chunks.popleft()
-                if not job.chunks:
+                assert job.prefill is not None
+                job.prefill.written(member)
+                if job.prefill.done:
                     job.state = "decode"
                 continue
             assert job.decoding is not None and rows is not None
             try:
-                step = job.decoding.conclude(rows, member.hidden, argmax.get(id(job)))
+                step = job.decoding.conclude(rows, hidden, argmax.get(id(job)))
             except Exception as e:  # noqa: BLE001
                 self._fail(job, e)
                 continue
@@ -373,7 +337,7 @@ class Scheduler:
         """Admit ``job``: its sequence, its prompt's cached prefix held, its decode loop."""
         try:
             job.seq = self.target.new_sequence()
-            job.chunks = deque(self.target.prefill_chunks(job.seq, job.prompt_ids))
+            job.prefill = self.target.prefill(job.seq, job.prompt_ids, now=False)
             job.cached_tokens = job.seq.reused_tokens
             job.decoding = job.make(job.seq)
             job.decoding.begin()
@@ -381,7 +345,7 @@ class Scheduler:
             self._fail(job, e)
             return
         job.admitted = time.perf_counter()
-        job.state = "prefill" if job.chunks else "decode"
+        job.state = "decode" if job.prefill.done else "prefill"
         self._live.append(job)
 
     def _retire_cancelled(self) -> None:
@@ -455,3 +419,26 @@ class Scheduler:
             rows += 16
         return min(rows, widest - decoding)
 
+
+def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
+           sampling: SamplingParams, max_new_tokens: int, stop_token_ids: frozenset[int],
+           generator: torch.Generator | None = None, grammar_drafts: bool = True,
+           lazy_masks: bool = True,
+           observers: Sequence[StepObserver] = ()) -> Generator[Step, None, None]:
+    """Generate up to ``max_new_tokens`` tokens after ``context.tokens``, one forward a step,
+    appending to ``context.tokens`` (see :class:`Decoding` for the arguments): one request run
+    alone through a scheduler of its own on ``target``, the path every request takes."""
+    def make(seq: KVSequence) -> Decoding:
+        return Decoding(target, seq, drafter, context, sampling=sampling,
+                        max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                        generator=generator, grammar_drafts=grammar_drafts,
+                        lazy_masks=lazy_masks, observers=observers)
+
+    scheduler = Scheduler(target, max_batch=1)
+    job = Job(list(context.tokens), make)
+    scheduler.submit(job)
+    try:
+        while (step := scheduler.next(job)) is not None:
+            yield step
+    finally:
+        scheduler.close(job)

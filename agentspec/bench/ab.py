@@ -99,7 +99,7 @@ def compare(workload: str, a: dict[str, Any], b: dict[str, Any], *,
     from agentspec.bench.harness import SpecSystem, close_memory, memory_speculator, run_requests
     from agentspec.bench.results import BenchConfig
     from agentspec.bench.workload import load_workload, resolve_workload
-    from agentspec.drafters.policy import measure_cost
+    from agentspec.engine.cost import measure_cost
     from agentspec.engine.target import HFTarget
 
     if measure is not None and measure < 1:

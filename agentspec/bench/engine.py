@@ -32,6 +32,7 @@ from agentspec.bench.families import REFERENCES, tiny_model
 from agentspec.bench.prompts import ALL_PROMPTS
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.engine.load import load_target
+from agentspec.engine.plan import draft_member
 from agentspec.engine.target import HFTarget
 from agentspec.engine.torch_thread import on_torch_thread
 from agentspec.speculator import Speculator
@@ -41,22 +42,30 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def forward_ms(target: HFTarget, sizes: tuple[int, ...], context: int, repeats: int) -> dict[int, float]:
-    """Median milliseconds of one ``score`` over ``1 + n`` rows, rolled back after each."""
+    """Median milliseconds of one engine ``run`` over ``1 + n`` rows of one sequence at
+    ``context`` tokens of KV, rolled back after each (a scratch sequence the pool never
+    caches)."""
     prompt = [1 + t % (target.vocab_size - 1) for t in range(context)]
-    target.start(prompt)
-    out: dict[int, float] = {}
-    for n in sizes:
-        draft = Draft.chain([7] * n, "cost") if n else Draft()
-        times = []
-        for i in range(repeats + 2):  # two warm-up forwards (the first captures the graph)
-            t0 = time.perf_counter()
-            float(target.score(prompt[-1], draft)[0, 0])  # waits for the device
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
-            target.commit(draft, Verdict((), (), prompt[-1]))
-            target.crop(context - 1)
-        out[n + 1] = round(1000 * statistics.median(times), 3)
-    return out
+    seq = target.new_sequence(cached=False)
+    try:
+        target.prefill(seq, prompt)
+        out: dict[int, float] = {}
+        for n in sizes:
+            draft = Draft.chain([7] * n, "cost") if n else Draft()
+            times = []
+            for i in range(repeats + 2):  # two warm-up forwards (the first captures the graph)
+                t0 = time.perf_counter()
+                logits = target.run([draft_member(seq, prompt[-1], draft)])[0]
+                assert logits is not None
+                float(logits[0, 0])  # waits for the device
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+                seq.commit(prompt[-1], Verdict((), (), prompt[-1]))
+                seq.truncate(context - 1)
+            out[n + 1] = round(1000 * statistics.median(times), 3)
+        return out
+    finally:
+        seq.release()
 
 
 _VIEWS = frozenset({
@@ -69,20 +78,20 @@ _VIEWS = frozenset({
 
 def _filled(base: HFTarget, capacity: int, width: int, model: Any = None) -> tuple[HFTarget, Any]:
     """A target on ``model`` (default the base's; else fused) and the member of a
-    ``width``-row chain after ``capacity - width`` committed positions of its sequence: a
+    ``width``-row chain after ``capacity - width`` committed positions of a sequence: a
     forward that fills the sequence's ``capacity // KEY_BLOCK`` blocks and reads every one.
-    The committed positions hold no computed rows (zeros): the count is structural."""
-    from agentspec.engine.plan import Member
-    from agentspec.engine.target import causal
-
+    The committed positions hold no computed rows (zeros; committed without a forward): the
+    count is structural."""
     if capacity < 2 * width:
         raise ValueError(f"capacity {capacity} is below two forwards of {width} rows")
     target = HFTarget(model or base.model, base.tokenizer, name=base.name, reuse_prefix=False,
                       fused=False if model is None else True,
                       widths=(width,) if model is None else (16, 32, 64), prefill_widths=())
-    target.seq.reserve(capacity)
-    target.seq.ids = [7] * (capacity - width)
-    return target, Member(target.seq, [7] * width, list(range(width)), causal(width))
+    seq = target.new_sequence(cached=False)
+    seq.reserve(capacity)
+    rest = capacity - width - 1
+    seq.commit(7, Verdict(tuple(range(rest)), (7,) * rest, -1))
+    return target, draft_member(seq, 7, Draft.chain([7] * (width - 1), "ops"))
 
 
 def forward_ops(base: HFTarget, capacities: tuple[int, ...], width: int = 64) -> dict[str, dict[str, int]]:
@@ -96,20 +105,22 @@ def _forward_ops(base: HFTarget, capacities: tuple[int, ...], width: int) -> dic
     from transformers import AttentionInterface
 
     from agentspec.engine import kv
-    from agentspec.engine.plan import lay_out
 
     class Count(TorchDispatchMode):
+        """Operations inside the model's own forward (the engine's layout, built before it,
+        is host work the count leaves out)."""
+
         def __init__(self) -> None:
             super().__init__()
             self.total = self.attention = 0
-            self.inside = False
+            self.inside = self.in_model = False
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             name, first = str(func), (args[0] if args else None)
             noop = isinstance(first, torch.Tensor) and (
                 (name == "aten.to.dtype" and first.dtype == args[1])
                 or (name == "aten.contiguous.default" and first.is_contiguous()))
-            if name not in _VIEWS and not noop:
+            if self.in_model and name not in _VIEWS and not noop:
                 self.total += 1
                 self.attention += self.inside
             return func(*args, **(kwargs or {}))
@@ -123,21 +134,26 @@ def _forward_ops(base: HFTarget, capacities: tuple[int, ...], width: int) -> dic
         finally:
             count.inside = False
 
+    def enter(*args: Any) -> None:
+        count.in_model = True
+
+    def leave(*args: Any) -> None:
+        count.in_model = False
+
     out: dict[str, dict[str, int]] = {}
     AttentionInterface.register(kv.ATTENTION, attention)
+    hooks = [base.model.register_forward_pre_hook(enter), base.model.register_forward_hook(leave)]
     try:
         for capacity in capacities:
             target, member = _filled(base, capacity, width)
-            forward = target.forward
-            layout = lay_out([member], forward.widths, window=forward.window,
-                             device=forward.device, width=width, wq=width)
-            with torch.inference_mode():
-                forward._modules(layout, False)  # the first packs the linear layers' weights
-                count.total = count.attention = 0
-                with count:
-                    forward._modules(layout, False)
+            target.run([member])  # the first packs the linear layers' weights
+            count.total = count.attention = 0
+            with count:
+                target.run([member])  # the rows are written again: nothing was committed
             out[str(capacity)] = {"operations": count.total, "in attention": count.attention}
     finally:
+        for hook in hooks:
+            hook.remove()
         AttentionInterface.register(kv.ATTENTION, kv.agentspec_sdpa)
     return out
 
@@ -272,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "forward_ms_eager": forward_ms(HFTarget(base.model, base.tokenizer, cuda_graphs=False),
                                        sizes, args.context, args.repeats)}
     if base.device.type == "cuda":
-        result["fused"] = base.fused is not None
+        result["fused"] = base.forward.fused is not None
         result["forward_ms_graph"] = forward_ms(HFTarget(base.model, base.tokenizer), sizes,
                                                 args.context, args.repeats)
         result["forward_ms_graph_modules"] = forward_ms(

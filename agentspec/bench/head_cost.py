@@ -66,6 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from agentspec.drafters.head import beam_search, head_path, load_head
     from agentspec.engine.load import load_target
+    from agentspec.engine.plan import draft_member
     from agentspec.types import Draft
 
     target = load_target(args.model, device="cpu")
@@ -77,10 +78,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"no head for {target.fingerprint} in scope {args.scope!r}", file=sys.stderr)
         return 1
     prompt = [1 + t % (target.vocab_size - 1) for t in range(args.context)]
-    target.start(prompt)
-    target.score(prompt[-1], Draft(), keep_hidden=True)
-    assert target.hidden is not None
-    h = target.hidden[0].float().clone()
+    seq = target.new_sequence(cached=False)
+    target.prefill(seq, prompt)
+    hidden = target.run([draft_member(seq, prompt[-1], Draft())], hidden=True).hidden[0]
+    assert hidden is not None
+    h = hidden[0].float().clone()
     out: dict[str, object] = {"model": target.fingerprint, "scope": args.scope,
                               "vocab": int(head.vocab.shape[0]), "context": args.context,
                               "threads": torch.get_num_threads(), "shapes": {}}
@@ -94,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             beam_search(head, h, prompt[-1], width=width, depth=depth)
             head_s.append(time.perf_counter() - started)
             started = time.perf_counter()
-            target.score(prompt[-1], spine)  # the KV keeps its length: nothing is committed
+            target.run([draft_member(seq, prompt[-1], spine)])  # nothing is committed
             target_s.append(time.perf_counter() - started)
         best_head, best_target = min(head_s), min(target_s)
         out["shapes"][shape] = {  # type: ignore[index]

@@ -248,11 +248,13 @@ def reset_pool(spec: Any, items: Sequence[WorkloadItem]) -> None:
     """Empty ``spec``'s pool and prefill the warmup prompts into it again: every pass starts
     from the same cached prompts."""
     target = spec.target
-    target.crop(0)
     target.pool.clear_cache()
-    for item in items:
-        target.start(spec.encode(prompt_of(item)))
-    target.crop(0)
+    seq = target.new_sequence()
+    try:
+        for item in items:
+            target.prefill(seq, spec.encode(prompt_of(item)))
+    finally:
+        seq.release()
 
 
 def run_load(workload: Workload, model: str, *, systems: Sequence[str] = DEFAULT_LOAD_SYSTEMS,

@@ -88,6 +88,7 @@ def timing(clock: PhaseClock, targets: Sequence[Any] = ()) -> Iterator[PhaseCloc
     import agentspec.decoding.loop as decode
     import agentspec.decoding.untrusted as untrusted
     from agentspec.drafters.chain import DrafterChain
+    from agentspec.engine.sequence import Sequence as KVSequence
     from agentspec.grammar.state import GrammarState
     from agentspec.memory.completion import CompletionMemory
     from agentspec.memory.worker import KeyVectors, Worker
@@ -104,8 +105,8 @@ def timing(clock: PhaseClock, targets: Sequence[Any] = ()) -> Iterator[PhaseCloc
     ]
     spots += [(DrafterChain, m, f"drafting.{m}") for m in ("begin", "propose", "observe", "end")]
     for target in targets:
-        spots += [(target, "prefill_chunks", "target.prefix"), (target, "run", "target.forward"),
-                  (target, "commit_on", "target.commit")]
+        spots += [(target, "prefill", "target.prefix"), (target, "run", "target.forward")]
+    spots.append((KVSequence, "commit", "target.commit"))
     with ExitStack() as stack:
         for owner, name, label in spots:
             stack.enter_context(_patched(owner, name, clock, label))

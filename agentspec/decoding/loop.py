@@ -3,16 +3,23 @@ pass per step.
 
 :class:`Decoding` is one request's loop cut at the forward: :meth:`Decoding.plan` proposes and
 constrains the step's draft and returns its rows; the forward that scores them may carry other
-requests' rows too (the scheduler's batched steps, :mod:`agentspec.scheduler`);
-:meth:`Decoding.conclude` verifies, commits and observes. :func:`decode` runs it alone on the
-target's own sequence, a generator of :class:`Step`. Invariant between steps: the request's
-sequence holds every committed token but the last one.
+requests' rows too (the scheduler's steps, :mod:`agentspec.scheduler`, the only caller of the
+engine's forward for a request); :meth:`Decoding.conclude` verifies, commits and observes.
+:func:`agentspec.scheduler.decode` runs one request alone through a scheduler of its own,
+a generator of :class:`Step`. Invariant between steps: the request's sequence holds every committed token but
+the last one.
+
+The loop is the one writer of its request's :class:`~agentspec.protocols.DraftContext`: the
+committed tokens and the last step's hidden rows. The drafters read it; what the scheduler
+tells them (the step's share of a batched forward) comes as a value through :meth:`plan`, and
+what they answer (the tokens a proposal is expected to yield) goes back as one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -20,12 +27,11 @@ from agentspec.config import SamplingParams
 from agentspec.decoding.sampling import Mask, token_logprobs
 from agentspec.decoding.untrusted import Guarded
 from agentspec.decoding.verify import cut_at_spine, verify, walk
-from agentspec.engine.plan import Member
+from agentspec.engine.plan import Member, draft_member
 from agentspec.engine.sequence import Sequence as KVSequence
-from agentspec.engine.target import HFTarget, draft_member
-from agentspec.engine.torch_thread import for_device
+from agentspec.engine.target import HFTarget
 from agentspec.grammar.state import GrammarState
-from agentspec.protocols import DraftContext, Drafter, StepObserver
+from agentspec.protocols import DraftContext, Drafter, StepObserver, StepShare
 from agentspec.text import cut_at_stop
 from agentspec.tree import depths, sub_draft
 from agentspec.types import EMPTY_DRAFT, TARGET_ORIGIN, Draft, TokenLogprob, Verdict
@@ -54,6 +60,15 @@ class Step:
         out = [self.draft.source_of(node) for node in self.verdict.path]
         out.append(TARGET_ORIGIN)
         return tuple(out[: len(self.new_tokens)])
+
+
+class Planned(NamedTuple):
+    """A request's part of the next forward: its ``rows`` (the last committed token, then the
+    draft) and the tokens the step is expected to commit (the drafter's estimate; 1.0 where
+    it sizes nothing), which the scheduler counts in the next request's share."""
+
+    rows: Member
+    expected_tokens: float
 
 
 class NoDrafter:
@@ -124,7 +139,7 @@ class Decoding:
     def wants_hidden(self) -> bool:
         """Whether the step's forward should keep the final hidden rows (an observer or a
         drafter reads them)."""
-        return self.context.keep_hidden or any(o.wants_hidden for o in self.observers)
+        return self.drafter.wants_hidden or any(o.wants_hidden for o in self.observers)
 
     def begin(self) -> None:
         self.drafter.begin(self.context)
@@ -137,14 +152,15 @@ class Decoding:
             if self.grammar is not None:
                 self.grammar.close()
 
-    def plan(self, max_nodes: int | None = None) -> Member:
+    def plan(self, max_nodes: int | None = None, share: StepShare | None = None) -> Planned:
         """Steps 2 and 2b: propose a draft (untrusted: the guard sanitises it, leaving room for
         the recovered or bonus token), let a grammar prune what it forbids, add what it forces
         and mask every row; the rows to score: the last committed token, then the draft.
         ``max_nodes``: the draft's first nodes only (depth first: the spine first), where a
-        batched step has fewer rows left."""
+        batched step has fewer rows left. ``share``: what the step's other rows cost and yield
+        (None: the request is alone), handed to the drafters that size their drafts."""
         room = self.max_new_tokens - self.produced - 1
-        draft = self.drafter.propose(self.context, max_tokens=room)
+        draft, expected = self.drafter.propose(self.context, max_tokens=room, share=share)
         cap = self.target.max_draft_nodes if max_nodes is None else min(
             max_nodes, self.target.max_draft_nodes)
         if draft.num_nodes > cap:
@@ -154,7 +170,7 @@ class Decoding:
             draft, allowed = self.grammar.constrain(draft, room=max(room, 0), max_nodes=cap,
                                                     force=self.grammar_drafts, lazy=self.lazy_masks)
         self._draft, self._allowed = draft, allowed
-        return draft_member(self.seq, self.context.tokens[-1], draft)
+        return Planned(draft_member(self.seq, self.context.tokens[-1], draft), expected)
 
     @property
     def argmax_decides(self) -> bool:
@@ -179,7 +195,7 @@ class Decoding:
         for observer in self.observers:
             observer.step(hidden, draft, verdict)
         position = self.seq.kv_len if hidden is not None else -1  # the root's position
-        self.target.commit_on(self.seq, context.tokens[-1], verdict)
+        self.seq.commit(context.tokens[-1], verdict)
         new_tokens, stopped = cut_at_stop(verdict.new_tokens, self.stop_token_ids)
         logprobs = None if self.sampling.logprobs is None else token_logprobs(
             logits, deciding_rows(verdict)[: len(new_tokens)], new_tokens, self.sampling.logprobs)
@@ -191,43 +207,6 @@ class Decoding:
         self.drafter.observe(context, draft, verdict)
         self.done = stopped or self.produced >= self.max_new_tokens
         return Step(draft, verdict, new_tokens, stopped, logprobs)
-
-
-def decode(target: HFTarget, drafter: Drafter, context: DraftContext, *,
-           sampling: SamplingParams, max_new_tokens: int, stop_token_ids: frozenset[int],
-           generator: torch.Generator | None = None, grammar_drafts: bool = True,
-           lazy_masks: bool = True,
-           observers: Sequence[StepObserver] = ()) -> Generator[Step, None, None]:
-    """Generate up to ``max_new_tokens`` tokens after ``context.tokens`` on the target's own
-    sequence, one forward a step, appending to ``context.tokens`` (see :class:`Decoding` for
-    the arguments). Another call may use the target between two steps: a step then first
-    restores the sequence for its own tokens (prefix reuse, the same bits), so interleaving
-    never changes an output."""
-    # 1. Prefill: the sequence takes every prompt token but the last. On the CPU every step
-    # runs on the torch thread (one OpenMP team: agentspec.engine.torch_thread).
-    for_device(target.device, target.start, context.tokens)
-    loop = Decoding(target, target.seq, drafter, context, sampling=sampling,
-                    max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                    generator=generator, grammar_drafts=grammar_drafts, lazy_masks=lazy_masks,
-                    observers=observers)
-    loop.begin()
-    try:
-        while not loop.done:
-            yield for_device(target.device, _one_step, target, loop)
-    finally:
-        loop.end()
-
-
-def _one_step(target: HFTarget, loop: Decoding) -> Step:
-    member = loop.plan()
-    # 3. Score the last committed token and the whole draft in one forward, on a sequence
-    # that holds this generation: checked after the drafters ran (one may have used the
-    # target for a call of its own).
-    if not target.holds(loop.context.tokens):
-        target.start(loop.context.tokens)
-    logits = target.run([member], hidden=loop.wants_hidden)[0]
-    assert logits is not None
-    return loop.conclude(logits, member.hidden)
 
 
 def deciding_rows(verdict: Verdict) -> list[int]:

@@ -11,9 +11,10 @@ Two modes, chosen by comparing vocabularies:
   the target's context; the drafted text is re-tokenized with the target's tokenizer and
   verified as a point-mass draft, which is exact whatever the draft is.
 
-The draft model's KV is a second :class:`~agentspec.engine.target.HFTarget`, kept in step with the
-target lazily: each proposal crops it to the longest prefix it shares with the committed
-context, then feeds the missing tokens in one forward.
+The draft model runs on an engine of its own (a second :class:`~agentspec.engine.target.HFTarget`),
+where the drafter keeps one sequence, in step with the target lazily: each proposal truncates
+it to the longest prefix it shares with the committed context, then feeds the missing tokens
+in one forward.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from agentspec.decoding.sampling import logits_to_probs
+from agentspec.engine.plan import draft_member
 from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
 from agentspec.tree import common_prefix_len
@@ -40,7 +42,8 @@ class ModelDrafter:
     """Drafts with a small causal LM; goes last in a :class:`~agentspec.drafters.chain.DrafterChain`.
 
     Args:
-        draft_target: the draft model wrapped as an ``HFTarget`` (its KV machinery is reused).
+        draft_target: the draft model's engine (an ``HFTarget``): the drafter keeps one
+            sequence of its pool.
         target_tokenizer: the target's tokenizer; equal vocabularies select token drafting,
             different ones text drafting.
         max_draft: draft tokens per proposal (the chain trims further by expected rate).
@@ -65,9 +68,9 @@ class ModelDrafter:
         self.sampling_aware = sampling_aware
         self.same_tokenizer = same_vocabulary(draft_target.tokenizer, target_tokenizer)
         self.target_vocab = len(target_tokenizer)
-        # The draft-model token ids whose rows are in its KV: the draft KV is shared by the
-        # requests (each proposal syncs it to its own context), so this is too.
-        self._fed: list[int] = []
+        # The draft KV: one sequence, shared by the requests (each proposal syncs it to its
+        # own context); its ids are the draft-model tokens whose rows it holds.
+        self._seq = draft_target.new_sequence()
 
     def begin(self, context: DraftContext) -> None:
         self._prompt_ids(context)
@@ -167,22 +170,22 @@ class ModelDrafter:
         """Bring the draft KV to exactly ``ids`` and return the logits after them ``[vocab]``.
 
         Keeps the longest shared prefix (at least one token is fed, for its logits)."""
-        keep = min(common_prefix_len(self._fed, ids), len(ids) - 1, self.draft.kv_len)
-        self.draft.crop(keep)
-        self._fed = self._fed[:keep]
+        keep = min(common_prefix_len(self._seq.ids, ids), len(ids) - 1)
+        self._seq.truncate(keep)
         return self._feed(ids[keep:])
 
     def _feed(self, ids: list[int]) -> torch.Tensor:
         """Append ``ids`` to the draft KV, one forward per widest width of the draft model;
         logits after the last ``[vocab]``."""
         width = self.draft.max_draft_nodes + 1
+        last = None
         for start in range(0, len(ids), width):
             piece = ids[start : start + width]
             chain = Draft.chain(piece[1:], self.name)
-            logits = self.draft.score(piece[0], chain)  # [len(piece), vocab_size]
-            self.draft.commit(chain, Verdict(tuple(range(len(piece) - 1)), tuple(piece[1:]), -1))
-        self._fed.extend(ids)
-        return logits[-1].float()
+            last = self.draft.run([draft_member(self._seq, piece[0], chain)])[0]
+            self._seq.commit(piece[0], Verdict(tuple(range(len(piece) - 1)), tuple(piece[1:]), -1))
+        assert last is not None  # [len(piece), vocab_size]: at least one token is fed
+        return last[-1].float()
 
 
 def _draw(q: torch.Tensor, generator: torch.Generator | None) -> int:

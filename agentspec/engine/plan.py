@@ -24,6 +24,8 @@ import torch
 
 from agentspec.engine.pool import BLOCK
 from agentspec.engine.sequence import Sequence
+from agentspec.tree import ancestor_matrix, depths
+from agentspec.types import Draft, Verdict
 
 QUERY_BUCKETS = (8, 24, 64)
 """Members whose padded rows fall in one bucket (up to 8, 24, 64, more) share an attention
@@ -49,7 +51,53 @@ class Member:
     logits: bool = True
     row0: int = 0  # set by the layout: where the member's rows start in the forward
     kv_len: int = 0
-    hidden: torch.Tensor | None = None  # set by a forward that keeps the final hidden rows
+
+
+def causal(n: int) -> np.ndarray:
+    """The ancestor matrix of a chain of ``n`` rows: each row sees itself and those before."""
+    return np.tril(np.ones((n, n), dtype=bool))
+
+
+def draft_member(seq: Sequence, last_token: int, draft: Draft) -> Member:
+    """The rows a step scores for ``seq``: its last committed token (the root) and the draft's
+    nodes, each seeing the root and its ancestors."""
+    n = draft.num_nodes
+    anc = np.zeros((n + 1, n + 1), dtype=bool)
+    anc[:, 0] = True
+    anc[1:, 1:] = ancestor_matrix(draft.parents)
+    return Member(seq, [last_token, *draft.token_ids], [0, *depths(draft.parents)], anc)
+
+
+class Prefill:
+    """A prompt's rows still to compute into one sequence, a chunk at a time: the engine's one
+    prefill loop (:meth:`HFTarget.prefill <agentspec.engine.target.HFTarget.prefill>` runs it
+    to the end; the scheduler hands its chunks the rows a batched step has left).
+
+    Each chunk is a chain of the next prompt tokens (its logits unwanted); once its forward
+    ran, :meth:`written` commits it, so the sequence's committed length moves only through
+    :meth:`Sequence.commit <agentspec.engine.sequence.Sequence.commit>`.
+    """
+
+    def __init__(self, seq: Sequence, pending: list[int]) -> None:
+        self.seq = seq
+        self.pending = pending  # the tokens whose rows are still to compute, in order
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
+
+    def chunk(self, rows: int) -> Member:
+        """The next at most ``rows`` tokens (at least one) as a member of a forward."""
+        part = self.pending[: max(rows, 1)]
+        return Member(self.seq, part, list(range(len(part))), causal(len(part)), logits=False)
+
+    def written(self, member: Member) -> None:
+        """``member``'s forward ran: its rows are committed, the rest stays pending."""
+        if member.seq is not self.seq or member.ids != self.pending[: len(member.ids)]:
+            raise ValueError("written() takes the chunk this prefill handed out last")
+        root, *rest = member.ids
+        self.seq.commit(root, Verdict(tuple(range(len(rest))), tuple(rest), -1))
+        del self.pending[: len(member.ids)]
 
 
 @dataclass

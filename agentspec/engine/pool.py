@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from agentspec.engine.trie import PrefixTrie
+
 BLOCK = 256
 """Positions per block: the engine's attention reduces keys in blocks of this size (their
 order fixed by the position), and the fused forward's attention splits are as long."""
@@ -40,8 +42,6 @@ order fixed by the position), and the fused forward's attention splits are as lo
 DEFAULT_CACHE_BYTES = 512 * 2**20
 """The default budget of blocks kept after their sequences ended (SmolLM2-135M in float32:
 ~46 KB of KV per token, so ~11,000 tokens: a dozen agents' tool docs)."""
-
-_ROOT = -1  # the parent of a sequence's first block in the trie
 
 
 @dataclass
@@ -77,8 +77,7 @@ class KVPool:
         self._shapes: list[tuple[int, int, torch.dtype]] = []  # per layer (kv_heads, dim, dtype)
         self._refs: list[int] = []
         self._free: set[int] = set()
-        self._key: dict[int, tuple[int, tuple[int, ...]]] = {}  # sealed block -> (parent, tokens)
-        self._children: dict[int, dict[tuple[int, ...], int]] = {}
+        self.trie = PrefixTrie(BLOCK)  # the sealed blocks (engine.trie)
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached (sealed, unheld), oldest first
         self._stats = PoolStats()
 
@@ -87,9 +86,6 @@ class KVPool:
     @property
     def num_blocks(self) -> int:
         return len(self._refs)
-
-    def layers_known(self) -> bool:
-        return bool(self._shapes)
 
     def define_layers(self, shapes: Seq[tuple[int, int, torch.dtype]]) -> None:
         """The layers' ``(kv_heads, head_dim, dtype)``, once (before the first write)."""
@@ -136,9 +132,8 @@ class KVPool:
         cached one where the cache fills its budget, else a block of a grown pool (the cache
         keeps up to ``cache_bytes`` whatever the sequences hold)."""
         if not self._free:
-            if self._lru and len(self._lru) >= self._cache_budget():
-                self._evict(next(iter(self._lru)))
-            else:
+            self._trim(room=1)
+            if not self._free:
                 self._grow(1)
         block = after + 1 if after is not None and after + 1 in self._free else min(self._free)
         self._free.discard(block)
@@ -155,7 +150,7 @@ class KVPool:
         assert self._refs[block] >= 0, f"block {block} dropped more often than held"
         if self._refs[block]:
             return
-        if block in self._key:
+        if self.trie.sealed(block):
             self._lru[block] = None
             self._lru.move_to_end(block)
             self._trim()
@@ -172,60 +167,26 @@ class KVPool:
         False where the parent is not in the trie or the key is taken (the block stays its
         holder's, unfound)."""
         assert len(tokens) == BLOCK
-        return self._enter(block, parent, tuple(tokens))
-
-    def _enter(self, block: int, parent: int | None, key: tuple[int, ...]) -> bool:
-        up = _ROOT if parent is None else parent
-        if block in self._key or (up != _ROOT and up not in self._key):
-            return False
-        siblings = self._children.setdefault(up, {})
-        if key in siblings:
-            return False
-        siblings[key] = block
-        self._key[block] = (up, key)
-        self._stats.sealed_blocks += 1
-        return True
+        return self.trie.enter(block, parent, tuple(tokens))
 
     def unseal(self, block: int) -> None:
-        """Take a block out of the trie (its holder writes it again), its descendants with it."""
-        todo = [block]
-        while todo:
-            b = todo.pop()
-            entry = self._key.pop(b, None)
-            if entry is None:
-                continue
-            self._children.get(entry[0], {}).pop(entry[1], None)
-            todo.extend(self._children.pop(b, {}).values())
-            if b in self._lru:  # cached and unheld: nothing can find it any more
+        """Take a block out of the trie (its holder writes it again), its descendants with it;
+        those cached and unheld are free again (nothing can find them any more)."""
+        for b in self.trie.remove(block):
+            if b in self._lru:
                 del self._lru[b]
                 self._free.add(b)
                 self._stats.evicted_blocks += 1
 
-    def sealed(self, block: int) -> bool:
-        return block in self._key
-
     def cache_tail(self, block: int, parent: int | None, tokens: Seq[int]) -> bool:
         """Keep a finished sequence's last, partly filled block findable by its ``tokens``
         (fewer than :data:`BLOCK`): a later prompt that starts with them takes it over."""
-        return 0 < len(tokens) < BLOCK and self._enter(block, parent, tuple(tokens))
+        return 0 < len(tokens) < BLOCK and self.trie.enter(block, parent, tuple(tokens))
 
     def match(self, ids: Seq[int]) -> tuple[list[int], int, int]:
         """The longest cached prefix of ``ids``: ``(full blocks, tail block, tail rows)``,
         where the tail block (-1 for none) holds ``tail rows`` more positions of ``ids``."""
-        chain: list[int] = []
-        parent = _ROOT
-        for start in range(0, len(ids) - BLOCK + 1, BLOCK):
-            block = self._children.get(parent, {}).get(tuple(ids[start : start + BLOCK]))
-            if block is None:
-                break
-            chain.append(block)
-            parent = block
-        rest = ids[len(chain) * BLOCK : len(chain) * BLOCK + BLOCK]
-        best, rows = -1, 0
-        for key, block in self._children.get(parent, {}).items():
-            n = _common(key, rest)
-            if n > rows:
-                best, rows = block, n
+        chain, best, rows = self.trie.match(ids)
         for block in reversed(chain):  # deepest first: a prefix ends more recent than its extensions
             if block in self._lru:
                 self._lru.move_to_end(block)
@@ -236,11 +197,8 @@ class KVPool:
         else can read it) whose every row the new holder keeps (``rows``: an agent's next turn
         extends its last one), to write it again; False where it is not one (the caller
         copies the rows it keeps, and the tail stays cached for its own next turn)."""
-        entry = self._key.get(block)
-        if entry is None or len(entry[1]) >= BLOCK or self._refs[block] or rows < len(entry[1]):
+        if self._refs[block] or not self.trie.take_tail(block, rows):
             return False
-        del self._children[entry[0]][entry[1]]
-        del self._key[block]
         self._lru.pop(block, None)
         self._refs[block] = 1
         return True
@@ -250,40 +208,28 @@ class KVPool:
         self._stats.hits += tokens > 0
         self._stats.reused_tokens += tokens
 
-    def _evict(self, block: int) -> None:
-        self.unseal(block)
-
-    def _cache_budget(self) -> int:
-        """The most cached (unheld, sealed) blocks kept."""
-        return self.cache_bytes // max(self.block_bytes, 1) if self._shapes else len(self._lru)
-
-    def _trim(self) -> None:
-        budget = self._cache_budget()
-        while len(self._lru) > budget:
-            self._evict(next(iter(self._lru)))
+    def _trim(self, room: int = 0) -> None:
+        """Evict the least recently used cached blocks past the budget (``cache_bytes``), and
+        ``room`` more for a block about to be allocated."""
+        budget = self.cache_bytes // max(self.block_bytes, 1) if self._shapes else len(self._lru)
+        while self._lru and len(self._lru) > budget - room:
+            self.unseal(next(iter(self._lru)))
 
     def clear_cache(self) -> None:
         """Forget every sealed block (held ones stay their holders', unfound)."""
-        for block in list(self._key):
+        for block in self.trie.blocks():
             self.unseal(block)
 
     @property
     def stats(self) -> PoolStats:
         s = self._stats
         bytes_each = self.block_bytes if self._shapes else 0
-        return PoolStats(s.hits, s.reused_tokens, s.sealed_blocks, s.evicted_blocks,
+        return PoolStats(s.hits, s.reused_tokens, self.trie.sealed_blocks, s.evicted_blocks,
                          self.num_blocks, len(self._lru), len(self._lru) * bytes_each)
 
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
         """Copy the first ``rows`` positions of block ``src`` into block ``dst``."""
-        for buf in (*self.keys, *self.values):
-            buf[dst, :, :rows].copy_(buf[src, :, :rows])
+        with torch.inference_mode():
+            for buf in (*self.keys, *self.values):
+                buf[dst, :, :rows].copy_(buf[src, :, :rows])
 
-
-def _common(a: Seq[int], b: Seq[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

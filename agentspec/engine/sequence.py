@@ -17,6 +17,7 @@ import torch
 
 from agentspec.engine.pool import BLOCK, KVPool
 from agentspec.tree import common_prefix_len
+from agentspec.types import Verdict
 
 
 class Sequence:
@@ -108,13 +109,21 @@ class Sequence:
         while len(self.table) < need:
             self.table.append(self.pool.allocate(after=self.table[-1] if self.table else None))
 
-    def commit(self, tokens: Seq[int]) -> None:
-        """Their rows are in the KV at the next positions now; blocks they fill are sealed."""
+    def commit(self, root: int, verdict: Verdict) -> None:
+        """Keep a step's verdict: the root (the token its forward scored first, at position
+        ``kv_len``) and the accepted path, whose rows the forward wrote; every other row of
+        that forward is dropped. A path along the spine is already in place; another path's
+        rows are gathered into place on the device (no host sync). Blocks the committed rows
+        fill are sealed. The one place a sequence's committed length grows."""
+        start = self.kv_len + 1  # the root's row
+        path = list(verdict.path)
+        if path != list(range(len(path))):
+            self.move_rows([start + i for i in path], list(range(start, start + len(path))))
         before = self.kv_len
-        self.ids.extend(tokens)
+        self.ids.extend([root, *verdict.accepted])
         for i in range(before // BLOCK, self.kv_len // BLOCK if self.cached else 0):
             parent = self.table[i - 1] if i else None
-            if not self.pool.sealed(self.table[i]):
+            if not self.pool.trie.sealed(self.table[i]):
                 self.pool.seal(self.table[i], parent, self.ids[i * BLOCK : (i + 1) * BLOCK])
 
     def truncate(self, n: int) -> None:
@@ -133,7 +142,7 @@ class Sequence:
         del self.table[keep:]
         if n % BLOCK:
             block = self.table[-1]
-            if self.pool.holders(block) > 1 or self.pool.sealed(block):
+            if self.pool.holders(block) > 1 or self.pool.trie.sealed(block):
                 own = self.pool.allocate(after=self.table[-2] if len(self.table) > 1 else None)
                 self.pool.copy_rows(block, own, n % BLOCK)
                 self.pool.drop(block)
@@ -173,5 +182,6 @@ class Sequence:
         device = self.pool.device
         sb, so = (s // BLOCK).to(device), (s % BLOCK).to(device)
         db, do = (d // BLOCK).to(device), (d % BLOCK).to(device)
-        for buf in (*self.pool.keys, *self.pool.values):
-            buf[db, :, do] = buf[sb, :, so]
+        with torch.inference_mode():
+            for buf in (*self.pool.keys, *self.pool.values):
+                buf[db, :, do] = buf[sb, :, so]

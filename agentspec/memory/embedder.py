@@ -158,7 +158,7 @@ def _one_thread_off_the_torch_thread() -> None:
 
 def _pack_linears(model: Any) -> None:
     """On the CPU, run the model's linear layers as oneDNN products on weights packed once
-    (the engine's, :func:`agentspec.engine.forward.packed_linear`): PyTorch's default CPU product
+    (the engine's, :func:`agentspec.engine.kernels.packed_linear`): PyTorch's default CPU product
     re-packs a weight on every call, which dominates a one-text embedding. The vectors agree
     with the default products to float32 rounding; a vector only chooses which remembered
     completions are drafted."""
@@ -168,7 +168,7 @@ def _pack_linears(model: Any) -> None:
     if not params or params[0].device.type != "cpu" or params[0].dtype != torch.float32 \
             or not torch.backends.mkldnn.is_available():
         return
-    from agentspec.engine.forward import packed_linear
+    from agentspec.engine.kernels import packed_linear
 
     with torch.inference_mode():
         for module in model.modules():

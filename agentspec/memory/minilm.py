@@ -85,7 +85,7 @@ class OneTextForward:
         return out
 
     def _capture(self, staged: torch.Tensor) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        from agentspec.engine.forward import capture_graph
+        from agentspec.engine.kernels import capture_graph
 
         graph, out = capture_graph(lambda: self._forward(staged[0], staged[1].bool()))
         return graph, staged, out

@@ -9,14 +9,11 @@ from agentspec.bench.phases import PhaseClock, format_system, profile, timing
 
 
 class Target:
-    def prefill_chunks(self, seq, ids):
+    def prefill(self, seq, ids, *, now=True):
         return len(ids)
 
     def run(self, members, *, hidden=False):
         return members
-
-    def commit_on(self, seq, root, verdict):
-        return None
 
 
 def test_timing_counts_only_while_on_and_restores_what_it_patched():
@@ -32,7 +29,7 @@ def test_timing_counts_only_while_on_and_restores_what_it_patched():
         assert untrusted.sanitize is not before[0] and "run" in vars(target)
         target.run([3])  # off: not counted
         clock.on = True
-        assert target.run([4]) == [4] and target.prefill_chunks(None, [1, 2]) == 2
+        assert target.run([4]) == [4] and target.prefill(None, [1, 2]) == 2
         target.run([5])
     assert clock.calls == {"target.forward": 2, "target.prefix": 1}
     assert clock.seconds["target.forward"] >= 0
@@ -78,7 +75,9 @@ def test_a_real_run_times_each_forward_once():
     # every step is one forward, and so is each prompt chunk; the forwards are part of the
     # request's time, not more
     assert result["steps"] < phases["target.forward"][1] <= result["steps"] + 4
-    assert phases["target.commit"][1] == result["steps"]
+    # and each forward commits once: a step its verdict, a prompt chunk its rows (a sequence
+    # has one commit, Sequence.commit)
+    assert phases["target.commit"][1] == phases["target.forward"][1]
     assert 0 < phases["target.forward"][0] < result["seconds"]
     assert phases["drafting.propose"][1] >= result["steps"] - 1
     # the host's share: the request's time less its forwards, per step

@@ -10,6 +10,7 @@ import torch
 
 from agentspec import Speculator
 from tests.prompts import GROUNDED
+from tests.solo import solo
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,8 +41,8 @@ def _scored(spec, prompt, tail: int, **target_kw) -> torch.Tensor:
     from agentspec.types import Draft
 
     target = HFTarget(spec.target.model, spec.target.tokenizer, **target_kw)
-    target.start(prompt)
-    return target.score(prompt[-1], Draft.chain(prompt[-tail:], "x")).clone()
+    solo(target).start(prompt)
+    return solo(target).score(prompt[-1], Draft.chain(prompt[-tail:], "x")).clone()
 
 
 def test_cuda_graph_replays_bitwise_as_the_eager_forward(gpu_spec):
@@ -76,8 +77,8 @@ def test_prefix_cache_restores_the_rows_a_prefill_computes_on_cuda(gpu_spec):
     for n, ids in enumerate([a + [11, 12], b + [13], a + [14, 15, 16], b + [17, 18]]):
         rows = []
         for target in (cached, fresh):
-            target.start(ids)
-            rows.append(target.score(ids[-1], Draft.chain(ids[3:6], "x")).clone())
+            solo(target).start(ids)
+            rows.append(solo(target).score(ids[-1], Draft.chain(ids[3:6], "x")).clone())
         assert torch.equal(rows[0], rows[1]), f"call {n}"
     assert cached.prefix_stats.hits == 2
 
@@ -173,10 +174,10 @@ def test_fused_rows_are_the_same_bits_at_any_width_and_capacity_on_cuda(gpu_spec
                             dict(widths=(64,))]):
         target = HFTarget(base.model, base.tokenizer, reuse_prefix=False, **kw)
         if n == 2:
-            target.start(long[:3000])  # the pool grows past 3,000 positions
-        target.start(prompt)
-        logits = target.score(prompt[-1], chain).clone()
-        k = target.seq.read(len(target.pool.keys) - 1, len(prompt) - 1)[0]
+            solo(target).start(long[:3000])  # the pool grows past 3,000 positions
+        solo(target).start(prompt)
+        logits = solo(target).score(prompt[-1], chain).clone()
+        k = solo(target).seq.read(len(target.pool.keys) - 1, len(prompt) - 1)[0]
         out.append((logits, k))
     for logits, k in out[1:]:
         assert torch.equal(logits, out[0][0]) and torch.equal(k, out[0][1])
@@ -222,7 +223,7 @@ def test_concurrent_calls_equal_their_solo_runs_on_cuda(gpu_spec):
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(len(ALL_PROMPTS))]
     for t in threads:
-        t.start()
+        solo(t).start()
     for t in threads:
         t.join()
     assert [got[i] for i in range(len(ALL_PROMPTS))] == want
@@ -232,8 +233,8 @@ def test_concurrent_calls_equal_their_solo_runs_on_cuda(gpu_spec):
 def test_a_batched_fused_forward_gives_each_sequence_its_solo_rows_on_cuda(gpu_spec):
     """One fused forward of three sequences (a tree past a block, a chain, a prompt chunk) as a
     CUDA graph: each one's logits are the bits of its forward alone, graph and eager alike."""
-    from agentspec.engine.plan import Member
-    from agentspec.engine.target import HFTarget, causal, draft_member
+    from agentspec.engine.plan import Member, causal, draft_member
+    from agentspec.engine.target import HFTarget
     from agentspec.types import Draft
 
     base = gpu_spec.target
@@ -242,10 +243,7 @@ def test_a_batched_fused_forward_gives_each_sequence_its_solo_rows_on_cuda(gpu_s
         target = HFTarget(base.model, base.tokenizer, reuse_prefix=False, cuda_graphs=graphs)
         seqs = [target.new_sequence() for _ in range(3)]
         for seq, n in zip(seqs, (300, 41, 0), strict=True):
-            for part in target.prefill_chunks(seq, list(range(5, 6 + n))):
-                target.run([Member(seq, part, list(range(len(part))), causal(len(part)),
-                                   logits=False)])
-                seq.commit(part)
+            target.prefill(seq, list(range(5, 6 + n)))
         makes = [lambda s=seqs: draft_member(s[0], 7, Draft((5, 6, 7, 8), (-1, 0, 0, 2), "x")),
                  lambda s=seqs: draft_member(s[1], 9, Draft.chain([10, 11, 12], "x")),
                  lambda s=seqs: Member(s[2], list(range(20, 90)), list(range(70)), causal(70))]
@@ -270,9 +268,9 @@ def _family_rows(model, prompt, tail: int, **target_kw) -> tuple[torch.Tensor, t
     from tests.tiny_model import TinyTokenizer
 
     target = HFTarget(model, TinyTokenizer(256), name="tiny", reuse_prefix=False, **target_kw)
-    target.start(prompt)
-    logits = target.score(prompt[-1], Draft.chain(prompt[-tail:], "x")).clone()
-    kv = torch.stack(target.seq.read(len(target.pool.keys) - 1, len(prompt) - 1))
+    solo(target).start(prompt)
+    logits = solo(target).score(prompt[-1], Draft.chain(prompt[-tail:], "x")).clone()
+    kv = torch.stack(solo(target).seq.read(len(target.pool.keys) - 1, len(prompt) - 1))
     return logits, kv
 
 

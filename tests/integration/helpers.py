@@ -10,6 +10,7 @@ from agentspec.engine.load import load_target
 from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
 from agentspec.types import Draft, Verdict
+from tests.solo import solo
 
 
 class OracleTreeDrafter:
@@ -104,13 +105,13 @@ def tree_equals_chains(target: HFTarget, prompt_ids: list[int], tokens: tuple[in
                        atol: float) -> int:
     """Score the tree once and every path as a chain from a fresh prefill; returns rows compared."""
     draft = Draft(tokens, TREE_PARENTS, "test")
-    target.start(prompt_ids)
-    tree_logits = target.score(prompt_ids[-1], draft).float()  # [num_nodes + 1, vocab_size]
+    solo(target).start(prompt_ids)
+    tree_logits = solo(target).score(prompt_ids[-1], draft).float()  # [num_nodes + 1, vocab_size]
     compared = 0
     for path in leaf_paths(TREE_PARENTS):
-        target.start(prompt_ids)
+        solo(target).start(prompt_ids)
         chain = Draft.chain([tokens[i] for i in path], "test")
-        chain_logits = target.score(prompt_ids[-1], chain).float()  # [len(path) + 1, vocab_size]
+        chain_logits = solo(target).score(prompt_ids[-1], chain).float()  # [len(path) + 1, vocab_size]
         rows = [0] + [i + 1 for i in path]
         torch.testing.assert_close(tree_logits[rows], chain_logits, atol=atol, rtol=0)
         compared += len(rows)

@@ -38,7 +38,6 @@ from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURE
 
 from agentspec import SamplingParams, Speculator
 from agentspec.decoding import loop
-from agentspec.decoding.loop import decode
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
 from agentspec.engine import compat, kv
@@ -50,6 +49,7 @@ from agentspec.errors import UnsupportedModelError
 from agentspec.memory import CompletionMemory
 from agentspec.memory.embedder import HashEmbedder
 from agentspec.protocols import DraftContext
+from agentspec.scheduler import decode
 from agentspec.stores import SQLStore
 from agentspec.text import conversation_key
 from agentspec.types import Draft
@@ -67,6 +67,7 @@ from tests.families import (
 )
 from tests.families import write_gguf as write_family_gguf
 from tests.prompts import CODE, RECORD
+from tests.solo import solo
 
 from .helpers import OracleTreeDrafter
 
@@ -196,8 +197,8 @@ def _calls() -> tuple[list[int], ...]:
 
 def _rows(target: HFTarget, ids: list[int]) -> torch.Tensor:
     """The prompt's last row and a short chain's rows, after a prefill of the prompt."""
-    target.start(ids)
-    return target.score(ids[-1], Draft.chain(ids[3:6], "test")).clone()
+    solo(target).start(ids)
+    return solo(target).score(ids[-1], Draft.chain(ids[3:6], "test")).clone()
 
 
 def _reused_rows(name: str, dtype: str) -> tuple[HFTarget, torch.Tensor]:
@@ -212,7 +213,7 @@ def _reused_rows(name: str, dtype: str) -> tuple[HFTarget, torch.Tensor]:
 @pytest.mark.parametrize("name", NAMES)
 def test_prefix_reuse_and_chunked_prefill_compute_a_fresh_prefills_rows(name: str, dtype: str) -> None:
     cached, reused = _reused_rows(name, dtype)
-    assert cached.reused_tokens == 2 * BLOCK  # its agent's two blocks, from the pool
+    assert solo(cached).reused_tokens == 2 * BLOCK  # its agent's two blocks, from the pool
     third = _calls()[-1]
     fresh = _rows(_target(name, dtype, reuse_prefix=False), third)  # 256 rows, then the rest
     assert torch.equal(reused, fresh), f"prefix reuse ({dtype})"
@@ -261,7 +262,7 @@ class _BlocksByTokens(KVPool):
     (the last sealed of equal blocks wins)."""
 
     def match(self, ids):  # noqa: ANN001, ANN201 - KVPool.match's signature
-        found = {key: block for block, (_, key) in self._key.items() if len(key) == BLOCK}
+        found = {key: block for block, (_, key) in self.trie._key.items() if len(key) == BLOCK}
         chain = []
         for start in range(0, len(ids) - BLOCK + 1, BLOCK):
             block = found.get(tuple(ids[start : start + BLOCK]))
@@ -276,7 +277,7 @@ def test_a_pool_finding_blocks_by_their_tokens_fails_the_prefix_check(monkeypatc
     first block: its rows are not a fresh prefill's."""
     monkeypatch.setattr(target_module, "KVPool", _BlocksByTokens)
     cached, reused = _reused_rows("llama", "fp32")
-    assert isinstance(cached.pool, _BlocksByTokens) and cached.reused_tokens == 2 * BLOCK
+    assert isinstance(cached.pool, _BlocksByTokens) and solo(cached).reused_tokens == 2 * BLOCK
     fresh = _rows(_target("llama", "fp32", reuse_prefix=False), _calls()[-1])
     assert not torch.equal(reused, fresh)
 

@@ -26,6 +26,7 @@ from agentspec.engine.target import HFTarget
 from agentspec.text import encode_prompt, render_chat
 from agentspec.types import Draft
 from tests.prompts import CODE, RECORD
+from tests.solo import solo
 
 from .helpers import (
     TREE_PARENTS,
@@ -148,10 +149,10 @@ def test_gemma_tree_scoring_past_the_window(gemma):
     draft = Draft(tokens, TREE_PARENTS, "test")
     windowless = HFTarget(gemma.model, gemma.tokenizer, name="windowless", widths=gemma.widths)
     windowless.forward.window = None  # the deliberately wrong mask: no window on any layer
-    windowless.start(prompt_ids)
-    wrong = windowless.score(prompt_ids[-1], draft)
-    gemma.start(prompt_ids)
-    right = gemma.score(prompt_ids[-1], draft)
+    solo(windowless).start(prompt_ids)
+    wrong = solo(windowless).score(prompt_ids[-1], draft)
+    solo(gemma).start(prompt_ids)
+    right = solo(gemma).score(prompt_ids[-1], draft)
     assert (wrong - right).abs().max() > 1.0
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from agentspec import SamplingParams, Speculator
-from agentspec.decoding.loop import decode
 from agentspec.protocols import DraftContext
+from agentspec.scheduler import decode
 from tests.prompts import ALL_PROMPTS
 
 from .helpers import OracleTreeDrafter

@@ -24,11 +24,12 @@ import pytest
 import torch
 
 from agentspec import SamplingParams
-from agentspec.decoding.loop import NoDrafter, decode
+from agentspec.decoding.loop import NoDrafter
 from agentspec.decoding.sampling import logits_to_probs
 from agentspec.drafters.head import HeadDrafter, RecurrentHead, beam_search
 from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
+from agentspec.scheduler import decode
 from agentspec.types import Draft
 from tests.stats import p_value
 

@@ -36,6 +36,7 @@ from agentspec.text import conversation_key
 from agentspec.tree import merge_chains
 from agentspec.types import Draft, Verdict
 from tests.prompts import ALL_PROMPTS, prompt_of, workload_lines
+from tests.solo import solo
 
 pytestmark = pytest.mark.slow
 
@@ -176,14 +177,14 @@ def _rows_alone_and_verified(target_kw: dict, dtype_name: str) -> tuple[torch.Te
     # compared with the same row scored alone.
     chain = [*_plain_output(dtype_name, 0), *prompt][:CHAIN]
     target = _fresh(dtype_name, **target_kw)
-    target._widths_checked = True
-    target.start(prompt)
-    verified = target.score(prompt[-1], Draft.chain(chain, "ref")).clone()  # [CHAIN + 1, vocab_size]
+    target.forward.probed = True
+    solo(target).start(prompt)
+    verified = solo(target).score(prompt[-1], Draft.chain(chain, "ref")).clone()  # [CHAIN + 1, vocab_size]
     alone = []
     for i in range(len(chain) + 1):
         ids = prompt + chain[:i]
-        target.start(ids)  # prefix reuse: the KV keeps what the last start left that matches
-        alone.append(target.score(ids[-1], Draft())[0].clone())
+        solo(target).start(ids)  # prefix reuse: the KV keeps what the last start left that matches
+        alone.append(solo(target).score(ids[-1], Draft())[0].clone())
     return verified, torch.stack(alone)
 
 
@@ -243,8 +244,8 @@ def test_rows_that_depend_on_the_draft_change_bf16_outputs():
 
 
 def _prefill_keys(target: HFTarget, ids: list[int]) -> list[torch.Tensor]:
-    target.start(ids)
-    return [target.seq.read(layer, target.kv_len)[0] for layer in range(len(target.pool.keys))]
+    solo(target).start(ids)
+    return [solo(target).seq.read(layer, solo(target).kv_len)[0] for layer in range(len(target.pool.keys))]
 
 
 @pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])

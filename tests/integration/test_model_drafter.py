@@ -23,13 +23,13 @@ import pytest
 import torch
 
 from agentspec import SamplingParams, Speculator
-from agentspec.decoding.loop import decode
 from agentspec.decoding.sampling import logits_to_probs
 from agentspec.drafters.model import ModelDrafter
 from agentspec.drafters.policy import CostModel
 from agentspec.engine.load import load_layer_skip
 from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
+from agentspec.scheduler import decode
 from agentspec.types import Draft
 from tests.prompts import ALL_PROMPTS
 from tests.stats import p_value

@@ -26,6 +26,7 @@ from agentspec.engine.target import HFTarget
 from agentspec.tree import common_prefix_len
 from agentspec.types import Draft
 from tests.prompts import DATA, prompt_of, workload_lines
+from tests.solo import solo
 
 pytestmark = pytest.mark.slow
 
@@ -49,8 +50,8 @@ def _agents() -> tuple[list[int], list[int]]:
 
 
 def _rows(target: HFTarget, ids: list[int]) -> torch.Tensor:
-    target.start(ids)
-    return target.score(ids[-1], Draft.chain([ids[3], ids[4], ids[5]], "test")).clone()
+    solo(target).start(ids)
+    return solo(target).score(ids[-1], Draft.chain([ids[3], ids[4], ids[5]], "test")).clone()
 
 
 def _pair(dtype: str) -> tuple[HFTarget, HFTarget]:
@@ -76,7 +77,7 @@ def test_restored_rows_are_the_rows_a_prefill_computes(dtype: str) -> None:
         assert torch.equal(_rows(cached, ids), _rows(fresh, ids)), f"call {n} ({dtype})"
         if n >= 2:  # the agent's system prompt came from the pool's cached blocks (its full
             # blocks held by reference, its tail taken over), not from the sequence
-            assert cached.reused_tokens == PREFIX
+            assert solo(cached).reused_tokens == PREFIX
     stats = cached.prefix_stats
     a, b = _agents()
     shared = common_prefix_len(a, b)  # the chat template's opening: held by the sequence
@@ -114,7 +115,7 @@ def test_a_block_is_reused_only_after_its_own_prefix(wrong: bool) -> None:
     third = y + shared + [13]
     same = torch.equal(_rows(cached, third), _rows(fresh, third))
     assert same != wrong
-    assert cached.reused_tokens == (3 * BLOCK if wrong else BLOCK)
+    assert solo(cached).reused_tokens == (3 * BLOCK if wrong else BLOCK)
 
 
 def test_a_generation_reports_the_prompt_tokens_it_did_not_compute(spec: Speculator) -> None:
@@ -130,7 +131,7 @@ def test_a_generation_reports_the_prompt_tokens_it_did_not_compute(spec: Specula
 
 
 def test_measuring_the_cost_curve_leaves_nothing_in_the_prefix_cache(tmp_path) -> None:
-    from agentspec.drafters.policy import measure_cost
+    from agentspec.engine.cost import measure_cost
 
     cached, _ = _pair("fp32")
     a, _ = _agents()
@@ -140,6 +141,6 @@ def test_measuring_the_cost_curve_leaves_nothing_in_the_prefix_cache(tmp_path) -
         measure_cost(cached, sizes=(0, 7), context=3 * BLOCK, repeats=1,
                      cache_file=tmp_path / "cost.json")
     assert cached.prefix_stats.sealed_blocks == sealed  # no synthetic row was sealed
-    assert cached.holds(a)  # and the target's own sequence is as it was
+    assert solo(cached).holds(a)  # and the target's own sequence is as it was
     _rows(cached, a)
-    assert cached.reused_tokens == len(a) - 1
+    assert solo(cached).reused_tokens == len(a) - 1

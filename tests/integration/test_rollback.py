@@ -13,7 +13,9 @@ import pytest
 
 from agentspec import SamplingParams, Speculator
 from agentspec.drafters.policy import DEFAULT_COST
+from agentspec.types import Verdict
 from tests.prompts import GROUNDED
+from tests.solo import solo
 
 from .helpers import CheckingTarget, OracleTreeDrafter
 
@@ -57,7 +59,7 @@ def test_prefix_reuse_across_calls_is_exact(spec):
         lambda _m, args, kwargs: prefilled.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
     try:
         ids = Speculator(target, cost=DEFAULT_COST, memory=None).encode(second)
-        target.start(ids)
+        solo(target).start(ids)
     finally:
         hook.remove()
     assert prefilled and prefilled[0] < len(ids) - 1 - 20  # most of the prompt was kept
@@ -69,14 +71,26 @@ class _NoRollback(CheckingTarget):
     rejected ones too, so the next forward attends tokens that were never accepted."""
 
     def run(self, members, **kw):
-        self.scored = {id(m.seq): m.ids for m in members}
+        for m in members:  # each scored sequence keeps its rejected rows once it commits
+            _keep_rejected(m.seq, m.ids[1:])
         return super().run(members, **kw)
 
-    def commit_on(self, seq, root, verdict):
-        super().commit_on(seq, root, verdict)
+
+def _keep_rejected(seq, draft):
+    """Make ``seq``'s next commit keep the rejected draft rows too: the wrong rollback."""
+    if "commit" in vars(seq):
+        del seq.commit
+    right = seq.commit
+
+    def commit(root, verdict):
+        right(root, verdict)
+        del seq.commit
         # the rejected rows' tokens (in their slots' order) join the committed ones
-        draft = self.scored[id(seq)][1:]
-        seq.commit([t for i, t in enumerate(draft) if i not in verdict.path])
+        rest = [t for i, t in enumerate(draft) if i not in verdict.path]
+        if rest:
+            right(rest[0], Verdict(tuple(range(len(rest) - 1)), tuple(rest[1:]), -1))
+
+    seq.commit = commit
 
 
 @pytest.mark.slow

@@ -30,11 +30,11 @@ from hypothesis import strategies as st  # noqa: E402
 
 import agentspec.decoding.loop as decode_module  # noqa: E402
 from agentspec import SamplingParams, Speculator  # noqa: E402
-from agentspec.decoding.loop import decode  # noqa: E402
 from agentspec.decoding.sampling import make_generator  # noqa: E402
 from agentspec.decoding.verify import verify, walk  # noqa: E402
 from agentspec.drafters.policy import CostModel  # noqa: E402
 from agentspec.protocols import DraftContext  # noqa: E402
+from agentspec.scheduler import decode  # noqa: E402
 from agentspec.types import Draft, Verdict  # noqa: E402
 from tests.integration.helpers import cached_target  # noqa: E402
 

@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from agentspec.config import SamplingParams
-from agentspec.decoding.loop import NoDrafter, decode
+from agentspec.decoding.loop import NoDrafter
 from agentspec.engine.fused import kernels
 from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
+from agentspec.scheduler import decode
 from agentspec.types import Draft
+from tests.solo import solo
 from tests.tiny_model import TinyTokenizer
 
 pytestmark = pytest.mark.skipif(
@@ -58,8 +60,8 @@ PROMPT = [int(t) for t in np.random.default_rng(0).integers(1, V - 1, 70)]
 
 
 def scored(t: HFTarget, prompt: list[int], draft: Draft) -> torch.Tensor:
-    t.start(prompt)
-    return t.score(prompt[-1], draft).clone()
+    solo(t).start(prompt)
+    return solo(t).score(prompt[-1], draft).clone()
 
 
 def test_fused_logits_stay_within_bf16_rounding_of_the_modules(model):
@@ -98,7 +100,7 @@ def _rows_everywhere(model) -> list[torch.Tensor]:
         junk = [PROMPT[n], PROMPT[n + 1]] * n
         logits = scored(t, PROMPT, Draft.chain(chain + junk, "x"))
         out.append(logits[: 1 + len(chain)])
-        out.append(torch.stack(t.seq.read(len(t.pool.keys) - 1, 69)))
+        out.append(torch.stack(solo(t).seq.read(len(t.pool.keys) - 1, 69)))
     return out
 
 
@@ -218,14 +220,11 @@ def _three_sequences(t: HFTarget) -> list:
     """Members of three sequences of ``t``'s pool: a tree after a prompt past a block, a
     chain after a short prompt, and a prompt chunk of a new sequence (makers: a member is
     used once)."""
-    from agentspec.engine.plan import Member
-    from agentspec.engine.target import causal, draft_member
+    from agentspec.engine.plan import Member, causal, draft_member
 
     seqs = [t.new_sequence() for _ in range(3)]
     for seq, prompt in zip(seqs, (PROMPT * 4, PROMPT[:30], []), strict=True):
-        for part in t.prefill_chunks(seq, [*prompt, 1]):
-            t.run([Member(seq, part, list(range(len(part))), causal(len(part)), logits=False)])
-            seq.commit(part)
+        t.prefill(seq, [*prompt, 1])
     return [lambda: draft_member(seqs[0], 3, Draft((5, 6, 7, 8), (-1, 0, 0, 2), "x")),
             lambda: draft_member(seqs[1], 4, Draft.chain([9, 10, 11], "x")),
             lambda: Member(seqs[2], PROMPT[:20], list(range(20)), causal(20))]

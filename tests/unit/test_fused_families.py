@@ -29,6 +29,7 @@ from agentspec.engine.fused import kernels
 from agentspec.engine.fused.llama import FAMILIES, FusedLlama, select, unsupported
 from agentspec.engine.target import HFTarget
 from agentspec.types import Draft
+from tests.solo import solo
 from tests.tiny_model import TinyTokenizer
 from tests.unit.test_fused import WrongThenRight, _generate
 
@@ -76,10 +77,10 @@ def scored(t: HFTarget, junk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     ``[layers, 2, kv_heads, 23, dim]``; ``junk``: more draft rows after the chain's (a wider
     forward)."""
     prompt = PROMPT[:24]
-    t.start(prompt)
+    solo(t).start(prompt)
     draft = Draft.chain(CHAIN + [PROMPT[0], PROMPT[1]] * (junk // 2), "x")
-    logits = t.score(prompt[-1], draft)[: 1 + len(CHAIN)].clone()
-    kv = torch.stack([torch.stack(t.seq.read(layer, len(prompt) - 1))
+    logits = solo(t).score(prompt[-1], draft)[: 1 + len(CHAIN)].clone()
+    kv = torch.stack([torch.stack(solo(t).seq.read(layer, len(prompt) - 1))
                       for layer in range(len(t.pool.keys))])
     return logits, kv
 
@@ -154,10 +155,10 @@ def _left_out(family: str, fused: FusedLlama, m) -> dict:
 def test_the_check_fails_a_fused_forward_that_leaves_the_familys_difference_out(family):
     m = model(family)
     t = target(m)
-    wrong = copy.copy(t.fused)
-    for name, value in _left_out(family, t.fused, m).items():
+    wrong = copy.copy(t.forward.fused.fused)
+    for name, value in _left_out(family, t.forward.fused.fused, m).items():
         setattr(wrong, name, value)
-    t.fused = t.forward.fused = wrong
+    t.forward.fused.fused = wrong
     with pytest.raises(AssertionError):
         assert_close_to_modules(scored(t), family)
 
@@ -248,9 +249,9 @@ def test_a_family_without_a_fused_forward_is_refused_with_its_reason_and_runs_th
     with pytest.raises(ValueError, match="gemma3_text"):
         target(gemma)
     t = target(gemma, fused=False)
-    assert t.fused is None
-    t.start(PROMPT[:10])
-    assert t.score(PROMPT[9], Draft.chain(PROMPT[10:12], "x")).shape == (3, V)
+    assert t.forward.fused is None
+    solo(t).start(PROMPT[:10])
+    assert solo(t).score(PROMPT[9], Draft.chain(PROMPT[10:12], "x")).shape == (3, V)
 
 
 def test_the_checkpoints_differ_where_the_families_do():

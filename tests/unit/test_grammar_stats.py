@@ -21,11 +21,11 @@ import torch
 
 from agentspec.config import SamplingParams
 from agentspec.decoding import verify as verify_module
-from agentspec.decoding.loop import decode
 from agentspec.decoding.sampling import logits_to_probs
 from agentspec.grammar import Grammar
 from agentspec.grammar.state import GrammarState
 from agentspec.protocols import DraftContext
+from agentspec.scheduler import decode
 from agentspec.tree import depths
 from agentspec.types import Draft
 from tests.stats import p_value as chi_square_p

@@ -30,6 +30,7 @@ from agentspec.drafters.head_train import (
 from agentspec.engine.target import HFTarget
 from agentspec.protocols import DraftContext
 from agentspec.types import Draft, Record
+from tests.solo import solo
 from tests.tiny_model import (
     OPENING_A,
     OPENING_B,
@@ -93,18 +94,18 @@ def test_head_file_round_trip_and_fingerprint(target, tmp_path):
 
 def test_score_keeps_the_hidden_rows_the_logits_come_from(target):
     draft = Draft.chain([2, 3, 4], "t")
-    target.start([1, 5, 6, 7])
-    plain = target.score(7, draft).clone()
-    assert target.hidden is None
+    solo(target).start([1, 5, 6, 7])
+    plain = solo(target).score(7, draft).clone()
+    assert solo(target).hidden is None
     twin = target.fork()
-    twin.start([1, 5, 6, 7])
-    logits = twin.score(7, draft, keep_hidden=True)
+    solo(twin).start([1, 5, 6, 7])
+    logits = solo(twin).score(7, draft, keep_hidden=True)
     assert torch.equal(logits, plain)  # reading the hidden rows changes no logit
-    assert twin.hidden is not None and twin.hidden.shape == (4, 16)
-    assert twin.hidden_position == 3  # the root (7) sits at position 3
+    assert solo(twin).hidden is not None and solo(twin).hidden.shape == (4, 16)
+    assert solo(twin).hidden_position == 3  # the root (7) sits at position 3
     with torch.no_grad():
         w = target.model.get_output_embeddings().weight
-        assert torch.allclose(twin.hidden @ w.T, logits[:4], atol=1e-5)
+        assert torch.allclose(solo(twin).hidden @ w.T, logits[:4], atol=1e-5)
 
 
 def test_hidden_rows_stay_the_targets_own_when_a_fork_runs_in_another_thread(target):
@@ -115,10 +116,10 @@ def test_hidden_rows_stay_the_targets_own_when_a_fork_runs_in_another_thread(tar
 
     draft = Draft.chain([2, 3, 4], "t")
     twin, other = target.fork(), target.fork()
-    other.start([1, 9, 9, 9, 9, 8])
-    twin.start([1, 5, 6, 7])
-    twin.score(7, draft, keep_hidden=True)
-    own = twin.hidden.clone()
+    solo(other).start([1, 9, 9, 9, 9, 8])
+    solo(twin).start([1, 5, 6, 7])
+    solo(twin).score(7, draft, keep_hidden=True)
+    own = solo(twin).hidden.clone()
     forward = twin.forward._modules
 
     workers: list[threading.Thread] = []
@@ -127,18 +128,18 @@ def test_hidden_rows_stay_the_targets_own_when_a_fork_runs_in_another_thread(tar
         out = forward(*args, **kwargs)
         # Another fork's forward from another thread, before this one's rows are read (on the
         # CPU it queues for the torch thread this forward runs on: it cannot be joined here).
-        worker = threading.Thread(target=lambda: other.score(8, Draft.chain([2], "t"),
+        worker = threading.Thread(target=lambda: solo(other).score(8, Draft.chain([2], "t"),
                                                              keep_hidden=True))
         worker.start()
         workers.append(worker)
         return out
 
     twin.forward._modules = then_another  # type: ignore[method-assign]
-    twin.start([1, 5, 6, 7])
-    twin.score(7, draft, keep_hidden=True)
+    solo(twin).start([1, 5, 6, 7])
+    solo(twin).score(7, draft, keep_hidden=True)
     for worker in workers:
         worker.join()
-    assert workers and torch.equal(twin.hidden, own)
+    assert workers and torch.equal(solo(twin).hidden, own)
 
 
 def test_forks_in_two_threads_take_turns_forward_by_forward(target):
@@ -149,16 +150,16 @@ def test_forks_in_two_threads_take_turns_forward_by_forward(target):
 
     draft = Draft.chain([2, 3, 4], "t")
     first, second = target.fork(), target.fork()
-    first.start([1, 5, 6, 7])
-    second.start([1, 9, 9, 8])
-    alone = (first.score(7, draft).clone(), second.score(8, draft).clone())
+    solo(first).start([1, 5, 6, 7])
+    solo(second).start([1, 9, 9, 8])
+    alone = (solo(first).score(7, draft).clone(), solo(second).score(8, draft).clone())
     got: list[torch.Tensor] = []
     started: list[threading.Thread] = []
     waiting: list[bool] = []
 
     def meanwhile(module: object, args: object, output: object) -> None:
         if not started:  # once, inside the first fork's forward
-            worker = threading.Thread(target=lambda: got.append(second.score(8, draft).clone()))
+            worker = threading.Thread(target=lambda: got.append(solo(second).score(8, draft).clone()))
             started.append(worker)
             worker.start()
             worker.join(timeout=0.5)  # it cannot finish while this forward holds the model
@@ -166,8 +167,8 @@ def test_forks_in_two_threads_take_turns_forward_by_forward(target):
 
     hook = target.model.model.layers[0].register_forward_hook(meanwhile)
     try:
-        first.start([1, 5, 6, 7])
-        mine = first.score(7, draft).clone()
+        solo(first).start([1, 5, 6, 7])
+        mine = solo(first).score(7, draft).clone()
     finally:
         hook.remove()
     assert waiting == [True]  # it waited: nothing came back during the first forward
@@ -184,18 +185,18 @@ def test_drafter_is_absent_without_a_head_and_drafts_with_one(target, tmp_path):
     drafter = HeadDrafter(twin, {"s": random_head(target, list(range(V)))}, width=3, depth=4)
     drafter.begin(ctx)
     assert drafter.propose(ctx, max_tokens=5).num_nodes == 0  # no hidden row yet
-    twin.start(ctx.tokens)
+    solo(twin).start(ctx.tokens)
     from agentspec.types import Verdict
 
     draft = Draft.chain([2, 3], "t")
     assert drafter.wants_hidden  # the drafter asks the loop for the hidden rows
-    twin.score(7, draft, keep_hidden=True)
-    ctx.hidden, ctx.hidden_position = twin.hidden, twin.hidden_position  # as the loop hands them
+    solo(twin).score(7, draft, keep_hidden=True)
+    ctx.hidden, ctx.hidden_position = solo(twin).hidden, solo(twin).hidden_position  # as the loop hands them
     verdict = Verdict((0,), (2,), 9)  # node 0 accepted, 9 recovered: the hidden row is row 1
-    twin.commit(draft, verdict)
+    solo(twin).commit(draft, verdict)
     ctx.tokens.extend([2, 9])
     drafter.observe(ctx, draft, verdict)
-    assert torch.equal(drafter._state(ctx).h, twin.hidden[1].float())
+    assert torch.equal(drafter._state(ctx).h, solo(twin).hidden[1].float())
     out = drafter.propose(ctx, max_tokens=5)
     assert out.is_chain and out.num_nodes == 4 and out.source == "head"
     assert drafter.propose(ctx, max_tokens=2).num_nodes == 2

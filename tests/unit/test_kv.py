@@ -36,6 +36,7 @@ from agentspec.engine.kv import (
 from agentspec.engine.plan import Group, Layout, Member, lay_out
 from agentspec.engine.pool import BLOCK, KVPool
 from agentspec.engine.sequence import Sequence
+from tests.solo import commit_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,7 +108,7 @@ def _place(pool: KVPool, rows: _Rows, seq: Sequence | None = None) -> Member:
     seq.reserve(rows.kv_len + rows.n)
     held = seq.kv_len  # rows it already holds (shared blocks) are not written again
     _write(seq, rows.keys[held:], rows.values[held:], held)
-    seq.commit(rows.ids[held:])
+    commit_tokens(seq, rows.ids[held:])
     return Member(seq, [7] * rows.n, rows.depth, rows.anc)
 
 
@@ -371,7 +372,7 @@ def test_a_long_context_over_two_runs_of_blocks_gives_the_one_run_bits() -> None
     first = Sequence(pool)
     first.reserve(4 * BLOCK)
     _write(first, rows.keys[: 4 * BLOCK], rows.values[: 4 * BLOCK], 0)
-    first.commit(rows.ids[: 4 * BLOCK])
+    commit_tokens(first, rows.ids[: 4 * BLOCK])
     Sequence(pool).reserve(1)  # takes the block right after the prefix
     seq = Sequence(pool)
     assert seq.start(rows.ids) == 4 * BLOCK
@@ -399,7 +400,7 @@ def test_pool_cache_update_writes_only_the_real_rows_at_their_slots() -> None:
     a, b = Sequence(pool), Sequence(pool)
     for seq, kv_len, n in ((a, 5, 3), (b, 260, 2)):
         seq.reserve(kv_len + n)
-        seq.commit(list(range(kv_len)))
+        commit_tokens(seq, list(range(kv_len)))
     members = [Member(a, [1, 2, 3], [0, 1, 2], np.tri(3, dtype=bool)),
                Member(b, [4, 5], [0, 1], np.tri(2, dtype=bool))]
     layout = lay_out(members, (8,), window=None, device=CPU)
@@ -435,7 +436,7 @@ def test_pool_cache_update_writes_a_trees_rows_at_the_slots_its_masks_read() -> 
     seq = Sequence(pool)
     seq.reserve(rows.kv_len + rows.n)
     _write(seq, rows.keys[: rows.kv_len], rows.values[: rows.kv_len], 0)
-    seq.commit(rows.ids)
+    commit_tokens(seq, rows.ids)
     member = Member(seq, [7] * rows.n, rows.depth, rows.anc)
     layout = lay_out([member], WIDTHS, window=None, device=CPU)
     key_states, value_states = _states(layout.width, 1)

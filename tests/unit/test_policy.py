@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from agentspec.drafters.chain import AcceptanceKey, DrafterChain, first_path, trim_to_depth
-from agentspec.drafters.policy import (
-    COST_CACHE_VERSION,
-    Acceptance,
-    CostModel,
-    best_length,
-    cost_points,
-    expected_tokens,
-    measure_cost,
-)
+from agentspec.drafters.policy import Acceptance, CostModel, best_length, expected_tokens
+from agentspec.engine.cost import COST_CACHE_VERSION, cost_points, measure_cost
 from agentspec.protocols import DraftContext
 from agentspec.tree import merge_chains
 from agentspec.types import Draft, Verdict
@@ -100,10 +93,10 @@ def test_a_curve_of_other_widths_is_measured_again(tmp_path):
 
 @pytest.mark.parametrize("reprobe", [True, False])
 def test_a_curve_cached_under_load_is_measured_again(tmp_path, reprobe, monkeypatch):
-    import agentspec.drafters.policy as policy
+    import agentspec.engine.cost as cost
 
     if not reprobe:  # a deliberately wrong cache: it trusts whatever it holds
-        monkeypatch.setattr(policy, "probe_cost", lambda target, rounds=3: [1.0, 1.0])
+        monkeypatch.setattr(cost, "probe_cost", lambda target, rounds=3: [1.0, 1.0])
     cache = tmp_path / "cost.json"
     # Measured while another job held the machine: every forward took a second, the probe too.
     loaded = {"version": COST_CACHE_VERSION, "base": 1.0, "per_token": 0.0,
@@ -136,21 +129,31 @@ def test_cost_points_undo_load_bursts_and_step_by_width():
     assert raw.seconds(7) > 10 * raw.seconds(15)
 
 
+class _FakeSequence:
+    def commit(self, root, verdict):
+        pass
+
+    def release(self):
+        pass
+
+
 class _FakeTarget:
+    """The engine's door as the cost measurement uses it: a forward's time is nothing."""
+
     vocab_size, max_context = 100, 4096
 
     def __init__(self):
         self.scored = []
 
-    def start(self, prompt):
+    def new_sequence(self, *, cached=True):
+        return _FakeSequence()
+
+    def prefill(self, seq, prompt):
         pass
 
-    def score(self, last, draft, *, keep_hidden=False):
-        self.scored.append(draft.num_nodes + 1)
-        return torch.zeros(draft.num_nodes + 1, self.vocab_size)
-
-    def commit(self, draft, verdict):
-        pass
+    def run(self, members, *, hidden=False):
+        self.scored += [len(m.ids) for m in members]
+        return [torch.zeros(len(m.ids), self.vocab_size) for m in members]
 
 
 class _WidthsTarget(_FakeTarget):

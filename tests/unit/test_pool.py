@@ -20,6 +20,7 @@ import torch
 
 from agentspec.engine.pool import BLOCK, KVPool, PoolStats
 from agentspec.engine.sequence import Sequence
+from tests.solo import commit_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,7 +55,7 @@ def _prefill(seq: Sequence, ids: list[int]) -> None:
     rows = _kv_rows(ids, start)
     seq.pool.keys[0][at // BLOCK, :, at % BLOCK] = rows
     seq.pool.values[0][at // BLOCK, :, at % BLOCK] = -rows
-    seq.commit(ids)
+    commit_tokens(seq, ids)
 
 
 def _holds_rows_of(seq: Sequence, ids: list[int]) -> bool:
@@ -116,7 +117,7 @@ def test_full_blocks_are_sealed_and_held_by_reference_by_a_prompt_that_starts_wi
     pool = _pool()
     prompt = _ids(1000, 2 * BLOCK + 10)
     a = _started(pool, prompt)
-    assert [pool.sealed(b) for b in a.table] == [True, True, False]  # the tail is a's to write
+    assert [pool.trie.sealed(b) for b in a.table] == [True, True, False]  # the tail is a's to write
     blocks = pool.num_blocks
     b = Sequence(pool)
     assert b.start([*prompt[: 2 * BLOCK], 1, 2, 3]) == 2 * BLOCK == b.reused_tokens
@@ -146,7 +147,7 @@ class _TokensOnlyPool(KVPool):
     was computed after."""
 
     def match(self, ids: Seq[int]) -> tuple[list[int], int, int]:
-        by_tokens = {tokens: block for block, (_, tokens) in self._key.items()}
+        by_tokens = {tokens: block for block, (_, tokens) in self.trie._key.items()}
         chain: list[int] = []
         for start in range(0, len(ids) - BLOCK + 1, BLOCK):
             block = by_tokens.get(tuple(ids[start : start + BLOCK]))
@@ -183,7 +184,7 @@ def test_a_finished_sequences_tail_is_taken_over_whole_by_a_prompt_that_extends_
     b = Sequence(pool)
     assert b.start([*prompt, 5, 6]) == BLOCK + 100 == b.reused_tokens
     assert b.table == [first, tail] and pool.holders(tail) == 1 and pool.num_blocks == blocks
-    assert not pool.sealed(tail)  # b writes it: no later prompt may find it
+    assert not pool.trie.sealed(tail)  # b writes it: no later prompt may find it
     assert _holds_rows_of(b, prompt)
     _prefill(b, [5, 6])
     assert b.table == [first, tail] and _holds_rows_of(b, [*prompt, 5, 6])
@@ -219,7 +220,7 @@ def test_a_shared_sealed_block_that_matches_partly_is_copied_and_never_written(r
     b = Sequence(pool)
     assert b.start([*prompt[: BLOCK + 100], 1, 2]) == BLOCK + 100
     assert b.table[0] == first and b.table[1] not in (first, second)
-    assert pool.holders(second) == (0 if released else 1) and pool.sealed(second)
+    assert pool.holders(second) == (0 if released else 1) and pool.trie.sealed(second)
     assert _holds_rows_of(b, prompt[: BLOCK + 100])
     _prefill(b, _ids(5000, 120))  # b's next rows: in its copy
     assert _holds_rows_of(b, [*prompt[: BLOCK + 100], *_ids(5000, 120)])
@@ -242,8 +243,8 @@ def test_truncating_into_a_sealed_block_copies_it_and_keeps_the_dropped_rows_fin
     seq.truncate(BLOCK + 44)
     assert seq.ids == prompt[: BLOCK + 44] and seq.table[0] == first
     assert seq.table[1] not in (second, tail) and _holds_rows_of(seq, prompt[: BLOCK + 44])
-    assert pool.sealed(second) and pool.holders(second) == 0
-    assert pool.sealed(tail) and pool.holders(tail) == 0
+    assert pool.trie.sealed(second) and pool.holders(second) == 0
+    assert pool.trie.sealed(tail) and pool.holders(tail) == 0
     _prefill(seq, _ids(7000, 30))  # the sequence's next rows: in its copy
     assert _holds_rows_of(seq, [*prompt[: BLOCK + 44], *_ids(7000, 30)])
     assert torch.equal(pool.keys[0][second], before[0])
@@ -274,7 +275,7 @@ def test_truncating_into_a_shared_sealed_block_copies_it_and_leaves_the_other_ho
     before = (pool.keys[0][second].clone(), pool.values[0][second].clone())
     b.truncate(BLOCK + 44)
     assert b.table[0] == first and b.table[1] not in (first, second)
-    assert pool.holders(second) == 1 and pool.sealed(second)
+    assert pool.holders(second) == 1 and pool.trie.sealed(second)
     assert _holds_rows_of(b, prompt[: BLOCK + 44])
     _prefill(b, _ids(7000, 100))
     assert _holds_rows_of(b, [*prompt[: BLOCK + 44], *_ids(7000, 100)])
@@ -347,7 +348,7 @@ def test_unsealing_a_block_takes_its_sealed_descendants_out_of_the_trie() -> Non
     prompt, other = _ids(1000, 3 * BLOCK), _ids(5000, 3 * BLOCK)
     held = _started(pool, prompt)
     pool.unseal(held.table[0])
-    assert not any(pool.sealed(b) for b in held.table) and _found(pool, prompt) == 0
+    assert not any(pool.trie.sealed(b) for b in held.table) and _found(pool, prompt) == 0
     _started(pool, other).release()
     assert pool.stats.cached_blocks == 3
     pool.clear_cache()
@@ -370,7 +371,7 @@ def test_an_uncached_sequence_seals_nothing_and_finds_nothing() -> None:
     scratch = Sequence(pool, cached=False)
     scratch.start(prompt)
     _prefill(scratch, prompt)
-    assert not any(pool.sealed(b) for b in scratch.table) and pool.stats.sealed_blocks == 0
+    assert not any(pool.trie.sealed(b) for b in scratch.table) and pool.stats.sealed_blocks == 0
     scratch.release()
     assert pool.stats.cached_blocks == 0 and _found(pool, prompt) == 0
     _started(pool, prompt)  # a cached sequence's blocks: the scratch one still finds none

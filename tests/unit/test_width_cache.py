@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from agentspec.engine import width_cache
+from agentspec.engine import probe, width_cache
 from agentspec.engine.target import HFTarget
 from tests.tiny_model import tiny_target
 
@@ -34,13 +34,13 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
 def probes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The widths of every probe forward run from here on."""
     seen: list[int] = []
-    real = HFTarget._probe
+    real = probe._probe
 
-    def counted(self: HFTarget, ids: list[int], width: int) -> torch.Tensor:
+    def counted(forward: Any, ids: list[int], width: int) -> torch.Tensor:
         seen.append(width)
-        return real(self, ids, width)
+        return real(forward, ids, width)
 
-    monkeypatch.setattr(HFTarget, "_probe", counted)
+    monkeypatch.setattr(probe, "_probe", counted)
     return seen
 
 
