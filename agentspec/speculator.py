@@ -30,11 +30,12 @@ from agentspec.engine.sequence import Sequence as KVSequence
 from agentspec.engine.target import HFTarget
 from agentspec.errors import warn_once
 from agentspec.home import agentspec_home, recording_allowed
-from agentspec.memory.foreign import REQUIRED, as_memory
+from agentspec.memory.foreign import as_memory
 from agentspec.protocols import DraftContext, Drafter, Memory
 from agentspec.request import Request
-from agentspec.scheduler import Job, Scheduler
+from agentspec.scheduler import Job, Load, Scheduler
 from agentspec.session import Session, current_session, tool_loop
+from agentspec.speculator_args import check_arguments, open_memory
 from agentspec.stream import Stream
 from agentspec.text import Prompt, TextDeltas, encode_prompt, origin_text
 from agentspec.types import Finished, Generation, GenerationStats, Origins, Record, TokenLogprob
@@ -112,7 +113,7 @@ class Speculator:
                  drafters: Sequence[Drafter] | None = None, config: SpecConfig | None = None,
                  speculate: bool = True, cost: CostModel | str = "measure",
                  draft_model: str | HFTarget | None = None) -> None:
-        _check_arguments(target, memory, drafters, config, speculate, cost, draft_model)
+        check_arguments(target, memory, drafters, config, speculate, cost, draft_model)
         self.target = target
         self.memory = open_memory(memory)
         # What the Speculator and its drafters call: the memory, or a user's one wrapped once.
@@ -204,6 +205,11 @@ class Speculator:
     @property
     def tokenizer(self) -> Any:
         return self.target.tokenizer
+
+    def load(self) -> Load:
+        """What the speculator carries now: calls running, calls waiting for room, and the
+        most it runs at once (:meth:`Scheduler.load`), what a server reports and refuses by."""
+        return self._scheduler.load()
 
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids of a raw prompt, or of messages through the chat template."""
@@ -421,50 +427,3 @@ def _record_failed(error: BaseException) -> None:
     warn_once(f"the completion memory could not record a completion "
               f"({type(error).__name__}: {error}); the call's output is unaffected, the "
               f"completion is not remembered")
-
-
-def open_memory(memory: Any) -> Any:
-    """``"default"`` | URL | CompletionMemory | None -> a CompletionMemory or None."""
-    if memory is None or not isinstance(memory, str):
-        return memory
-    if not memory:
-        raise ValueError("memory must be 'default', a SQLAlchemy URL, a CompletionMemory or None, got ''")
-    from agentspec.memory.completion import CompletionMemory
-
-    url = None if memory == "default" else memory
-    return CompletionMemory.open(url, index_dir=agentspec_home() / "index")
-
-
-_DRAFTER_METHODS = ("begin", "propose", "observe", "end")
-
-
-def _check_arguments(target: Any, memory: Any, drafters: Any, config: Any, speculate: Any,
-                     cost: Any, draft_model: Any) -> None:
-    """Refuse bad constructor arguments now, naming them, rather than fail mid-call later."""
-    def bad(name: str, expected: str, value: Any) -> TypeError:
-        return TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r:.80}")
-
-    if not isinstance(target, HFTarget):
-        raise bad("target", "an HFTarget (agentspec.load_target(...))", target)
-    if not (memory is None or isinstance(memory, str)
-            or all(callable(getattr(memory, m, None)) for m in REQUIRED)):
-        raise bad("memory", "a CompletionMemory, a URL string, 'default' or None", memory)
-    if drafters is not None:
-        if isinstance(drafters, (str, bytes)) or not isinstance(drafters, Sequence):
-            raise bad("drafters", "a list of drafters or None", drafters)
-        for i, d in enumerate(drafters):
-            if not isinstance(getattr(d, "name", None), str) or not all(
-                    callable(getattr(d, m, None)) for m in _DRAFTER_METHODS):
-                raise bad(f"drafters[{i}]", "a Drafter (a str name and begin, propose, observe, "
-                          "end methods)", d)
-    if config is not None and not isinstance(config, SpecConfig):
-        raise bad("config", "a SpecConfig or None", config)
-    if not isinstance(speculate, bool):
-        raise bad("speculate", "a bool", speculate)
-    if isinstance(cost, str):
-        if cost != "measure":
-            raise ValueError(f"cost must be a CostModel or 'measure', got {cost!r}")
-    elif not isinstance(cost, CostModel):
-        raise bad("cost", "a CostModel or 'measure'", cost)
-    if not (draft_model is None or isinstance(draft_model, (str, HFTarget))):
-        raise bad("draft_model", "a model name, an HFTarget or None", draft_model)
