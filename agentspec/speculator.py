@@ -24,7 +24,8 @@ from agentspec.decoding.sampling import make_generator
 from agentspec.decoding.untrusted import Guarded
 from agentspec.drafters.chain import DrafterChain
 from agentspec.drafters.head_rows import RowKeeper
-from agentspec.drafters.policy import CostModel, measure_cost
+from agentspec.drafters.policy import CostModel
+from agentspec.engine.cost import measure_cost
 from agentspec.engine.load import load_target
 from agentspec.engine.sequence import Sequence as KVSequence
 from agentspec.engine.target import HFTarget

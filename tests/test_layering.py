@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("agentspec.memory", "agentspec.decoding"),
     ("agentspec.drafters",),
     ("agentspec.request", "agentspec.session", "agentspec.stream", "agentspec.scheduler",
+     "agentspec.jobs",
      "agentspec.speculator", "agentspec.speculator_args", "agentspec="),
     ("agentspec.adapters", "agentspec.bench"),
     ("agentspec.cli",),
