@@ -16,6 +16,7 @@ first request of a new tool set finds the skeleton's masks cached and its lexer 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,7 +64,7 @@ class GrammarState:
                                for text in grammar.examples], (vocab_size + 31) // 32)
             trim_masks()
         self.matcher = self._shared.take()
-        self._check()
+        self.check()
         # Stop tokens are checked against masks but never consumed: llguidance cannot roll a
         # matcher back over the end of its grammar, and nothing follows a stop token anyway.
         self.eos = frozenset(int(t) for t in eos_ids)
@@ -83,7 +84,8 @@ class GrammarState:
         the state is spent."""
         self.matcher = None
 
-    def _check(self) -> None:
+    def check(self) -> None:
+        """Raise :class:`GrammarError` where the matcher has failed."""
         if self.matcher.is_error():
             raise GrammarError(f"the {self.grammar.kind} grammar failed: {self.matcher.get_error()}")
 
@@ -94,6 +96,25 @@ class GrammarState:
             if not cache_mask(shared, matcher, shared.root, self._words):
                 raise GrammarError(f"the {self.grammar.kind} grammar failed: {matcher.get_error()}")
         return shared.root[0]
+
+    # -- what a step's walk (Walk, LazyMasks) reads ---------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """Bumped by every change of the committed state and by every :meth:`constrain`: masks
+        of a step (:class:`LazyMasks`) hold while it is the one they were made at."""
+        return self._version
+
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` has handed the matcher back."""
+        return self.matcher is None
+
+    def walk(self, *, fill: bool = False) -> Walk:
+        """A walk of the matcher from the committed state through a step's rows, rolled back
+        when its ``with`` block ends (:class:`Walk`); ``fill``: each row's mask is filled into
+        the state's packed rows as the walk reaches it."""
+        return Walk(self, self._path[-1], fill=fill)
 
     def fill_row(self, row: int, node: list[Any] | None, first: bool | None = None) -> None:
         """Row ``row``'s mask: the matcher's current state, whose trie node is ``node``.
@@ -109,14 +130,29 @@ class GrammarState:
             v.copy_(cached)
         else:
             fill_mask(self._shared.ll_tok, self.matcher, v)
-            self._check()
+            self.check()
             if node is not None:
                 keep_mask(self._shared, node, v.clone())
         if (row == 0 if first is None else first) and self.mode == "undecided" \
                 and self._text_start is not None:
             v.bitwise_or_(self._text_start)  # or a text start
 
-    def _valid(self, token: int, node: list[Any] | None, first: bool) -> bool:
+    def row_allows(self, row: int, token: int) -> bool:
+        """Whether row ``row``'s mask, as :meth:`fill_row` left it, allows ``token``."""
+        if not 0 <= token < self.vocab_size:
+            return False
+        return bool((int(self._bits[row, token >> 5]) >> (token & 31)) & 1)
+
+    def row_mask(self, node: list[Any] | None, first: bool) -> torch.Tensor:
+        """The mask of the matcher's current state (trie node ``node``; ``first``: the
+        output's start), computed now: bool ``[vocab_size]`` on the device. Raises where it
+        allows nothing."""
+        self._grow(1)
+        self.fill_row(0, node, first)
+        self._nonempty(self._bits[:1])
+        return unpack_bits(self._bits[:1].to(self.device), self.vocab_size)[0]
+
+    def allows(self, token: int, node: list[Any] | None, first: bool) -> bool:
         """Whether the matcher's current state (trie node ``node``; ``first``: the output's
         start) allows ``token``, without computing its mask: a cached mask's bit, else
         llguidance's check of that one token (what its mask would say, without computing it)."""
@@ -140,17 +176,14 @@ class GrammarState:
             bits = self._bits[0]
         return bool((int(bits[token >> 5]) >> (token & 31)) & 1)
 
-    def _allows(self, row: int, token: int) -> bool:
-        if not 0 <= token < self.vocab_size:
-            return False
-        return bool((int(self._bits[row, token >> 5]) >> (token & 31)) & 1)
-
     def _starts_text(self, token: int) -> bool:
         """An or_text grammar's first token that begins free text (never the grammar's: text
         may not start like JSON, and JSON starts with ``{`` or ``[``)."""
         bits = self._text_start
         return self.mode == "undecided" and bits is not None and 0 <= token < self.vocab_size \
             and bool((int(bits[token >> 5]) >> (token & 31)) & 1)
+
+    # -- a step's rows ------------------------------------------------------------------------
 
     def allowed_now(self) -> torch.Tensor | None:
         """Mask of the committed state: bool ``[1, vocab_size]`` on the device, or None where
@@ -168,6 +201,12 @@ class GrammarState:
         forbids. An alternative hanging off the spine is kept when its parent's mask allows it;
         deeper off-spine nodes could never be accepted and are dropped. Then, with ``force``,
         the tokens the grammar forces after the spine's end are appended to the spine.
+
+        In steps: :meth:`_walk_spine` (what the grammar admits of the spine, and which
+        alternatives), :meth:`_forced` (what it forces after), :meth:`_kept_alternatives`,
+        :meth:`_continue_spine` (an alternative that now ends the spine gets a mask too),
+        :meth:`_kept_draft`, then the masks: filled row by row as the walk goes
+        (:meth:`_eager_masks`) or left to :class:`LazyMasks`.
 
         Args:
             draft: a sanitised draft.
@@ -193,107 +232,137 @@ class GrammarState:
         spine = min(first_alt, room, max_nodes)
         if not lazy:
             self._grow(max(spine, room if force else 0, max_nodes) + 1)
-        # Alternatives (off-spine nodes) by the row of their parent: each is checked at that
-        # row's state, while the matcher passes it.
-        by_row: dict[int, list[int]] = {}
+        with self.walk(fill=not lazy) as walk:
+            kept = self._walk_spine(draft, spine, first_alt, walk)
+            forced = (self._forced(walk, min(room, max_nodes) - kept.consumed)
+                      if force and not kept.ended and not kept.free else [])
+            alternatives = self._kept_alternatives(draft, first_alt, kept, forced, max_nodes)
+            self._continue_spine(draft, kept, forced, alternatives, walk)
+        out = self._kept_draft(draft, kept.consumed, forced, alternatives)
+        if lazy:
+            return out, LazyMasks(self, walk.tokens, out.num_nodes + 1)
+        return out, self._eager_masks(out.num_nodes + 1, 1 + len(walk.tokens))
+
+    def _walk_spine(self, draft: Draft, spine: int, first_alt: int, walk: Walk) -> _Spine:
+        """The first ``spine`` nodes of the draft's spine that the grammar admits, walked: the
+        matcher consumes them up to the first token its row forbids (or that it refuses), and
+        at each row it passes notes the alternatives hanging there that the row allows (each
+        is checked at its parent's state, while the matcher is in it).
+
+        A stop token is kept as the spine's last node but not consumed (its row decides
+        nothing; llguidance cannot roll a matcher back over the end of its grammar). An
+        or_text grammar's first token that starts free text ends the walk:
+        :meth:`_free_spine`."""
+        hanging: dict[int, list[int]] = {}  # alternatives (off-spine nodes) by their parent's row
         for i in range(first_alt, draft.num_nodes):
-            by_row.setdefault(draft.parents[i] + 1, []).append(i)
-        allowed_alts: set[int] = set()
-        trie = self._path[-1]  # the trie node of the matcher's state
-
-        def allows(row: int, token: int) -> bool:  # at row ``row``'s state, the matcher's now
-            return self._valid(token, trie, row == 0) if lazy else self._allows(row, token)
-
-        def reach(row: int) -> None:  # the matcher is at row ``row``'s state
-            if not lazy:
-                self.fill_row(row, trie)
-            for i in by_row.get(row, ()):
-                if allows(row, draft.token_ids[i]):
-                    allowed_alts.add(i)
-
-        reach(0)
-        consumed = 0  # spine nodes kept; the matcher holds all of them but a final stop token
-        ended = False
-        free = False  # the spine's first token starts free text: nothing after it is masked
+            hanging.setdefault(draft.parents[i] + 1, []).append(i)
+        allowed = self._allowed_here(draft, hanging.get(0, ()), walk)
         for node in range(spine):
             token = draft.token_ids[node]
-            if not (free or allows(node, token)):
+            if not walk.allows(token):
                 break
-            if token in self.eos:  # kept as the spine's last node; its row decides nothing
-                consumed, ended = consumed + 1, True
+            if token in self.eos:
+                return _Spine(node + 1, allowed, ended=True)
+            if node == 0 and self._starts_text(token):
+                return self._free_spine(draft, spine, allowed)
+            if not walk.consume(token):
                 break
-            if free or (node == 0 and self._starts_text(token)):
-                consumed, free = consumed + 1, True
-                continue
-            if not self.matcher.consume_token(token):
-                break
-            consumed += 1
-            trie = trie_child(trie, token)
-            reach(consumed)
+            allowed |= self._allowed_here(draft, hanging.get(walk.row, ()), walk)
+        return _Spine(walk.row, allowed)
+
+    @staticmethod
+    def _allowed_here(draft: Draft, nodes: Sequence[int], walk: Walk) -> set[int]:
+        """Those of ``nodes`` (alternatives whose parent's row the walk is at) that the row
+        allows."""
+        return {i for i in nodes if walk.allows(draft.token_ids[i])}
+
+    def _free_spine(self, draft: Draft, spine: int, allowed: set[int]) -> _Spine:
+        """The spine after a first token that starts free text: nothing after a text start is
+        masked, so its first ``spine`` nodes are kept unchecked, up to and including a stop
+        token; the matcher consumes none of them."""
+        for node in range(1, spine):
+            if draft.token_ids[node] in self.eos:
+                return _Spine(node + 1, allowed, ended=True, free=True)
+        return _Spine(spine, allowed, free=True)
+
+    def _forced(self, walk: Walk, limit: int) -> list[int]:
+        """The tokens the grammar forces after the walk's end (at most ``limit``), consumed as
+        the walk's next rows: the masked target accepts each with probability one, so each
+        costs a row of the forward, never a step.
+
+        llguidance tokenizes forced text without its grammar: text spelling a special token
+        (a format's wrapper named as text) can come back as that token, which the grammar
+        refuses, and a refused consume would leave the matcher failed; so each token is
+        checked before it is consumed, and the first that fails ends them."""
+        if self.matcher.is_stopped():
+            return []
         forced: list[int] = []
-        if force and not ended and not free and not self.matcher.is_stopped():
-            limit = min(room, max_nodes) - consumed
-            for token in self.matcher.compute_ff_tokens()[:max(limit, 0)]:
-                # llguidance tokenizes forced text without its grammar: text spelling a special
-                # token (a format's wrapper named as text) can come back as that token, which
-                # the grammar refuses and a refused consume would leave the matcher failed.
-                if not allows(consumed + len(forced), token) \
-                        or self.matcher.validate_tokens([token]) != 1 \
-                        or not self.matcher.consume_token(token):
-                    break
-                forced.append(token)
-                trie = trie_child(trie, token)
-                if not lazy:
-                    self.fill_row(consumed + len(forced), trie)
-        spine_ids = [*draft.token_ids[:consumed], *forced]
-        sources = [draft.source_of(i) for i in range(consumed)] + [GRAMMAR_SOURCE] * len(forced)
-        # Alternatives: children of the root or of a kept spine node that the parent's mask
-        # allows (after a free-text start every mask allows everything).
-        alternatives = [i for i in range(first_alt, draft.num_nodes)
-                        if draft.parents[i] < consumed - ended
-                        and ((free and draft.parents[i] >= 0) or i in allowed_alts)]
-        alternatives = [i for i in alternatives if not (draft.parents[i] == consumed - 1
-                                                        and forced and draft.token_ids[i] == forced[0])]
-        alternatives = alternatives[:max(max_nodes - len(spine_ids), 0)]
-        walked = 0 if free else consumed - ended + len(forced)  # tokens the matcher consumed
-        rows = 1 + walked  # rows with their own mask (after a stop token or free text: all allowed)
-        walk = [] if free else [*draft.token_ids[:consumed - ended], *forced]  # those tokens
-        if not forced and not ended and not free and alternatives \
-                and draft.parents[alternatives[0]] == consumed - 1 \
-                and draft.token_ids[alternatives[0]] not in self.eos \
-                and not (consumed == 0 and self._starts_text(draft.token_ids[alternatives[0]])):
-            # The first alternative now continues the spine (its node follows the spine's
-            # end): its row decides the step's next token, so it gets its own mask too.
-            token = draft.token_ids[alternatives[0]]
-            if self.matcher.consume_token(token):
-                walked += 1
-                rows += 1
-                walk.append(token)
-                if not lazy:
-                    self.fill_row(walked, trie_child(trie, token))
-        self.matcher.rollback(walked)
-        self._check()
+        for token in self.matcher.compute_ff_tokens()[:max(limit, 0)]:
+            if not walk.allows(token) or self.matcher.validate_tokens([token]) != 1 \
+                    or not walk.consume(token):
+                break
+            forced.append(token)
+        return forced
+
+    @staticmethod
+    def _kept_alternatives(draft: Draft, first_alt: int, kept: _Spine, forced: list[int],
+                           max_nodes: int) -> list[int]:
+        """The alternatives kept: children of the root or of a kept spine node (not a stop
+        token) that their parent's mask allows (after a free-text start every mask but row
+        0's allows everything), less one that repeats the first forced token (it is on the
+        spine now), within what ``max_nodes`` leaves after the spine."""
+        parents, ends = draft.parents, kept.consumed - kept.ended
+        out = [i for i in range(first_alt, draft.num_nodes)
+               if parents[i] < ends and ((kept.free and parents[i] >= 0) or i in kept.allowed)]
+        out = [i for i in out if not (parents[i] == kept.consumed - 1 and forced
+                                      and draft.token_ids[i] == forced[0])]
+        return out[:max(max_nodes - kept.consumed - len(forced), 0)]
+
+    def _continue_spine(self, draft: Draft, kept: _Spine, forced: list[int],
+                        alternatives: list[int], walk: Walk) -> None:
+        """Walk the first alternative where it now continues the spine: with nothing forced
+        and the spine cut short, an alternative on its last kept node follows the spine's
+        end, so its row decides the step's next token and gets its own mask too. Not a stop
+        token, nor a first token that starts free text (neither is consumed)."""
+        if forced or kept.ended or kept.free or not alternatives:
+            return
+        first = alternatives[0]
+        token = draft.token_ids[first]
+        if draft.parents[first] != kept.consumed - 1 or token in self.eos \
+                or (kept.consumed == 0 and self._starts_text(token)):
+            return
+        walk.consume(token, last=True)
+
+    @staticmethod
+    def _kept_draft(draft: Draft, consumed: int, forced: list[int],
+                    alternatives: list[int]) -> Draft:
+        """The step's draft: the spine's first ``consumed`` nodes, the forced tokens after them
+        (source ``"grammar"``; a model's chain gets point masses for them), then the kept
+        alternatives; ``draft`` itself where nothing was cut or added."""
         if consumed == draft.num_nodes and not forced:
-            out = draft
-        else:
-            ids = spine_ids + [draft.token_ids[i] for i in alternatives]
-            parents = list(range(-1, len(spine_ids) - 1)) + [draft.parents[i] for i in alternatives]
-            sources += [draft.source_of(i) for i in alternatives]
-            q = None
-            if draft.draft_probs is not None and ids:  # a model's chain: forced rows are point masses
-                q = torch.cat([draft.draft_probs[:consumed], torch.nn.functional.one_hot(
-                    torch.tensor(forced, dtype=torch.long), draft.draft_probs.shape[-1]
-                ).to(draft.draft_probs)])
-            out = Draft(tuple(ids), tuple(parents), tuple(sources), q) if ids else Draft()
-        allowed: torch.Tensor | LazyMasks
-        if lazy:
-            allowed = LazyMasks(self, walk, out.num_nodes + 1)
-        else:
-            allowed = torch.ones((out.num_nodes + 1, self.vocab_size), dtype=torch.bool,
-                                 device=self.device)
-            allowed[:rows] = unpack_bits(self._bits[:rows].to(self.device), self.vocab_size)
-            self._nonempty(self._bits[:rows])
-        return out, allowed
+            return draft
+        spine_ids = [*draft.token_ids[:consumed], *forced]
+        ids = spine_ids + [draft.token_ids[i] for i in alternatives]
+        if not ids:
+            return Draft()
+        parents = list(range(-1, len(spine_ids) - 1)) + [draft.parents[i] for i in alternatives]
+        sources = [draft.source_of(i) for i in range(consumed)] + [GRAMMAR_SOURCE] * len(forced) \
+            + [draft.source_of(i) for i in alternatives]
+        q = None
+        if draft.draft_probs is not None:  # a model's chain: forced rows are point masses
+            q = torch.cat([draft.draft_probs[:consumed], torch.nn.functional.one_hot(
+                torch.tensor(forced, dtype=torch.long), draft.draft_probs.shape[-1]
+            ).to(draft.draft_probs)])
+        return Draft(tuple(ids), tuple(parents), tuple(sources), q)
+
+    def _eager_masks(self, num_rows: int, rows: int) -> torch.Tensor:
+        """bool ``[num_rows, vocab_size]`` on the device: the first ``rows`` rows' masks as the
+        walk filled them, every later row allowing everything (after a stop token, free text
+        or off the spine, a row decides nothing)."""
+        allowed = torch.ones((num_rows, self.vocab_size), dtype=torch.bool, device=self.device)
+        allowed[:rows] = unpack_bits(self._bits[:rows].to(self.device), self.vocab_size)
+        self._nonempty(self._bits[:rows])
+        return allowed
 
     def _nonempty(self, bits: torch.Tensor) -> None:
         """Raise where a row's packed mask allows nothing (checked on the words: 32x less)."""
@@ -320,7 +389,7 @@ class GrammarState:
             if self.matcher.is_stopped() or token in self.eos:
                 return  # the stop token that ends the output
             if not self.matcher.consume_token(token):
-                self._check()
+                self.check()
             self._committed += 1
             self._path.append(trie_child(self._path[-1], token))
 
@@ -332,7 +401,7 @@ class GrammarState:
         self._version += 1
         if count:
             self.matcher.rollback(count)
-            self._check()
+            self.check()
             self._committed -= count
             del self._path[len(self._path) - count:]
             if self._committed == 0 and self.grammar.or_text:
@@ -342,6 +411,83 @@ class GrammarState:
     def done(self) -> bool:
         """The grammar is complete and allows nothing more but a stop token."""
         return self.mode != "text" and self.matcher.is_stopped()
+
+
+@dataclass(frozen=True)
+class _Spine:
+    """What :meth:`GrammarState._walk_spine` kept of a draft's spine: its first ``consumed``
+    nodes, the alternatives (off-spine nodes) ``allowed`` at their parent's row, whether the
+    last kept node is a stop token (``ended``, not consumed) and whether the first starts free
+    text (``free``: the matcher consumed none of them)."""
+
+    consumed: int
+    allowed: set[int]
+    ended: bool = False
+    free: bool = False
+
+
+class Walk:
+    """The matcher walking a step's rows from the committed state, a token at a time: at row
+    ``r`` it is in the state after the walk's first ``r`` :attr:`tokens`, whose trie node is
+    :attr:`node`. Made by :meth:`GrammarState.walk`, used as a context manager: on leaving,
+    the matcher rolls back over every token the walk consumed (and is checked, unless an
+    error is already on its way).
+
+    With ``fill`` (:meth:`GrammarState.constrain`'s eager masks) each row's mask is filled
+    into the state's packed rows as the walk reaches it, and a token is checked against it;
+    without, a token is checked alone (:meth:`GrammarState.allows`) and a row's mask is
+    computed only when asked for (:meth:`mask`)."""
+
+    def __init__(self, state: GrammarState, node: list[Any] | None, *, fill: bool) -> None:
+        self.state, self.node, self.fill = state, node, fill
+        self.tokens: list[int] = []
+        if fill:
+            state.fill_row(0, node)
+
+    def __enter__(self) -> Walk:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        self.state.matcher.rollback(len(self.tokens))
+        if kind is None:
+            self.state.check()
+
+    @property
+    def row(self) -> int:
+        """The row whose state the matcher is in (the tokens the walk consumed)."""
+        return len(self.tokens)
+
+    def allows(self, token: int) -> bool:
+        """Whether this row's state allows ``token``."""
+        if self.fill:
+            return self.state.row_allows(self.row, token)
+        return self.state.allows(token, self.node, self.row == 0)
+
+    def consume(self, token: int, *, last: bool = False) -> bool:
+        """Walk on by ``token`` where the matcher takes it (False where it refuses, the walk
+        where it was), filling the next row's mask with ``fill``. ``last``: nothing asks the
+        new row's state about a token (only its mask is filled), so a walk without ``fill``
+        leaves the trie as it is."""
+        if not self.state.matcher.consume_token(token):
+            return False
+        self.tokens.append(token)
+        if self.fill or not last:
+            self.node = trie_child(self.node, token)
+        if self.fill:
+            self.state.fill_row(self.row, self.node)
+        return True
+
+    def follow(self, token: int) -> None:
+        """Walk on by ``token``, one the step's rows were walked through already (a step's
+        :class:`LazyMasks`): the matcher refusing it is its failure, raised."""
+        if not self.consume(token):
+            self.state.check()
+            raise GrammarError(f"the {self.state.grammar.kind} grammar refused a token its "
+                               "step was walked through")
+
+    def mask(self) -> torch.Tensor:
+        """This row's mask, computed now (:meth:`GrammarState.row_mask`)."""
+        return self.state.row_mask(self.node, self.row == 0)
 
 
 class LazyMasks:
@@ -356,6 +502,9 @@ class LazyMasks:
     mask's bit or llguidance's check of that token), and its mask computed only if that
     fails. Valid until the grammar state moves on (the step's ``advance``).
 
+    Reads the state through :attr:`GrammarState.version`, :attr:`GrammarState.closed` and a
+    :meth:`GrammarState.walk` over :attr:`walk`'s tokens.
+
     Args:
         state: the request's grammar state, at the step's committed tokens.
         walk: the tokens the matcher walked for the step's rows: row ``r + 1`` is the state
@@ -366,58 +515,36 @@ class LazyMasks:
     def __init__(self, state: GrammarState, walk: Sequence[int], num_rows: int) -> None:
         self.state, self.walk, self.num_rows = state, list(walk), num_rows
         self.rows = 1 + len(self.walk)  # rows with a mask of their own
-        self.version = state._version
+        self.version = state.version
+
+    def _current(self) -> None:
+        if self.state.version != self.version or self.state.closed:
+            raise GrammarError("these masks belong to a step the grammar state has moved past")
 
     def forbidding(self, tokens: Sequence[int]) -> dict[int, torch.Tensor]:
         """``{row: bool [vocab_size] mask on the device}`` for each row whose token in
         ``tokens`` (one per row, at least :attr:`rows`) the grammar forbids there."""
-        st = self.state
-        if st._version != self.version or st.matcher is None:
-            raise GrammarError("these masks belong to a step the grammar state has moved past")
+        self._current()
         check = [r for r in range(min(self.rows, len(tokens)))
                  if not (r < len(self.walk) and tokens[r] == self.walk[r])]
         out: dict[int, torch.Tensor] = {}
-        node = st._path[-1]
-        at = 0  # walk tokens the matcher consumed
-        try:
+        with self.state.walk() as cursor:
             for r in check:
-                while at < r:
-                    if not st.matcher.consume_token(self.walk[at]):
-                        st._check()
-                    node = trie_child(node, self.walk[at])
-                    at += 1
-                if not st._valid(int(tokens[r]), node, r == 0):
-                    out[r] = self._mask(node, r == 0)
-        finally:
-            st.matcher.rollback(at)
-        st._check()
+                while cursor.row < r:
+                    cursor.follow(self.walk[cursor.row])
+                if not cursor.allows(int(tokens[r])):
+                    out[r] = cursor.mask()
         return out
-
-    def _mask(self, node: list[Any] | None, first: bool) -> torch.Tensor:
-        st = self.state
-        st._grow(1)
-        st.fill_row(0, node, first)
-        st._nonempty(st._bits[:1])
-        return unpack_bits(st._bits[:1].to(st.device), st.vocab_size)[0]
 
     def full(self) -> torch.Tensor:
         """Every row's mask: bool ``[num_rows, vocab_size]`` on the device (what
         ``constrain`` returns without ``lazy``)."""
+        self._current()
         st = self.state
-        if st._version != self.version or st.matcher is None:
-            raise GrammarError("these masks belong to a step the grammar state has moved past")
         out = torch.ones((self.num_rows, st.vocab_size), dtype=torch.bool, device=st.device)
-        node = st._path[-1]
-        at = 0
-        try:
+        with st.walk() as cursor:
             for r in range(self.rows):
-                out[r] = self._mask(node, r == 0)
+                out[r] = cursor.mask()
                 if r < len(self.walk):
-                    if not st.matcher.consume_token(self.walk[r]):
-                        st._check()
-                    node = trie_child(node, self.walk[r])
-                    at += 1
-        finally:
-            st.matcher.rollback(at)
-        st._check()
+                    cursor.follow(self.walk[r])
         return out

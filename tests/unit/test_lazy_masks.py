@@ -39,7 +39,7 @@ def _state(tok, choice: str = "required") -> g.GrammarState:
 
 
 def test_a_tokens_check_is_its_mask_bit(tok) -> None:
-    """``_valid`` (llguidance's check of one token, no mask) says what the mask says, at every
+    """``allows`` (llguidance's check of one token, no mask) says what the mask says, at every
     state of a call, the stop token included (allowed only once the call is complete)."""
     rng = random.Random(0)
     state = _state(tok)
@@ -52,7 +52,7 @@ def test_a_tokens_check_is_its_mask_bit(tok) -> None:
         probe = rng.sample(allowed, min(40, len(allowed))) + [rng.randrange(len(tok)) for _ in range(80)]
         probe += [tok.eos_token_id] + ids
         for t in probe:
-            assert state._valid(t, None, at == 0) == bool(mask[t]), (at, t)
+            assert state.allows(t, None, at == 0) == bool(mask[t]), (at, t)
         assert bool(mask[tok.eos_token_id]) == (at == len(ids))
         if at < len(ids):
             state.advance([ids[at]])
