@@ -1,18 +1,11 @@
 """CompletionMemory: past completions keyed by an embedding of the conversation, replayed as drafts.
 
 The SQL store is the source of truth; each (scope, embedder) has a FaissIndex in this process,
-derived from the store's rows. Several processes may share one store: before a lookup the
-index picks up rows that others added (by id watermark, at most every ``sync_interval_s``),
-and when the store's row count for the scope disagrees with the index size it reconciles the
-two id sets, dropping ids that were deleted (evicted or pruned elsewhere) and adding missed
-ones. A wrong or stale hit only costs speed: drafts are verified exactly.
-
-A request's own memory work must not grow with the store. Picking up new rows reads only the
-rows written since (the primary key from the watermark on). What reads every row of a scope
-(the row count above; the token totals behind the caps) runs at most every
-``check_interval_s``, and between two checks the caps are kept from this memory's own writes:
-it checks early when they could have used up the room the last check left. A deleted row
-that lingers in an index until then is skipped at lookup (it is no longer in the store).
+derived from the store's rows and kept in step with it, also when several processes share the
+store (:mod:`agentspec.memory.scopes`). A wrong or stale hit only costs speed: drafts are
+verified exactly. Lookups may start ahead of their call (:mod:`agentspec.memory.ahead`) and
+writes go behind it (:mod:`agentspec.memory.worker`); the writes themselves, and how they
+wait out a failing store, are :mod:`agentspec.memory.writes`.
 
 The memory is an accelerator, so its database failing must not fail a generation: ``lookup``,
 ``completions``, ``record`` and ``credit`` never raise StoreError. A failure is warned about
@@ -28,7 +21,6 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -37,18 +29,17 @@ from typing import Any
 import numpy as np
 
 from agentspec.errors import MemoryFaultWarning, StoreError
-from agentspec.memory.caps import CapsWatch
+from agentspec.memory.ahead import LookupsAhead
 from agentspec.memory.embedder import MiniLMEmbedder
 from agentspec.memory.guard import StoreGuard
-from agentspec.memory.index import ScopeIndex, load_index, save_index
+from agentspec.memory.index import ScopeIndex
+from agentspec.memory.scopes import ScopeIndexes
 from agentspec.memory.worker import KeyVectors, Worker
+from agentspec.memory.writes import Writes
 from agentspec.protocols import Embedder, MemoryStore
 from agentspec.stores.faiss_index import FaissIndex
 from agentspec.stores.sql import SQLStore
 from agentspec.types import Finished, Origins, Record
-
-# Lookups started ahead and kept until their lookup (one a concurrent call; a few spare).
-_AHEAD = 64
 
 
 class CompletionMemory:
@@ -90,19 +81,17 @@ class CompletionMemory:
         self.max_tokens_total = max_tokens_total
         self.sync_interval_s = sync_interval_s
         self.check_interval_s = check_interval_s
-        self._indexes: dict[tuple[str, str], ScopeIndex] = {}
-        self._caps = CapsWatch()
+        # The indexes per (scope, embedder), and the caps' checks (read this memory's settings).
+        self._scopes = ScopeIndexes(store, self.index_dir, settings=self)
         self._lock = threading.RLock()
         self._owns_store = False
         self._guard = StoreGuard(max_pending=max_pending, retry_interval_s=retry_interval_s)
+        self._writes = Writes(store, self._guard, self._scopes)
         # The worker thread (keys embedded ahead of their lookup, writes behind a call) and the
         # latest keys' vectors (a vector is a function of the embedder and the text).
         self.worker = Worker()
         self._vectors = KeyVectors(self.worker)
-        # Lookups started ahead (:meth:`prefetch`), by their arguments, oldest first.
-        self._ahead: OrderedDict[tuple[str, str, str, int, float | None],
-                                 Future[list[tuple[Record, float]]]] = OrderedDict()
-        self._ahead_lock = threading.Lock()
+        self._ahead = LookupsAhead()  # lookups started ahead (:meth:`prefetch`)
 
     @classmethod
     def open(cls, url: str | None = None, **kw: Any) -> CompletionMemory:
@@ -115,6 +104,11 @@ class CompletionMemory:
         memory = cls(SQLStore(url), **kw)
         memory._owns_store = True
         return memory
+
+    @property
+    def _indexes(self) -> dict[tuple[str, str], ScopeIndex]:
+        """The loaded indexes, by ``(scope, embedder name)``."""
+        return self._scopes.by_key
 
     @property
     def embedder(self) -> Embedder:
@@ -173,12 +167,7 @@ class CompletionMemory:
             self._vectors.prefetch(self.embedder, key_text)
             return
         args = (key_text, scope, model, int(k), min_similarity)
-        with self._ahead_lock:
-            if args in self._ahead:
-                return
-            self._ahead[args] = self.worker.submit(self._lookup, *args)
-            while len(self._ahead) > _AHEAD:
-                self._ahead.popitem(last=False)
+        self._ahead.start(args, lambda: self.worker.submit(self._lookup, *args))
 
     def finish(self, done: Finished, *, behind: bool = False) -> Future[int] | int:
         """The end of a request, in one call: credit the records its drafts came from, then
@@ -239,8 +228,7 @@ class CompletionMemory:
         if k == 0:
             return []
         self.worker.settle()
-        with self._ahead_lock:
-            ahead = self._ahead.pop((key_text, scope, model, int(k), min_similarity), None)
+        ahead = self._ahead.take((key_text, scope, model, int(k), min_similarity))
         # On the worker, a prefetch may be queued behind the running task: looked up here.
         found: list[tuple[Record, float]] | None = None
         if ahead is not None and (ahead.done() or not self.worker.on_worker):
@@ -257,7 +245,7 @@ class CompletionMemory:
                 min_similarity: float | None) -> list[tuple[Record, float]]:
         query = self._vectors.get(self.embedder, key_text)
         with self._lock:
-            self._flush()
+            self._writes.flush()
             if self._guard.due("read"):
                 try:
                     out = self._nearest(query, scope, model, k, min_similarity)
@@ -271,20 +259,7 @@ class CompletionMemory:
 
     def _nearest(self, query: np.ndarray, scope: str, model: str, k: int,
                  min_similarity: float | None = None) -> list[tuple[Record, float]]:
-        state = self._sync(scope)
-        size = len(state.index)
-        fetch = min(size, 2 * k)  # over-fetch a little: other models may share the scope
-        while True:
-            hits = state.index.search(query, fetch)
-            deepest = fetch >= size
-            if min_similarity is not None and hits and hits[-1][1] < min_similarity:
-                hits = [(i, s) for i, s in hits if s >= min_similarity]
-                deepest = True  # what lies deeper is less similar still
-            found = {r.id: r for r in self.store.get_many([i for i, _ in hits])} if hits else {}
-            out = [(found[i], s) for i, s in hits if i in found and found[i].model == model]
-            if len(out) >= k or deepest:  # other models crowd the top: look deeper
-                return out[:k]
-            fetch = min(size, fetch * 4)
+        return self._scopes.nearest(query, scope, model, k, min_similarity)
 
     def completions(self, *, scope: str, model: str, after_id: int = 0) -> Iterator[Record]:
         """Records of ``scope`` and ``model`` with ``id > after_id``, in id order, for drafters:
@@ -319,19 +294,9 @@ class CompletionMemory:
                         completion_ids=tuple(int(t) for t in completion_ids), origins=origins,
                         embedding=vector, embedder=self.embedder.name, created_at=time.time())
         with self._lock:
-            self._flush()
-            if self._guard.pending or not self._guard.due("write"):  # keep the order
-                self._guard.queue(record)
-                return -1
-            try:
-                rid, _created = self.store.add(record)
-            except StoreError as e:
-                self._guard.failed("write", e)
-                self._guard.queue(record)
-                return -1
-            self._guard.succeeded("write")
-            self._upkeep({scope: len(record.completion_ids)})
-        self._discard_ahead(scope)
+            rid = self._writes.add(record)
+        if rid != -1:
+            self._discard_ahead(scope)
         return rid
 
     def flush(self) -> int:
@@ -339,61 +304,15 @@ class CompletionMemory:
         thread); returns how many are still queued."""
         self.worker.settle()
         with self._lock:
-            self._flush(force=True)
+            self._writes.flush(force=True)
             return len(self._guard.pending)
-
-    def _flush(self, *, force: bool = False) -> None:
-        """Write the queue, oldest first, in one transaction (when writes are due)."""
-        guard = self._guard
-        if not guard.pending or not (force or guard.due("write")):
-            return
-        batch = list(guard.pending)
-        try:
-            self.store.add_many(batch)  # one transaction: all or none
-        except StoreError as e:
-            guard.failed("write", e)
-            return
-        guard.pending.clear()
-        guard.counts["records_flushed"] += len(batch)
-        guard.succeeded("write")
-        tokens: dict[str, int] = {}
-        for r in batch:
-            tokens[r.scope] = tokens.get(r.scope, 0) + len(r.completion_ids)
-        self._upkeep(dict(sorted(tokens.items())))
-
-    def _upkeep(self, tokens: dict[str, int]) -> None:
-        """After writing ``tokens`` completion tokens per scope: bring the scopes' indexes up to
-        date; evict above the caps when a check is due (see :class:`~agentspec.memory.caps.CapsWatch`)."""
-        caps = (self.max_tokens_per_scope, self.max_tokens_total)
-        try:
-            for scope, n in tokens.items():
-                self._sync(scope, force=True)
-                if caps == (None, None) or not self._caps.due(scope, n, self.check_interval_s):
-                    continue
-                totals = self.store.token_total(scope), self.store.token_total(None)
-                if any(cap is not None and tokens > cap for cap, tokens in zip(caps, totals, strict=True)):
-                    evicted = self.store.evict_to_caps(*caps, scope=scope)
-                    for state in self._indexes.values() if evicted else ():
-                        state.index.remove(evicted)
-                    totals = self.store.token_total(scope), self.store.token_total(None)
-                self._caps.checked(scope, *caps, *totals)
-        except StoreError as e:  # the row is stored: the next sync catches up
-            self._guard.failed("write", e)
 
     def credit(self, record_id: int, accepted_tokens: int) -> None:
         """Note that a draft from ``record_id`` had ``accepted_tokens`` accepted (LRU + stats);
         dropped (and counted) while the store cannot be written."""
         self.worker.settle()
         with self._lock:
-            if self._guard.due("write"):
-                try:
-                    self.store.touch(record_id, accepted_tokens=accepted_tokens)
-                except StoreError as e:
-                    self._guard.failed("write", e)
-                else:
-                    self._guard.succeeded("write")
-                    return
-            self._guard.counts["credits_dropped"] += 1
+            self._writes.credit(record_id, accepted_tokens)
 
     def search(self, text: str, k: int = 5, scope: str | None = None) -> list[tuple[Record, float]]:
         """Up to ``k`` records most similar to ``text``, any model, in ``scope`` (None: all)."""
@@ -404,11 +323,8 @@ class CompletionMemory:
         self.worker.settle()
         query = self._vectors.get(self.embedder, text)
         scopes = [scope] if scope is not None else sorted(self.store.stats()["scopes"])
-        hits: list[tuple[int, float]] = []
         with self._lock:
-            for s in scopes:
-                hits += self._sync(s).index.search(query, k)
-        hits = sorted(hits, key=lambda h: -h[1])[:k]
+            hits = self._scopes.search(query, scopes, k)
         found = {r.id: r for r in self.store.get_many([i for i, _ in hits])}
         return [(found[i], s) for i, s in hits if i in found]
 
@@ -425,7 +341,7 @@ class CompletionMemory:
             out = {"store_error": str(e)}
         out["embedder"] = self.embedder.name
         with self._lock:
-            out["indexes"] = {s: len(st.index) for (s, _), st in self._indexes.items()}
+            out["indexes"] = self._scopes.sizes()
             out["faults"] = self._guard.stats()
             out["lookups"] = {"lookups": self._guard.counts["lookups"], "hits": self._guard.counts["lookup_hits"]}
         return out
@@ -444,11 +360,7 @@ class CompletionMemory:
         """
         self.worker.settle()
         with self._lock:
-            state = ScopeIndex(FaissIndex(int(self.embedder.dim)))
-            state.add_rows(self.store.ids_after(0, scope=scope, embedder=self.embedder.name))
-            state.synced_at = time.monotonic()
-            self._indexes[(scope, self.embedder.name)] = state
-            return len(state.index)
+            return self._scopes.rebuild(scope)
 
     def save(self) -> None:
         """Write every loaded index to ``index_dir`` (nothing when it is None)."""
@@ -456,39 +368,15 @@ class CompletionMemory:
             return
         self.worker.settle()
         with self._lock:
-            for (scope, _), state in self._indexes.items():
-                save_index(self.index_dir, scope, self.embedder.name, self._store_id(), state)
-
-    # --- index upkeep ------------------------------------------------------------------------
-    def _sync(self, scope: str, *, force: bool = False) -> ScopeIndex:
-        """The index of ``scope``, brought up to date with the store when due."""
-        key = (scope, self.embedder.name)
-        state = self._indexes.get(key)
-        if state is None:
-            state = self._indexes[key] = load_index(self.index_dir, scope, self.embedder.name,
-                                                    int(self.embedder.dim), self._store_id())
-            force = True
-        now = time.monotonic()
-        if not force and now - state.synced_at < self.sync_interval_s:
-            return state
-        name = self.embedder.name
-        state.catch_up(self.store, scope, name, now, self.check_interval_s)
-        if now - state.checked_at >= self.check_interval_s:  # reads the scope's every row id
-            if self.store.count(scope=scope, embedder=name) != len(state.index):
-                state.reconcile(self.store, scope, name)
-            state.checked_at = now
-        state.synced_at = now
-        return state
+            self._scopes.save()
 
     def _discard_ahead(self, scope: str) -> None:
         """Drop the lookups started ahead in ``scope``: a record written since may be missing
         from their answers."""
-        with self._ahead_lock:
-            for args in [a for a in self._ahead if a[1] == scope]:
-                del self._ahead[args]
+        self._ahead.discard(scope)
 
     def _store_id(self) -> str:
-        return str(getattr(self.store, "url", type(self.store).__name__))
+        return self._scopes.store_id
 
 
 def _warn_failed_credit(done: Future[Any]) -> None:

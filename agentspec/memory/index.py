@@ -117,7 +117,7 @@ def load_index(folder: Path | None, scope: str, embedder: str, dim: int,
         return ScopeIndex(index, watermark=int(meta["watermark"]))
     except (StoreError, OSError, ValueError, KeyError, TypeError, MemoryError) as e:
         warnings.warn(f"memory index {index_path} is unusable ({e}); rebuilding it from the "
-                      f"store", MemoryFaultWarning, stacklevel=5)
+                      f"store", MemoryFaultWarning, stacklevel=6)
         return ScopeIndex(FaissIndex(dim))
 
 
