@@ -2,7 +2,9 @@
 
 SQLite is the default (a file under ``AGENTSPEC_HOME``); PostgreSQL is reached through psycopg 3
 (``postgresql+psycopg://user:pass@host/db``); engines and error mapping live in
-:mod:`agentspec.stores.sql_engine`. The unique ``content_hash`` column makes ``add`` race-safe
+:mod:`agentspec.stores.sql_engine`, the tables in :mod:`agentspec.stores.sql_schema`, and the
+bulk deletes and rewrites (prune, evict to the caps, relabel a model) in
+:mod:`agentspec.stores.sql_upkeep`. The unique ``content_hash`` column makes ``add`` race-safe
 across processes. Every database failure is raised as ``StoreError``. No torch or transformers
 here: the CLI stays fast.
 """
@@ -20,6 +22,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from agentspec.errors import StoreError
 from agentspec.home import default_db_url
+from agentspec.stores import sql_upkeep
 from agentspec.stores.memory_store import (
     add_stats_row,
     check_nonneg,
@@ -28,11 +31,12 @@ from agentspec.stores.memory_store import (
     check_sort,
     content_hash,
     empty_stats,
-    lru_victims,
 )
 from agentspec.stores.sql_engine import dialect_insert, make_engine, mask_url, store_errors
 from agentspec.stores.sql_schema import (
+    CHUNK,
     SCHEMA_VERSION,
+    filters,
     prepare,
     read_version,
     records,
@@ -41,7 +45,6 @@ from agentspec.stores.sql_schema import (
 )
 from agentspec.types import Record
 
-_CHUNK = 500  # ids per IN (...) clause and rows per page of ``iter``
 _PG_LOCK = 0x4167_5370  # advisory lock serialising schema setup on PostgreSQL
 _SORT_COLUMNS = {"recent": records.c.last_used_at, "hits": records.c.hits,
                  "size": records.c.num_tokens, "accepted": records.c.accepted_tokens}
@@ -162,51 +165,28 @@ class SQLStore:
         wanted = [int(i) for i in ids]
         found: dict[int, Record] = {}
         with self._read() as conn:
-            for i in range(0, len(wanted), _CHUNK):
-                stmt = select(records).where(records.c.id.in_(wanted[i : i + _CHUNK]))
+            for i in range(0, len(wanted), CHUNK):
+                stmt = select(records).where(records.c.id.in_(wanted[i : i + CHUNK]))
                 found.update((r.id, to_record(r)) for r in conn.execute(stmt))
         return [found[i] for i in wanted if i in found]
-
-    def _filters(self, scope: str | None = None, model: str | None = None,
-                 embedder: str | None = None, *, unindexed: bool = False) -> list[Any]:
-        """WHERE terms; ``unindexed`` writes each column as an expression (``scope || ''``),
-        which no database answers from an index, so that it picks the primary key."""
-        def col(c: Any) -> Any:
-            return c + "" if unindexed else c
-
-        out = []
-        if scope is not None:
-            out.append(col(records.c.scope) == scope)
-        if model is not None:
-            out.append(col(records.c.model) == model)
-        if embedder is not None:
-            out += [col(records.c.embedder) == embedder, records.c.dim > 0]
-        return out
 
     def iter(self, *, scope: str | None = None, model: str | None = None,
              after_id: int = 0) -> Iterator[Record]:
         """Records with ``id > after_id`` in id order, read page by page (no long transaction)."""
         last = int(after_id)
         while True:
-            stmt = (select(records).where(records.c.id > last, *self._filters(scope, model))
-                    .order_by(records.c.id).limit(_CHUNK))
+            stmt = (select(records).where(records.c.id > last, *filters(scope, model))
+                    .order_by(records.c.id).limit(CHUNK))
             with self._read() as conn:
                 page = [to_record(r) for r in conn.execute(stmt)]
             yield from page
-            if len(page) < _CHUNK:
+            if len(page) < CHUNK:
                 return
             last = page[-1].id  # type: ignore[assignment]
 
     def delete(self, ids: Iterable[int]) -> int:
         with self._write() as conn:
-            return self._delete(conn, [int(i) for i in ids])
-
-    @staticmethod
-    def _delete(conn: Connection, ids: list[int]) -> int:
-        n = 0
-        for i in range(0, len(ids), _CHUNK):
-            n += conn.execute(delete(records).where(records.c.id.in_(ids[i : i + _CHUNK]))).rowcount
-        return n
+            return sql_upkeep.delete_ids(conn, [int(i) for i in ids])
 
     def touch(self, record_id: int, *, accepted_tokens: int = 0) -> None:
         """Bump hits, add ``accepted_tokens``, set last use to now; unknown ids are ignored."""
@@ -227,13 +207,13 @@ class SQLStore:
     def count(self, *, scope: str | None = None, model: str | None = None,
               embedder: str | None = None) -> int:
         """Rows matching; with ``embedder``, only rows embedded by it."""
-        stmt = select(func.count()).select_from(records).where(*self._filters(scope, model, embedder))
+        stmt = select(func.count()).select_from(records).where(*filters(scope, model, embedder))
         with self._read() as conn:
             return int(conn.execute(stmt).scalar_one())
 
     def ids(self, *, scope: str | None = None, embedder: str | None = None) -> np.ndarray:
         """Sorted int64 ids matching (with ``embedder``: only rows embedded by it)."""
-        stmt = select(records.c.id).where(*self._filters(scope, None, embedder)).order_by(records.c.id)
+        stmt = select(records.c.id).where(*filters(scope, None, embedder)).order_by(records.c.id)
         with self._read() as conn:
             return np.fromiter(conn.execute(stmt).scalars(), np.int64)
 
@@ -252,14 +232,13 @@ class SQLStore:
         With ``after_id > 0`` or ``among`` (a memory catching up) the rows are found by the
         primary key, not through the scope's index, which would read every row id of the
         scope: the work grows with the rows written since, not with the store."""
-        filters = self._filters(scope, model, embedder,
-                                unindexed=self.catches_up_by_key(after_id, among))
+        terms = filters(scope, model, embedder, unindexed=self.catches_up_by_key(after_id, among))
         base = (select(records.c.id, records.c.embedding)
-                .where(records.c.id > int(after_id), records.c.embedding.is_not(None), *filters)
+                .where(records.c.id > int(after_id), records.c.embedding.is_not(None), *terms)
                 .order_by(records.c.id))
         wanted = None if among is None else sorted({int(i) for i in among})
         stmts = [base] if wanted is None else [
-            base.where(records.c.id.in_(wanted[i : i + _CHUNK])) for i in range(0, len(wanted), _CHUNK)]
+            base.where(records.c.id.in_(wanted[i : i + CHUNK])) for i in range(0, len(wanted), CHUNK)]
         out: list[tuple[int, np.ndarray]] = []
         with self._read() as conn:
             for stmt in stmts:
@@ -278,7 +257,7 @@ class SQLStore:
     def token_total(self, scope: str | None = None) -> int:
         """Completion tokens stored in ``scope`` (all scopes when None)."""
         with self._read() as conn:
-            return self._total(conn, scope)
+            return sql_upkeep.token_total(conn, scope)
 
     def stats(self) -> dict[str, Any]:
         """Totals of rows, tokens, bytes, hits and accepted tokens, overall and per scope and
@@ -297,7 +276,7 @@ class SQLStore:
     def embedding_groups(self, scope: str | None = None) -> dict[tuple[str, str, int], int]:
         """Embedded rows per ``(scope, embedder, dim)`` (of ``scope`` only, unless None)."""
         c = records.c
-        stmt = (select(c.scope, c.embedder, c.dim, func.count()).where(c.dim > 0, *self._filters(scope))
+        stmt = (select(c.scope, c.embedder, c.dim, func.count()).where(c.dim > 0, *filters(scope))
                 .group_by(c.scope, c.embedder, c.dim))
         with self._read() as conn:
             return {(s, e, int(d)): int(n) for s, e, d, n in conn.execute(stmt)}
@@ -333,7 +312,7 @@ class SQLStore:
         check_sort(sort)
         check_nonneg("limit", limit)
         # ids first: the (scope, model, counters) index answers this without reading the rows
-        stmt = (select(records.c.id).where(*self._filters(scope, model))
+        stmt = (select(records.c.id).where(*filters(scope, model))
                 .order_by(_SORT_COLUMNS[sort].desc(), records.c.id.desc()).limit(int(limit)))
         with self._read() as conn:
             ids = list(conn.execute(stmt).scalars())
@@ -355,50 +334,8 @@ class SQLStore:
             ``(moved, merged)`` record counts.
         """
         check_relabel(old, new)
-        c = records.c
         with self._write() as conn:
-            rows = conn.execute(select(c.id, c.scope, c.model, c.key_text, c.completion_text,
-                                       c.hits, c.accepted_tokens, c.last_used_at)
-                                .where(c.model == old).order_by(c.id)).all()
-            hashes = {r.id: content_hash(r, model=new) for r in rows}  # type: ignore[arg-type]
-            twins: dict[str, Any] = {}
-            wanted = sorted(set(hashes.values()))
-            for i in range(0, len(wanted), _CHUNK):
-                twins.update((t.content_hash, t) for t in conn.execute(
-                    select(c.id, c.content_hash, c.last_used_at)
-                    .where(c.content_hash.in_(wanted[i : i + _CHUNK]))))
-            moves = [{"rid": r.id, "h": hashes[r.id]} for r in rows if hashes[r.id] not in twins]
-            merges = [{"rid": twins[hashes[r.id]].id, "more_hits": r.hits,
-                       "more_accepted": r.accepted_tokens,
-                       "used": max(r.last_used_at, twins[hashes[r.id]].last_used_at)}
-                      for r in rows if hashes[r.id] in twins]
-            if moves:
-                conn.execute(update(records).where(c.id == bindparam("rid"))
-                             .values(model=new, content_hash=bindparam("h")), moves)
-            if merges:
-                conn.execute(update(records).where(c.id == bindparam("rid"))
-                             .values(hits=c.hits + bindparam("more_hits"),
-                                     accepted_tokens=c.accepted_tokens + bindparam("more_accepted"),
-                                     last_used_at=bindparam("used")), merges)
-                self._delete(conn, [r.id for r in rows if hashes[r.id] in twins])
-        return len(moves), len(merges)
-
-    def _total(self, conn: Connection, scope: str | None) -> int:
-        stmt = select(func.coalesce(func.sum(records.c.num_tokens), 0)).where(*self._filters(scope))
-        return int(conn.execute(stmt).scalar_one())
-
-    def _lru(self, conn: Connection, scope: str | None, excess: int,
-             skip: set[int]) -> tuple[list[int], int]:
-        """Least recently used ids of ``scope`` (all when None) freeing ``excess`` tokens."""
-        if excess <= 0:
-            return [], 0
-        stmt = (select(records.c.id, records.c.num_tokens).where(*self._filters(scope))
-                .order_by(records.c.last_used_at, records.c.id))
-        result = conn.execute(stmt)
-        try:
-            return lru_victims(((i, n) for i, n in result if i not in skip), excess)
-        finally:
-            result.close()
+            return sql_upkeep.relabel(conn, old, new)
 
     def prune(self, older_than_s: float | None, scope: str | None = None,
               max_tokens: int | None = None, dry_run: bool = False) -> list[int]:
@@ -411,18 +348,7 @@ class SQLStore:
         check_nonneg("older_than_s", older_than_s)
         check_nonneg("max_tokens", max_tokens)
         with (self._read() if dry_run else self._write()) as conn:
-            old: list[tuple[int, int]] = []
-            if older_than_s is not None:
-                stmt = select(records.c.id, records.c.num_tokens).where(
-                    records.c.last_used_at < time.time() - older_than_s, *self._filters(scope))
-                old = [(int(i), int(n)) for i, n in conn.execute(stmt)]
-            victims = [i for i, _ in old]
-            if max_tokens is not None:
-                total = self._total(conn, scope) - sum(n for _, n in old)
-                victims += self._lru(conn, scope, total - max_tokens, set(victims))[0]
-            if not dry_run:
-                self._delete(conn, victims)
-        return victims
+            return sql_upkeep.prune(conn, older_than_s, scope, max_tokens, dry_run=dry_run)
 
     def evict_to_caps(self, max_tokens_per_scope: int | None, max_tokens_total: int | None,
                       *, scope: str | None = None) -> list[int]:
@@ -434,20 +360,5 @@ class SQLStore:
         """
         check_nonneg("max_tokens_per_scope", max_tokens_per_scope)
         check_nonneg("max_tokens_total", max_tokens_total)
-        victims: list[int] = []
-        freed = 0
         with self._write() as conn:
-            if max_tokens_per_scope is not None:
-                total = func.sum(records.c.num_tokens)
-                stmt = (select(records.c.scope, total).where(*self._filters(scope))
-                        .group_by(records.c.scope).having(total > max_tokens_per_scope)
-                        .order_by(records.c.scope))
-                for s, tokens in conn.execute(stmt).all():
-                    ids, n = self._lru(conn, s, int(tokens) - max_tokens_per_scope, set())
-                    victims += ids
-                    freed += n
-            if max_tokens_total is not None:
-                excess = self._total(conn, None) - freed - max_tokens_total
-                victims += self._lru(conn, None, excess, set(victims))[0]
-            self._delete(conn, victims)
-        return victims
+            return sql_upkeep.evict_to_caps(conn, max_tokens_per_scope, max_tokens_total, scope)

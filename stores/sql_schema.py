@@ -1,4 +1,5 @@
-"""The completion memory's SQL tables, row encoding, and forward migrations.
+"""The completion memory's SQL tables, row encoding, the WHERE terms on them, and forward
+migrations.
 
 Schema versions live in the ``agentspec_meta`` table (``key = 'schema_version'``). A database
 without that table but with ``agentspec_records`` is version 0: the pre-release layout that
@@ -37,6 +38,7 @@ from agentspec.stores.memory_store import content_hash, record_bytes
 from agentspec.types import Origins, Record
 
 SCHEMA_VERSION = 2
+CHUNK = 500  # ids per IN (...) clause and rows per page of ``SQLStore.iter``
 
 metadata = MetaData()
 
@@ -78,6 +80,24 @@ meta = Table(
     Column("key", String(64), primary_key=True),
     Column("value", Text, nullable=False),
 )
+
+
+def filters(scope: str | None = None, model: str | None = None,
+            embedder: str | None = None, *, unindexed: bool = False) -> list[Any]:
+    """WHERE terms on :data:`records`; ``unindexed`` writes each column as an expression
+    (``scope || ''``), which no database answers from an index, so that it picks the primary
+    key."""
+    def col(c: Any) -> Any:
+        return c + "" if unindexed else c
+
+    out = []
+    if scope is not None:
+        out.append(col(records.c.scope) == scope)
+    if model is not None:
+        out.append(col(records.c.model) == model)
+    if embedder is not None:
+        out += [col(records.c.embedder) == embedder, records.c.dim > 0]
+    return out
 
 
 def row_values(record: Record, now: float) -> dict[str, Any]:
