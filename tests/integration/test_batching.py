@@ -23,6 +23,7 @@ outputs at concurrency 16, though alone it is exact.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -125,12 +126,16 @@ def _mixed_calls(n: int = 16) -> list[Call]:
 
 
 def _together(spec: Speculator, calls: list[Call], threads: int,
-              stagger_s: float = 0.0) -> list[Generation]:
+              stagger_s: float = 0.0, *, queued: bool = False) -> list[Generation]:
     """``calls`` on ``threads`` threads (thread k runs calls k, k + threads, ... in turn),
-    released at once, or ``stagger_s`` apart; the first error is raised."""
+    released at once, or ``stagger_s`` apart; the first error is raised. ``queued`` (a
+    thread a call, on a warmed-up ``spec``): the engine is held (``exclusive``) while the
+    threads start one after the other, each once the one before waits for room, so the first
+    step admits every call in their order: which calls share which forward is then the
+    scheduler's alone, never the threads' timing."""
     out: list[Any] = [None] * len(calls)
     errors: list[BaseException] = []
-    barrier = threading.Barrier(threads)
+    barrier = threading.Barrier(1 if queued else threads)
 
     def worker(k: int) -> None:
         try:
@@ -142,8 +147,12 @@ def _together(spec: Speculator, calls: list[Call], threads: int,
             errors.append(e)
 
     pool = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
-    for t in pool:
-        t.start()
+    assert not queued or threads == len(calls)
+    with spec._scheduler.exclusive() if queued else contextlib.nullcontext():
+        for k, t in enumerate(pool):
+            t.start()
+            if queued:
+                _wait_for(lambda k=k: spec._scheduler.waiting == k + 1 or bool(errors))
     for t in pool:
         t.join(timeout=300)
     assert not any(t.is_alive() for t in pool), "a call never finished"
@@ -230,15 +239,22 @@ def _fold_rounded_in_groups(x: torch.Tensor, *, fold: Callable[..., torch.Tensor
 
 
 def test_an_attention_that_depends_on_the_batch_fails_that_check(monkeypatch):
+    """The wrong attention changes a row only in a forward that carries several sequences, so
+    the calls are queued before the first step (``_together``'s ``queued``): admitted at once,
+    they are prefilled and decoded 2 to 8 to a forward here, the same forwards at every run
+    (3 of the 16 outputs change). Released as their threads come, calls that each ended before the next was
+    admitted passed the check (once, in a fresh clone's CI run)."""
     calls = _mixed_calls()
     target = _fresh("bf16")
+    spec = _speculator(target)
     # Probed on the right attention: on this one the batch probe (HFTarget.batch_probe) finds
-    # the difference and every forward would carry one sequence.
-    target.check_widths()
+    # the difference and every forward would carry one sequence. Warmed up, the drafters are
+    # built: nothing the calls do before they queue needs the engine held below.
+    spec.warmup()
     assert target.batches
     monkeypatch.setattr(kv, "fold_blocks",
                         functools.partial(_fold_rounded_in_groups, fold=kv.fold_blocks))
-    outs = _together(_speculator(target), calls, 16)
+    outs = _together(spec, calls, len(calls), queued=True)
     assert _differing(outs, calls, "bf16"), "sums rounded by group size changed no bf16 output"
 
 
