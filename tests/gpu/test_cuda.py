@@ -223,7 +223,7 @@ def test_concurrent_calls_equal_their_solo_runs_on_cuda(gpu_spec):
 
     threads = [threading.Thread(target=call, args=(i,)) for i in range(len(ALL_PROMPTS))]
     for t in threads:
-        solo(t).start()
+        t.start()
     for t in threads:
         t.join()
     assert [got[i] for i in range(len(ALL_PROMPTS))] == want

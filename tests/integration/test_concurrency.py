@@ -31,7 +31,6 @@ from agentspec.stores import InMemoryStore
 from agentspec.stream import Stream
 from agentspec.types import Generation
 from tests.integration.helpers import cached_target
-from tests.solo import solo
 
 pytestmark = pytest.mark.slow
 langchain = pytest.importorskip("agentspec.adapters.langchain")
@@ -132,7 +131,7 @@ def test_16_concurrent_callers_equal_their_serial_outputs(target, monkeypatch):
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
     for t in threads:
-        solo(t).start()
+        t.start()
     asyncio.run(tasks())
     for t in threads:
         t.join(timeout=300)

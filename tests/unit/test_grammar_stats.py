@@ -22,6 +22,8 @@ import torch
 from agentspec.config import SamplingParams
 from agentspec.decoding import verify as verify_module
 from agentspec.decoding.sampling import logits_to_probs
+from agentspec.engine.forward import Scored
+from agentspec.engine.plan import Prefill
 from agentspec.grammar import Grammar
 from agentspec.grammar.state import GrammarState
 from agentspec.protocols import DraftContext
@@ -65,16 +67,37 @@ def letter_tokens() -> list[int]:
     return sorted(ids)
 
 
+class _TableSequence:
+    """The fake engine's sequence: only the committed tokens."""
+
+    reused_tokens = 0
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+
+    @property
+    def kv_len(self) -> int:
+        return len(self.ids)
+
+    def commit(self, root: int, verdict: Any) -> None:
+        self.ids += [root, *verdict.accepted]
+
+    def release(self) -> None:
+        pass
+
+
 class TableTarget:
     """Duck-typed ``HFTarget`` whose logits for a prefix are a fixed random vector, sharpened
     on the grammar's letter tokens (so the masked distributions are far from uniform)."""
 
+    batches = True  # what the scheduler asks of an engine
+
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self.max_draft_nodes = 16
+        self.widest = self.max_draft_nodes + 1
         self.tokenizer = tokenizer()
         self.device = torch.device("cpu")
-        self.committed: list[int] = []
         self.letters = torch.tensor([*letter_tokens(), EOS])
 
     @functools.lru_cache(maxsize=4096)  # noqa: B019 - one instance per test module
@@ -84,26 +107,25 @@ class TableTarget:
         row[self.letters] = torch.randn(len(self.letters), generator=g) * 2.0 + 3.0
         return row
 
-    def start(self, tokens: list[int]) -> None:
-        self.committed = list(tokens)
+    def new_sequence(self) -> _TableSequence:
+        return _TableSequence()
 
-    def holds(self, tokens: list[int]) -> bool:
-        return True
+    def prefill(self, seq: _TableSequence, tokens: list[int], *, now: bool = True) -> Prefill:
+        seq.ids = list(tokens[:-1])
+        return Prefill(seq, [])  # type: ignore[arg-type]
 
-    seq = None  # the decode loop's sequence: this fake keeps its committed tokens itself
+    def shared_rows(self, prompt_ids: list[int], other_ids: list[int]) -> int:
+        return 0
 
-    def run(self, members: list[Any], *, hidden: bool = False) -> list[torch.Tensor]:
+    def run(self, members: list[Any], *, hidden: bool = False) -> Scored:
         """Each member's rows (the root, then draft nodes, each seeing its ancestors)."""
-        base = tuple(self.committed[1:])  # the generated tokens (the prompt is one token)
-        out = []
+        out: list[torch.Tensor | None] = []
         for m in members:
+            base = tuple([*m.seq.ids, m.ids[0]][1:])  # the generated tokens (a 1-token prompt)
             n = len(m.ids)
             paths = [tuple(m.ids[c] for c in range(1, n) if m.anc[r, c]) for r in range(n)]
             out.append(torch.stack([self.logits(base + path) for path in paths]))
-        return out
-
-    def commit_on(self, seq: Any, root: int, verdict: Any) -> None:
-        self.committed.extend(verdict.new_tokens)
+        return Scored(out)
 
 
 class MixedTreeDrafter:
