@@ -103,7 +103,10 @@ def timing(clock: PhaseClock, targets: Sequence[Any] = ()) -> Iterator[PhaseCloc
         (CompletionMemory, "credit_behind", "memory.credit_behind"),
         (Worker, "settle", "memory.settle"),
     ]
-    spots += [(DrafterChain, m, f"drafting.{m}") for m in ("begin", "propose", "observe", "end")]
+    # The loop asks the chain through propose_sized (its propose is the same for a caller
+    # without a step's share): timed as the proposal it is.
+    spots += [(DrafterChain, m, f"drafting.{m}") for m in ("begin", "observe", "end")]
+    spots.append((DrafterChain, "propose_sized", "drafting.propose"))
     for target in targets:
         spots += [(target, "prefill", "target.prefix"), (target, "run", "target.forward")]
     spots.append((KVSequence, "commit", "target.commit"))

@@ -72,6 +72,11 @@ class ModelDrafter:
         # own context); its ids are the draft-model tokens whose rows it holds.
         self._seq = draft_target.new_sequence()
 
+    @property
+    def fed(self) -> int:
+        """Draft-model tokens whose rows its KV holds now."""
+        return self._seq.kv_len
+
     def begin(self, context: DraftContext) -> None:
         self._prompt_ids(context)
 

@@ -138,7 +138,7 @@ def test_greedy_drafts_are_point_masses(tiny_pair):
     with torch.inference_mode():
         logits = draft.model(input_ids=torch.tensor([context.tokens])).logits[0, -1]
     assert again.token_ids[0] == int(logits.argmax())
-    assert draft.kv_len == len(context.tokens) + 2
+    assert drafter.fed == len(context.tokens) + 2
 
 
 # --- Real models: greedy identity. ---------------------------------------------------------

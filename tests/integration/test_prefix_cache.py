@@ -89,10 +89,10 @@ class _TokensAndPositionOnly(KVPool):
 
     def match(self, ids: Sequence[int]) -> tuple[list[int], int, int]:
         def depth(block: int) -> int:
-            parent = self._key[block][0]
+            parent = self.trie._key[block][0]
             return 0 if parent < 0 else 1 + depth(parent)
 
-        found = {(depth(b), key): b for b, (_, key) in self._key.items() if len(key) == BLOCK}
+        found = {(depth(b), key): b for b, (_, key) in self.trie._key.items() if len(key) == BLOCK}
         chain: list[int] = []
         for index, start in enumerate(range(0, len(ids) - BLOCK + 1, BLOCK)):
             block = found.get((index, tuple(ids[start : start + BLOCK])))

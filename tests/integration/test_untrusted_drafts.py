@@ -226,7 +226,15 @@ def test_a_loop_that_accepts_the_first_draft_token_unchecked_fails_it(monkeypatc
             return Verdict((0,), (draft.token_ids[0],), verdict.next_token)
         return verdict
 
+    def accept_first_walk(draft: Draft, samples: list[int]) -> Verdict:
+        verdict = walk(draft, samples)
+        if draft.num_nodes and not verdict.path:  # the same wrong rule where argmax decides
+            return Verdict((0,), (draft.token_ids[0],), verdict.next_token)
+        return verdict
+
     monkeypatch.setattr(decode_module, "verify", accept_first)
+    # A step decides greedy calls by a walk over the rows' argmax, not through verify.
+    monkeypatch.setattr(decode_module, "walk", accept_first_walk)
     caplog.set_level(logging.CRITICAL, logger="agentspec")
     counts: Counter[str] = Counter()
     runs = [_example(seed, seed % len(PROMPTS), None, "decode", 0.0, counts) for seed in range(3)]

@@ -203,12 +203,12 @@ def test_a_fused_forward_that_fails_before_it_ever_ran_falls_back_to_the_modules
         raise RuntimeError("no kernel image for this device")
 
     t = target(model)
-    t._fused_optional = True  # as a default target (fused=None) on CUDA is
+    t.forward._fused_optional = True  # as a default target (fused=None) on CUDA is
     monkeypatch.setattr(kernels, "qkv_rope", broken)
     draft = Draft.chain(PROMPT[:5], "x")
     with pytest.warns(UserWarning, match="fused forward failed"):
         got = scored(t, PROMPT[:40], draft)
-    assert t.fused is None
+    assert t.forward.fused is None
     assert torch.equal(got, scored(target(model, fused=False), PROMPT[:40], draft))
     monkeypatch.undo()
     with pytest.raises(RuntimeError):  # asked for explicitly: no silent fallback
