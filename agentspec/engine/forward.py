@@ -18,7 +18,6 @@ sees the same shapes (``tests/integration/test_invariance.py``,
 
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -205,34 +204,23 @@ class Forward:
     def _modules(self, layout: Layout,
                  hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The model's modules over the layout (the engine's attention over the pool, its
-        products); the final hidden rows too where asked: the output embedding's input, taken
-        for this call in this thread only (the module is the model's, shared by every fork and
-        by other code such as the bench's transformers baselines)."""
+        products); with ``hidden`` also the final hidden rows the logits come from: the
+        model's own last hidden state (transformers hands it back as the last of
+        ``hidden_states``, after the final norm), at the rows whose logits are kept."""
         masks: Any = FULL if self.window is None else {"full_attention": FULL,
                                                         "sliding_attention": SLIDING}
         if self.window is not None and self._every_layer_slides:
             masks = SLIDING
         keep: Any = 0 if layout.logit_rows is None else layout.logit_rows
-        kept: list[torch.Tensor] = []
-        hook = None
-        if hidden:
-            me = threading.get_ident()
-
-            def take(module: Any, args: tuple[Any, ...]) -> None:
-                if threading.get_ident() == me:
-                    kept.append(args[0][0])  # [rows kept, hidden]
-
-            hook = self.model.get_output_embeddings().register_forward_pre_hook(take)
-        try:
-            with torch.inference_mode(), engine_kernels(self.model), laid_out(layout, self.pool):
-                out = self.model(input_ids=layout.ids[None], position_ids=layout.positions[None],
-                                 attention_mask=masks, past_key_values=PoolCache(self.pool, layout),
-                                 use_cache=True, logits_to_keep=keep)
-        finally:
-            if hook is not None:
-                hook.remove()
+        with torch.inference_mode(), engine_kernels(self.model), laid_out(layout, self.pool):
+            out = self.model(input_ids=layout.ids[None], position_ids=layout.positions[None],
+                             attention_mask=masks, past_key_values=PoolCache(self.pool, layout),
+                             use_cache=True, logits_to_keep=keep, output_hidden_states=hidden)
         logits: torch.Tensor = out.logits[0]  # [rows kept, vocab_size]
-        return logits, (kept[-1] if kept else None)
+        if not hidden:
+            return logits, None
+        last = out.hidden_states[-1][0]  # [width, hidden]
+        return logits, (last if layout.logit_rows is None else last[layout.logit_rows])
 
     def fused_runs(self) -> list[Any]:
         """The fused forward's shapes run so far (their staging, scratch and graphs)."""
