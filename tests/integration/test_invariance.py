@@ -25,6 +25,7 @@ import agentspec.engine.forward
 from agentspec import SamplingParams, Speculator
 from agentspec.drafters.policy import DEFAULT_COST
 from agentspec.drafters.prompt_lookup import PromptLookupDrafter
+from agentspec.engine.forward import Scored
 from agentspec.engine.load import load_target
 from agentspec.engine.target import HFTarget
 from agentspec.engine.widths import CPU_PREFILL_WIDTHS
@@ -220,13 +221,14 @@ class DraftDependentRows(HFTarget):
 
     def run(self, members, **kw):
         out = []
-        for member, logits in zip(members, super().run(members, **kw), strict=True):
+        scored = super().run(members, **kw)
+        for member, logits in zip(members, scored, strict=True):
             if logits is not None and len(member.ids) > 1:  # a verification: a draft's rows
                 gen = torch.Generator().manual_seed(member.seq.kv_len)
                 noise = torch.randint(-1, 2, logits.shape, generator=gen).to(logits.dtype) / 8
                 logits = logits + noise
             out.append(logits)
-        return out
+        return Scored(out, scored.hidden)
 
 
 @pytest.mark.long  # the control of test_no_draft_changes_the_output, long with it
