@@ -142,7 +142,7 @@ def verdict_for(draft: Draft, new: list[int]) -> tuple[Draft, Verdict]:
     accepted = len(new) - 1
     if 0 <= accepted <= draft.num_nodes and draft.is_chain \
             and tuple(new[:accepted]) == draft.token_ids[:accepted]:
-        return draft, Verdict(tuple(range(accepted)), tuple(new[:accepted]), new[-1])
+        return draft, Verdict.chain(new[:accepted], new[-1])
     return EMPTY_DRAFT, Verdict((), tuple(new[:-1]), new[-1])
 
 

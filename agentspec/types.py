@@ -3,6 +3,7 @@ what a memory hears when a request ends."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -110,6 +111,12 @@ class Verdict:
     @property
     def new_tokens(self) -> tuple[int, ...]:
         return (*self.accepted, self.next_token)
+
+    @classmethod
+    def chain(cls, accepted: Sequence[int], next_token: int = -1) -> Verdict:
+        """The verdict that accepts a chain's first ``len(accepted)`` nodes (a prompt chunk's
+        rows are committed as one: every token accepted, no next token)."""
+        return cls(tuple(range(len(accepted))), tuple(accepted), next_token)
 
 
 @dataclass(frozen=True)

@@ -75,4 +75,4 @@ def commit_tokens(seq: Any, ids: list[int]) -> None:
     """Commit ``ids`` after ``seq``'s committed rows, as a prefill chunk's forward commits
     them (their rows written by the caller)."""
     if ids:
-        seq.commit(ids[0], Verdict(tuple(range(len(ids) - 1)), tuple(ids[1:]), -1))
+        seq.commit(ids[0], Verdict.chain(ids[1:]))

@@ -90,7 +90,7 @@ def _filled(base: HFTarget, capacity: int, width: int, model: Any = None) -> tup
     seq = target.new_sequence(cached=False)
     seq.reserve(capacity)
     rest = capacity - width - 1
-    seq.commit(7, Verdict(tuple(range(rest)), (7,) * rest, -1))
+    seq.commit(7, Verdict.chain([7] * rest))
     return target, draft_member(seq, 7, Draft.chain([7] * (width - 1), "ops"))
 
 

@@ -141,7 +141,7 @@ def verify_ratio(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,
     accepted_mask, recovered_l, bonus_tok = host[:n], host[n : 2 * n], host[2 * n]
     k = next((i for i, a in enumerate(accepted_mask) if not a), n)
     next_token = recovered_l[k] if k < n else bonus_tok
-    return Verdict(tuple(range(k)), tuple(draft.token_ids[:k]), next_token)
+    return Verdict.chain(draft.token_ids[:k], next_token)
 
 
 def verify(draft: Draft, logits: torch.Tensor, sampling: SamplingParams,

@@ -188,7 +188,7 @@ class ModelDrafter:
             piece = ids[start : start + width]
             chain = Draft.chain(piece[1:], self.name)
             last = self.draft.run([draft_member(self._seq, piece[0], chain)])[0]
-            self._seq.commit(piece[0], Verdict(tuple(range(len(piece) - 1)), tuple(piece[1:]), -1))
+            self._seq.commit(piece[0], Verdict.chain(piece[1:]))
         assert last is not None  # [len(piece), vocab_size]: at least one token is fed
         return last[-1].float()
 

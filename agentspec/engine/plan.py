@@ -96,7 +96,7 @@ class Prefill:
         if member.seq is not self.seq or member.ids != self.pending[: len(member.ids)]:
             raise ValueError("written() takes the chunk this prefill handed out last")
         root, *rest = member.ids
-        self.seq.commit(root, Verdict(tuple(range(len(rest))), tuple(rest), -1))
+        self.seq.commit(root, Verdict.chain(rest))
         del self.pending[: len(member.ids)]
 
 

@@ -88,7 +88,7 @@ def _keep_rejected(seq, draft):
         # the rejected rows' tokens (in their slots' order) join the committed ones
         rest = [t for i, t in enumerate(draft) if i not in verdict.path]
         if rest:
-            right(rest[0], Verdict(tuple(range(len(rest) - 1)), tuple(rest[1:]), -1))
+            right(rest[0], Verdict.chain(rest[1:]))
 
     seq.commit = commit
 
