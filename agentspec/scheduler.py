@@ -291,8 +291,6 @@ class Scheduler:
                   and job.decoding.argmax_decides]
         if not picked:
             return {}
-        import torch
-
         tops = torch.cat([rows.argmax(dim=-1) for _, rows in picked]).tolist()
         out, at = {}, 0
         for job, rows in picked:
