@@ -27,6 +27,7 @@ from agentspec.drafters.head_rows import RowKeeper
 from agentspec.drafters.policy import CostModel
 from agentspec.engine.cost import measure_cost
 from agentspec.engine.load import load_target
+from agentspec.engine.quant.model import weights_mode
 from agentspec.engine.sequence import Sequence as KVSequence
 from agentspec.engine.target import HFTarget
 from agentspec.errors import warn_once
@@ -148,7 +149,8 @@ class Speculator:
                 a :class:`~agentspec.memory.completion.CompletionMemory`, or None for no memory.
             device: ``"cpu"``, ``"cuda"``, ``"cuda:1"`` or a ``torch.device``; default CUDA
                 when torch sees a GPU, else the CPU.
-            dtype: a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``,
+            dtype: a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, ``"gguf"``: a
+                GGUF's weights as the file stores them, see :func:`~agentspec.load_target`;
                 ``"float16"``); default bfloat16 on CUDA, float32 on the CPU.
             draft_model: a small model drafting when nothing better does (see ``__init__``).
 
@@ -413,7 +415,7 @@ class Speculator:
 
     def _measure_cost(self) -> CostModel:
         fp = self.target.fingerprint.replace(":", "-")
-        dtype = str(next(self.target.model.parameters()).dtype).removeprefix("torch.")
+        dtype = weights_mode(self.target.model)
         cache = agentspec_home() / "costs" / f"{fp}-{self.target.device.type}-{dtype}.json"
         return measure_cost(self.target, cache_file=cache)
 

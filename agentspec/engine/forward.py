@@ -4,7 +4,8 @@ Every forward that produces a committed token (prompt chunks, plain steps, verif
 whatever sequences share them) goes through :class:`Forward`: its rows laid out by
 :mod:`agentspec.engine.plan` at a width of one measured reduction class, each sequence's rows
 written into the pool at positions ``kv_len + depth`` and attending that sequence's own keys.
-On the CPU the model's modules run it (linear layers on oneDNN, :func:`engine_kernels`); on
+On the CPU the model's modules run it (linear layers on oneDNN, :func:`engine_kernels`, or on
+the native products over a GGUF's weights as stored, :mod:`agentspec.engine.quant`); on
 CUDA the fused forward runs it (:mod:`agentspec.engine.fused`), replayed as a CUDA graph per
 width.
 

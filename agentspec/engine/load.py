@@ -41,6 +41,14 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+QUANTIZED = ("gguf", "quantized")
+"""The ``dtype`` names of a GGUF's own quantization: its weights held as the file stores them
+(:mod:`agentspec.engine.quant`), products over them in float32."""
+
+
+def quantized(dtype: Any) -> bool:
+    """Whether ``dtype`` names the file's own quantization (:data:`QUANTIZED`)."""
+    return isinstance(dtype, str) and dtype.lower() in QUANTIZED
 
 
 def as_dtype(dtype: Any) -> torch.dtype | None:
@@ -48,7 +56,8 @@ def as_dtype(dtype: Any) -> torch.dtype | None:
     ``"float32"``, ``"float16"``, ``"torch.bfloat16"``, ``"bf16"``...); None stays None.
 
     Raises:
-        ValueError: anything else (the message names it and the accepted names).
+        ValueError: anything else (the message names it and the accepted names; a GGUF's own
+            quantization, :data:`QUANTIZED`, is no torch dtype: see :func:`quantized`).
     """
     if dtype is None:
         return None
@@ -57,7 +66,7 @@ def as_dtype(dtype: Any) -> torch.dtype | None:
     if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
         return DTYPES[dtype.lower().removeprefix("torch.")]
     raise ValueError(f"dtype must be torch.float32, torch.bfloat16, torch.float16 or one of "
-                     f"{', '.join(repr(k) for k in DTYPES)}, got {dtype!r}")
+                     f"{', '.join(repr(k) for k in (*DTYPES, *QUANTIZED))}, got {dtype!r}")
 
 
 def as_device(device: Any) -> str:
@@ -236,8 +245,11 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = No
             architecture must be one of :data:`agentspec.engine.compat.ARCHITECTURES`.
         device: a device string or ``torch.device``; default ``"cuda"`` when available, else
             ``"cpu"``.
-        dtype: a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, ``"float16"``);
-            default bfloat16 on CUDA, float32 on the CPU.
+        dtype: a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, ``"float16"``),
+            or ``"gguf"``: a GGUF model's weights held as the file stores them (Q4_0, Q4_1,
+            Q5_0, Q5_1, Q8_0, Q4_K, Q6_K; no full-precision copy), its products on the CPU in
+            float32 over them (:mod:`agentspec.engine.quant`). Default bfloat16 on CUDA,
+            float32 on the CPU.
         prefix_cache_bytes: the target's prefix cache budget (:class:`HFTarget`; ``None``:
             512 MiB, 0: off).
 
@@ -247,8 +259,14 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = No
         ModelNotAvailableError: a packaged model not installed, a hub id not fetchable.
         UnsupportedModelError: an architecture agentspec does not support.
     """
-    torch_dtype = as_dtype(dtype)
     device = as_device(device)
+    if quantized(dtype):
+        if not device.startswith("cpu"):
+            raise ValueError(f"dtype {dtype!r} (the file's own quantization) runs on the CPU; "
+                             f"device {device!r} takes dtype 'bfloat16' or 'float16'")
+        return for_device(torch.device(device), _load_quantized, name_or_path,
+                          prefix_cache_bytes)
+    torch_dtype = as_dtype(dtype)
     torch_dtype = torch_dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     # On the CPU the load (a GGUF's dequantising, the weights' copies) runs on the torch
     # thread: the thread every later forward runs on (agentspec.engine.torch_thread).
@@ -263,6 +281,25 @@ def _load(name_or_path: str, device: str, torch_dtype: Any,
     tokenizer = compat.load_tokenizer(source)
     model = compat.load_causal_lm(source, torch_dtype)
     model = model.to(device).eval()
+    if name_or_path in PACKAGED_MODELS:
+        give_turn_format(PACKAGED_MODELS[name], model, tokenizer)
+    return HFTarget(model, tokenizer, name=name, prefix_cache_bytes=prefix_cache_bytes)
+
+
+def _load_quantized(name_or_path: str, prefix_cache_bytes: int | None) -> HFTarget:
+    from agentspec.engine.quant.model import load_quantized
+
+    path = gguf_file(name_or_path)
+    name = name_or_path if name_or_path in PACKAGED_MODELS else path.stem
+    if name_or_path in PACKAGED_MODELS:
+        entry = PACKAGED_MODELS[name_or_path]
+        if entry.min_transformers is not None:
+            compat.check_transformers_at_least(entry.min_transformers,
+                                               f"the packaged {name_or_path}", entry.below_min)
+    config = compat.load_config(str(path.parent), gguf_file=path.name)
+    compat.check_architecture(config, name_or_path)
+    tokenizer = compat.load_tokenizer(str(path.parent), gguf_file=path.name)
+    model = load_quantized(path, config)
     if name_or_path in PACKAGED_MODELS:
         give_turn_format(PACKAGED_MODELS[name], model, tokenizer)
     return HFTarget(model, tokenizer, name=name, prefix_cache_bytes=prefix_cache_bytes)

@@ -23,6 +23,7 @@ import torch
 from agentspec.engine import width_cache
 from agentspec.engine.forward import Forward
 from agentspec.engine.plan import Member, Prefill, causal, draft_member
+from agentspec.engine.quant.model import weights_mode
 from agentspec.engine.sequence import Sequence
 from agentspec.errors import warn_once
 from agentspec.types import Draft
@@ -60,7 +61,7 @@ def check_widths(forward: Forward, vocab_size: int) -> tuple[int, ...]:
 def asked(forward: Forward) -> tuple[Any, ...]:
     """What a probe's verdict holds for: the widths asked, the device, dtype and path."""
     return (forward.widths, forward.prefill_widths, str(forward.device),
-            str(next(forward.model.parameters()).dtype), forward.fused is not None,
+            weights_mode(forward.model), forward.fused is not None,
             torch.get_num_threads(),  # CPU kernels split rows by thread count
             torch.backends.mkldnn.is_available())  # the CPU's products (engine.kernels)
 

@@ -84,7 +84,8 @@ class HFTarget:
             raise ValueError(f"prefix_cache_bytes must be an int >= 0, got {prefix_cache_bytes!r}")
         self.prefix_cache_bytes = budget if reuse_prefix else 0
         self.max_context = int(getattr(model.config, "max_position_embeddings", 2048))
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()
+        self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
         self._identity: ModelIdentity | None = None
         if compat.static_cache(model):
             raise UnsupportedModelError(f"{name}: a static KV cannot be rolled back per path")

@@ -42,7 +42,7 @@ def _engine_digest() -> str:
     """A digest of the engine's source files (its kernels and its forward)."""
     h = hashlib.sha256()
     root = Path(__file__).resolve().parent
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]):
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()

@@ -70,6 +70,8 @@ FEWER = {1: 1.0, 2: 0.9, 8: 0.5, 16: 0.5}
 def _model(dtype_name: str) -> HFTarget:
     if dtype_name == "fp32":
         return cached_target("smollm2-135m-instruct")
+    if dtype_name == "gguf":  # the file's own weights, as stored (agentspec.engine.quant)
+        return load_target(dtype="gguf", device="cpu")
     return load_target(dtype=torch.bfloat16, device="cpu")
 
 
@@ -201,7 +203,8 @@ def _all_blocks_free(target: HFTarget) -> bool:
 # -- 1. batch invariance ------------------------------------------------------------------------
 # fp32 is long (make test-long): bf16, where a rounding difference flips tokens, holds the
 # same check in make test at the ends, 1 and 16.
-@pytest.mark.parametrize("dtype_name", [pytest.param("fp32", marks=pytest.mark.long), "bf16"])
+@pytest.mark.parametrize("dtype_name", [pytest.param("fp32", marks=pytest.mark.long), "bf16",
+                                        "gguf"])
 def test_every_request_at_every_concurrency_equals_its_solo_run(dtype_name, monkeypatch):
     calls = _mixed_calls()
     target = _fresh(dtype_name)
@@ -230,6 +233,32 @@ def test_trees_of_wrong_drafts_in_batched_steps_change_no_bf16_output(monkeypatc
     outs = _together(trees, calls, 16)
     assert _differing(outs, calls, "bf16") == []
     assert forwards.count(lambda f: len(f) > 1 and any(tree for *_, tree in f)) > 0
+
+
+def test_a_quantized_product_that_depends_on_the_rows_fails_that_check(monkeypatch):
+    """The deliberately wrong quantized product: a forward of more than eight rows quantizes
+    its inputs to 8 bits a row (a batched path that takes llama.cpp's int8 dot products). Solo
+    steps carry at most eight rows; sixteen calls together carry more, and outputs change."""
+    from agentspec.engine.quant.formats import QuantWeight
+
+    calls = _mixed_calls()
+    target = _fresh("gguf")
+    spec = _speculator(target)
+    spec.warmup()  # probed on the right product
+    assert target.batches
+    for c in calls:
+        c.solo("gguf")  # the solo runs on the right product
+    right = QuantWeight.matmul
+
+    def wrong(self: QuantWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.reshape(-1, self.k).shape[0] > 8:
+            step = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 127
+            x = (x / step).round() * step
+        return right(self, x, bias)
+
+    monkeypatch.setattr(QuantWeight, "matmul", wrong)
+    outs = _together(spec, calls, len(calls), queued=True)
+    assert _differing(outs, calls, "gguf"), "products rounded by row count changed no output"
 
 
 def _fold_rounded_in_groups(x: torch.Tensor, *, fold: Callable[..., torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,7 @@
+"""A GGUF model's weights held as the file stores them, and the CPU products over them.
+
+:mod:`.formats` reads GGUF's quantized blocks into the native layout, :mod:`.native` builds
+and loads the products (``qmm.cpp``), :mod:`.model` assembles the transformers model around
+them. The engine's forward (:class:`~agentspec.engine.forward.Forward`) runs such a model as it
+runs any other: the products are the modules' own.
+"""

@@ -1,0 +1,197 @@
+"""GGUF's quantized blocks, read into the layout the native products take (``qmm.cpp``).
+
+Each format's blocks are read into three per-row arrays: the quantized values (one integer an
+input), and a scale and an offset per group of inputs, such that the weight is
+``fma(scale, q, offset)``: bitwise the value gguf's own dequantisation (``gguf.quants``) gives,
+because its product of a scale and a quantized value is exact in float32 and rounds once, as
+the fma does:
+
+======  ==========  =====================================  ================================
+format  group       q                                      scale, offset
+======  ==========  =====================================  ================================
+Q4_0    32          0..15                                  d, -8d
+Q4_1    32          0..15                                  d, m
+Q5_0    32          0..31 (held in a byte)                 d, -16d
+Q5_1    32          0..31 (held in a byte)                 d, m
+Q8_0    32          -128..127                              d, 0
+Q4_K    32 (of 256) 0..15                                  d * sc, -(dmin * m)
+Q6_K    16 (of 256) -32..31 (held in a byte)               d * sc, 0
+======  ==========  =====================================  ================================
+
+The scales and offsets are held as float16 where every one of a tensor's is a float16 value
+(the file's own: Q4_0, Q4_1, Q5_x, Q8_0), else float32 (a K-quant's products of its
+super-block and sub-block scales).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from agentspec.engine.quant import native
+
+TILE = 64
+"""Output rows per tile: a tile is computed whole by one thread."""
+
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
+EIGHT_BIT = ("Q8_0", "Q5_0", "Q5_1", "Q6_K")
+FORMATS = (*FOUR_BIT, *EIGHT_BIT)
+"""The GGUF quantization types held as stored."""
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """A quantized weight as per-row arrays: ``q`` ``[N, K]`` integers, ``scale`` and
+    ``offset`` ``[N, K / group]`` float32, the weight ``fma(scale, q, offset)``."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    offset: np.ndarray
+    group: int
+    bits: int
+
+    def rows(self, order: np.ndarray) -> Unpacked:
+        """The same weight with its output rows in ``order``."""
+        return Unpacked(self.q[order], self.scale[order], self.offset[order], self.group,
+                        self.bits)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return raw.copy().view(np.float16).astype(np.float32)
+
+
+def unpack(kind: str, data: np.ndarray, n: int, k: int) -> Unpacked:
+    """The blocks of a ``kind`` tensor of ``n`` rows and ``k`` inputs (``data``: its raw bytes,
+    ``[n, bytes a row]``) as :class:`Unpacked`.
+
+    Raises:
+        ValueError: a type not in :data:`FORMATS` (the message names it).
+    """
+    rows = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, -1)
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        return _simple(kind, rows, n, k)
+    if kind == "Q4_K":
+        return _q4_k(rows, n, k)
+    if kind == "Q6_K":
+        return _q6_k(rows, n, k)
+    raise ValueError(f"GGUF type {kind} is not held as stored (held: {', '.join(FORMATS)}); "
+                     "load the model with dtype='float32' or 'bfloat16'")
+
+
+def _simple(kind: str, rows: np.ndarray, n: int, k: int) -> Unpacked:
+    size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[kind]
+    b = rows.reshape(n, k // 32, size)
+    d = _f16(b[..., 0:2]).reshape(n, k // 32)
+    at = 2
+    m = None
+    if kind in ("Q4_1", "Q5_1"):
+        m = _f16(b[..., 2:4]).reshape(n, k // 32)
+        at = 4
+    if kind == "Q8_0":
+        q = b[..., at:].view(np.int8).reshape(n, k)
+        return Unpacked(q, d, np.zeros_like(d), 32, 8)
+    high = None
+    if kind in ("Q5_0", "Q5_1"):
+        high = b[..., at : at + 4].copy().view("<u4").reshape(n, k // 32, 1)
+        at += 4
+    qs = b[..., at : at + 16]
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.uint8)  # [n, groups, 32]
+    if high is not None:
+        bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+        q = q | (bits << 4)
+    offset = m if m is not None else d * np.float32(-8.0 if high is None else -16.0)
+    return Unpacked(q.reshape(n, k), d, offset, 32, 4 if high is None else 8)
+
+
+def _q4_k(rows: np.ndarray, n: int, k: int) -> Unpacked:
+    b = rows.reshape(n, k // 256, 144)
+    d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [n, supers, 1]
+    s = b[..., 4:16].astype(np.uint8)
+    sc = np.empty((*s.shape[:2], 8), dtype=np.uint8)
+    mn = np.empty_like(sc)
+    sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
+    sc[..., 4:] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    qs = b[..., 16:].reshape(n, k // 256, 4, 32)  # 64 inputs a chunk: low nibbles, then high
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)
+    scale = (d * sc.astype(np.float32)).reshape(n, k // 32)
+    offset = -(dmin * mn.astype(np.float32)).reshape(n, k // 32)
+    return Unpacked(q.astype(np.uint8), scale, offset, 32, 4)
+
+
+def _q6_k(rows: np.ndarray, n: int, k: int) -> Unpacked:
+    b = rows.reshape(n, k // 256, 210)
+    ql = b[..., 0:128].reshape(n, -1, 2, 64)  # per half: 64 bytes
+    qh = b[..., 128:192].reshape(n, -1, 2, 32)
+    sc = b[..., 192:208].copy().view(np.int8).astype(np.float32)  # [n, supers, 16]
+    d = _f16(b[..., 208:210])
+    lo = np.concatenate([ql[..., :32] & 0x0F, ql[..., 32:] & 0x0F,
+                         ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=-1)  # [n, s, 2, 128]
+    hi = np.concatenate([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, (qh >> 6) & 3], axis=-1)
+    q = (lo.astype(np.int16) | (hi.astype(np.int16) << 4)) - 32
+    scale = (d * sc).reshape(n, k // 16)
+    return Unpacked(q.reshape(n, k).astype(np.int8), scale, np.zeros_like(scale), 16, 8)
+
+
+class QuantWeight:
+    """A weight of ``n`` output rows and ``k`` inputs, held quantized in tiles of
+    :data:`TILE` rows (see ``qmm.cpp``): :meth:`matmul` and :meth:`rows` run on it, nothing
+    holds it in full precision."""
+
+    def __init__(self, unpacked: Unpacked, kind: str = "") -> None:
+        u = unpacked
+        n, k = u.q.shape
+        self.n, self.k, self.group, self.bits, self.kind = n, k, u.group, u.bits, kind
+        tiles, groups = -(-n // TILE), k // u.group
+        pad = tiles * TILE - n
+        q = np.pad(u.q, ((0, pad), (0, 0)))
+        scale = np.pad(u.scale, ((0, pad), (0, 0)))
+        offset = np.pad(u.offset, ((0, pad), (0, 0)))
+        # [tiles, 64 rows, groups, group] -> [tiles, groups, group, 64 rows]
+        q = q.reshape(tiles, TILE, groups, u.group).transpose(0, 2, 3, 1)
+        if u.bits == 4:
+            half = u.group // 2
+            q = (q[:, :, :half] | (q[:, :, half:] << 4)).astype(np.uint8)
+        self.q = torch.from_numpy(np.ascontiguousarray(q).view(np.uint8))
+        params = [p.reshape(tiles, TILE, groups).transpose(0, 2, 1) for p in (scale, offset)]
+        exact16 = all(np.array_equal(p.astype(np.float16).astype(np.float32), p) for p in params)
+        dtype = np.float16 if exact16 else np.float32
+        self.f32 = not exact16
+        self.scale, self.offset = (torch.from_numpy(np.ascontiguousarray(p.astype(dtype)))
+                                   for p in params)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
+
+    def _args(self) -> tuple[int, int, int, int, int, int]:
+        return (self.q.data_ptr(), self.bits, self.group, self.scale.data_ptr(),
+                self.offset.data_ptr(), int(self.f32))
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W.T (+ bias)`` in float32: ``x`` ``[..., k]`` -> ``[..., n]``; each output row
+        one fma chain over the inputs in order (``qmm.cpp``)."""
+        rows = x.reshape(-1, self.k).float().contiguous()
+        out = torch.empty((rows.shape[0], self.n), dtype=torch.float32)
+        if rows.shape[0]:
+            native.library().as_qmm(
+                rows.data_ptr(), rows.shape[0], self.k, self.n, *self._args(),
+                None if bias is None else bias.data_ptr(), out.data_ptr(), native.threads())
+        return out.reshape(*x.shape[:-1], self.n)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the weight, dequantised (an embedding's lookup): ``[..., k]``."""
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.n):
+            raise IndexError(f"row ids must be in [0, {self.n}), got {flat.min()}..{flat.max()}")
+        out = torch.empty((flat.numel(), self.k), dtype=torch.float32)
+        native.library().as_qrows(flat.data_ptr(), flat.numel(), self.k, *self._args(),
+                                  out.data_ptr())
+        return out.reshape(*ids.shape, self.k)
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole weight in float32 ``[n, k]`` (a reference for tests)."""
+        return self.rows(torch.arange(self.n))

@@ -1,0 +1,199 @@
+"""A GGUF model with its weights as the file stores them: the transformers model's linear
+layers and embedding replaced by :class:`QuantLinear` and :class:`QuantEmbedding` over
+:class:`~agentspec.engine.quant.formats.QuantWeight`, no full-precision copy made.
+
+The model is built on the meta device from its config, its quantized tensors read from the
+GGUF (memory-mapped) straight into the native layout, then the few plain tensors (norms,
+biases) and the rotary tables are made on the CPU. The weights' values are bitwise gguf's own
+dequantisation of them, the values transformers' GGUF loader gives the float32 model; only the
+products' order of summation differs from the float32 path (one fma chain over the inputs in
+order, the same for every row and every row count).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from agentspec.engine.quant.formats import FORMATS, QuantWeight, unpack
+
+
+class QuantLinear(torch.nn.Module):
+    """A linear layer over a :class:`QuantWeight` (float32 in and out)."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.in_features, self.out_features = weight.k, weight.n
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.qweight.matmul(x, self.bias).to(x.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole weight dequantised (``[out, in]`` float32), made anew on each call: for
+        what reads a weight outside a forward (a draft head's training), never a forward."""
+        return self.qweight.dequantized()
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{self.qweight.kind}")
+
+
+class QuantEmbedding(torch.nn.Module):
+    """An embedding table held as a :class:`QuantWeight`: a lookup dequantises its rows."""
+
+    def __init__(self, weight: QuantWeight) -> None:
+        super().__init__()
+        self.qweight = weight
+        self.num_embeddings, self.embedding_dim = weight.n, weight.k
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight.rows(ids)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table dequantised (see :attr:`QuantLinear.weight`)."""
+        return self.qweight.dequantized()
+
+
+def _permute_order(n: int, heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's interleaving of a query or key projection's rotary
+    halves (what transformers' GGUF loader does to the float32 weights)."""
+    dim = n // heads // 2
+    return np.arange(n).reshape(heads, dim, 2).transpose(0, 2, 1).reshape(-1)
+
+
+class _File:
+    """A GGUF file's tensors by name (memory-mapped)."""
+
+    def __init__(self, path: Path) -> None:
+        import gguf
+
+        self.reader = gguf.GGUFReader(str(path))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        arch = self.reader.fields["general.architecture"]
+        self.arch = bytes(arch.parts[arch.data[0]]).decode()
+        self.path = path
+
+    def quantized(self, name: str, *, heads: int | None = None) -> QuantWeight:
+        t = self.tensors[name]
+        kind = t.tensor_type.name
+        if kind not in FORMATS:
+            raise ValueError(f"{self.path.name}: tensor {name} is {kind}, which is not held as "
+                             f"stored (held: {', '.join(FORMATS)}); load the model with "
+                             "dtype='float32' or 'bfloat16'")
+        k, n = int(t.shape[0]), int(t.shape[1])
+        u = unpack(kind, t.data, n, k)
+        if heads is not None:
+            u = u.rows(_permute_order(n, heads))
+        return QuantWeight(u, kind)
+
+    def dense(self, name: str) -> torch.Tensor:
+        from gguf import quants
+
+        t = self.tensors[name]
+        values = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        return torch.from_numpy(values.reshape([int(d) for d in reversed(t.shape)]).copy())
+
+
+def _set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def load_quantized(path: Path, config: Any) -> Any:
+    """The causal LM of ``config`` with the GGUF ``path``'s weights held as stored.
+
+    Raises:
+        ValueError: a tensor in a type not held as stored, a layer with no tensor in the file,
+            or an architecture whose GGUF names are unknown (each message names it).
+    """
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    from agentspec.engine import compat
+
+    file = _File(path)
+    arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == file.arch), None)
+    if arch is None:
+        raise ValueError(f"{path.name}: GGUF architecture {file.arch!r} has no tensor names "
+                         "agentspec knows")
+    layers = int(config.num_hidden_layers)
+    names = gguf.get_tensor_name_map(arch, layers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    embed_name = next(n for n, m in model.named_modules() if m is model.get_input_embeddings())
+    out_name = next((n for n, m in linears if m is model.get_output_embeddings()), None)
+
+    def gguf_name(hf: str) -> str:
+        found = names.get_name(hf)
+        if found is None:
+            raise ValueError(f"{path.name}: no GGUF tensor name for layer {hf!r} ({file.arch})")
+        return found
+
+    with torch.inference_mode(False), torch.no_grad():
+        embed = QuantEmbedding(file.quantized(gguf_name(embed_name) + ".weight"))
+        _set_module(model, embed_name, embed)
+        for name, module in tqdm(linears, desc=f"loading {path.name}", unit="layer",
+                                 disable=len(linears) < 64, leave=False):
+            key = gguf_name(name)
+            if name == out_name and key + ".weight" not in file.tensors:
+                weight = embed.qweight  # tied to the embedding: the one table, held once
+            else:
+                order = None
+                if file.arch == "llama" and key.endswith(".attn_q"):
+                    order = heads
+                elif file.arch == "llama" and key.endswith(".attn_k"):
+                    order = kv_heads
+                weight = file.quantized(key + ".weight", heads=order)
+            bias = file.dense(key + ".bias") if module.bias is not None else None
+            _set_module(model, name, QuantLinear(weight, bias))
+        model.to_empty(device="cpu")
+        for name, param in model.named_parameters():
+            if name.endswith(".bias") and isinstance(model.get_submodule(name.rpartition(".")[0]),
+                                                     QuantLinear):
+                continue
+            module_name, _, leaf = name.rpartition(".")
+            key = f"{gguf_name(module_name)}.{leaf}"
+            if key not in file.tensors:
+                raise ValueError(f"{path.name}: no tensor {key} for {name}")
+            param.copy_(file.dense(key).reshape(param.shape))
+        base = compat.base_model(model)
+        rotary = getattr(base, "rotary_emb", None)
+        if rotary is not None:
+            base.rotary_emb = type(rotary)(config=model.config)
+    return model.eval()
+
+
+def holds_quantized(model: Any) -> bool:
+    """Whether ``model``'s weights are held as a GGUF stores them (any :class:`QuantLinear`)."""
+    return any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def weights_mode(model: Any) -> str:
+    """How ``model``'s weights are held: ``"gguf"`` (as the file stores them), else its
+    parameters' dtype (``"float32"``, ``"bfloat16"``, ``"float16"``). Outputs are a function
+    of the request for one mode; the cost model and the bench's reports are kept per mode."""
+    if holds_quantized(model):
+        return "gguf"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of weights ``model`` holds: quantized tables once each, plus its parameters."""
+    seen: dict[int, int] = {}
+    for module in model.modules():
+        weight = getattr(module, "qweight", None)
+        if isinstance(weight, QuantWeight):
+            seen[id(weight)] = weight.nbytes
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    return sum(seen.values()) + dense
