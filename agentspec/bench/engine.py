@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    parser.add_argument("--dtype", choices=sorted([*DTYPES, "gguf"]), default=None,
                         help="default bf16 on CUDA, fp32 on the CPU")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
@@ -272,7 +272,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.family is not None:
         base, name = family_target(args.family, args.device, DTYPES[dtype])
     else:
-        base, name = load_target(args.model, device=args.device, dtype=DTYPES[dtype]), args.model
+        base, name = load_target(args.model, device=args.device,
+                                 dtype=DTYPES.get(dtype, dtype)), args.model
     if capacities:
         result_ops: dict[str, Any] = {"model": name, "device": args.device, "dtype": dtype,
                                       "forward_rows": 64,

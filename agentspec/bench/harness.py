@@ -287,7 +287,9 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
 def _torch_dtype(name: str | None) -> Any:
     import torch
 
-    return getattr(torch, DTYPES[name]) if name is not None else None
+    if name is None or DTYPES[name] == "gguf":
+        return None if name is None else "gguf"
+    return getattr(torch, DTYPES[name])
 
 
 def environment(model: Any) -> dict[str, Any]:
@@ -295,9 +297,11 @@ def environment(model: Any) -> dict[str, Any]:
     import torch
     import transformers
 
+    from agentspec.engine.quant.model import weights_mode
+
     param = next(model.parameters())
     names = {v: k for k, v in DTYPES.items()}
-    dtype = str(param.dtype).removeprefix("torch.")
+    dtype = weights_mode(model)
     return {"dtype": names.get(dtype, dtype),
             "gpu_name": torch.cuda.get_device_name(param.device)
             if param.device.type == "cuda" else None,

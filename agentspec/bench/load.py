@@ -307,7 +307,7 @@ def run_load(workload: Workload, model: str, *, systems: Sequence[str] = DEFAULT
                 close()
     out = summarize(passes)
     out.update({"workload": str(workload.path), "model": model, "device": str(target.device),
-                "dtype": str(next(target.model.parameters()).dtype).removeprefix("torch."),
+                "dtype": _weights_mode(target.model),
                 "repeats": repeats, "requests": len(workload.measure),
                 "warmup": len(workload.warmup)})
     return out
@@ -380,3 +380,9 @@ def rich_table(summary: dict[str, Any]) -> Any:
                       f"{row['ttft_ms_p50']:.0f} / {row['ttft_ms_p99']:.0f}",
                       "-" if row["exact"] is None else f"{row['exact']:.2f}")
     return table
+
+
+def _weights_mode(model: Any) -> str:
+    from agentspec.engine.quant.model import weights_mode
+
+    return weights_mode(model)

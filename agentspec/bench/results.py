@@ -18,7 +18,9 @@ from agentspec.bench.workload import WorkloadItem
 # The system every other is compared with.
 REFERENCE = "hf-greedy"
 # --dtype names -> torch dtype attribute names.
-DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "gguf": "gguf"}
+"""The bench's ``--dtype`` names and what each loads (``gguf``: a GGUF's weights held as the
+file stores them, :mod:`agentspec.engine.quant`)."""
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ class Setup:
     llama_server: Path | None = None
     vllm_venv: Path = VLLM_VENV
     vllm_model: Path | None = None
+    dtype: str | None = None  # agentspec serve's --dtype (None: its default)
 
 
 def launch(name: str, setup: Setup) -> Launch:
@@ -115,6 +116,8 @@ def launch(name: str, setup: Setup) -> Launch:
         base = (*setup.agentspec, "serve", "--model", setup.model, "--port", "{port}",
                 "--db", db, "--max-batch", str(setup.slots), "--log-level", "warning",
                 "--served-model-name", SERVED_NAME)
+        if setup.dtype is not None:
+            base += ("--dtype", setup.dtype)
         if name == "agentspec-plain":
             return Launch(name, (*base, "--no-speculate"), env=threads)
         return Launch(name, base, (*base, "--no-record"), env=threads)
@@ -349,7 +352,7 @@ def run(items_warmup: Sequence[WorkloadItem], items_measure: Sequence[WorkloadIt
 
 
 def system_setup(model: str, *, threads: int, context: int, levels: Sequence[int],
-                 workdir: Path, names: Sequence[str]) -> Setup:
+                 workdir: Path, names: Sequence[str], dtype: str | None = None) -> Setup:
     """The shared :class:`Setup` of ``model`` (a packaged name or a ``.gguf`` file); the
     transformers folder is made only for vLLM."""
     from agentspec.engine.load import gguf_file
@@ -363,7 +366,7 @@ def system_setup(model: str, *, threads: int, context: int, levels: Sequence[int
     agentspec = shutil.which("agentspec")
     return Setup(model=model, gguf=gguf, threads=threads, context=context, slots=max(levels), workdir=workdir,
                  agentspec=(agentspec,) if agentspec else (sys.executable, "-m", "agentspec.cli"),
-                 vllm_model=vllm_model)
+                 vllm_model=vllm_model, dtype=dtype)
 
 
 def load_served_workload(name: str, default_max_new_tokens: int) -> Any:
@@ -383,11 +386,13 @@ def load_served_workload(name: str, default_max_new_tokens: int) -> Any:
 def run_against(workload: Any, model: str, names: Sequence[str], levels: Sequence[int], *,
                 tools: bool = False, threads: int | None = None, context: int = 4096,
                 workdir: Path, on_progress: Progress | None = None,
-                launches: Sequence[Launch] | None = None) -> dict[str, Any]:
+                launches: Sequence[Launch] | None = None,
+                dtype: str | None = None) -> dict[str, Any]:
     """The whole bench on a loaded ``workload`` (see the module docstring); returns the
     summary (:func:`agentspec.bench.servers_report.summarize`) with the run's settings.
 
-    ``launches`` replaces the systems' own commands (the bench's tests start stub servers).
+    ``launches`` replaces the systems' own commands (the bench's tests start stub servers);
+    ``dtype`` is agentspec serve's ``--dtype`` (``"gguf"``: the file's own weights).
     """
     from agentspec.bench.servers_report import summarize
 
@@ -399,7 +404,7 @@ def run_against(workload: Any, model: str, names: Sequence[str], levels: Sequenc
     setup = None
     if launches is None:
         setup = system_setup(model, threads=threads, context=context, levels=levels,
-                             workdir=workdir, names=names)
+                             workdir=workdir, names=names, dtype=dtype)
         launches = [launch(n, setup) for n in names]
     logs = workdir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -408,6 +413,7 @@ def run_against(workload: Any, model: str, names: Sequence[str], levels: Sequenc
     summary = summarize(passes, failed, measure, tools=tools)
     summary.update({"workload": str(workload.path), "model": model,
                     "gguf_name": setup.gguf.name if setup else model, "threads": threads,
+                    "agentspec_dtype": dtype or "default",
                     "context": context, "levels": levels, "systems": [s.name for s in launches],
                     "requests": len(measure), "warmup": len(warmup),
                     "commands": {s.name: list(s.command) for s in launches}})

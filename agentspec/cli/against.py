@@ -16,7 +16,7 @@ from agentspec.cli.common import EXIT_USAGE, console, err_console, fail, print_j
 def against_servers(workload: str, model: str, against: str, levels: list[int], *,
                     tools: bool, threads: int | None, context: int, max_new_tokens: int,
                     out: Path | None, report: Path | None, plot: Path | None,
-                    json_out: bool) -> None:
+                    json_out: bool, dtype: str | None = None) -> None:
     """Run the servers bench, print its table and notes, write its outputs; exit 1 when a
     server failed (the others' figures are printed and written first)."""
     from agentspec.bench import servers, servers_report
@@ -43,7 +43,7 @@ def against_servers(workload: str, model: str, against: str, levels: list[int], 
         try:
             summary = servers.run_against(loaded, model, ["agentspec", *others], levels,
                                           tools=tools, threads=threads, context=context,
-                                          workdir=Path(tmp), on_progress=tick)
+                                          workdir=Path(tmp), on_progress=tick, dtype=dtype)
         except ValueError as e:
             fail(str(e), EXIT_USAGE)
     shown = err_console if json_out else console

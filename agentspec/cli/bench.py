@@ -56,7 +56,8 @@ def parse_systems(text: str) -> list[str]:
 
 
 def resolve_dtype(text: str | None, device: str) -> str:
-    """``--dtype``: bf16, fp16 or fp32; default bf16 on CUDA, fp32 on the CPU."""
+    """``--dtype``: bf16, fp16, fp32 or gguf (a GGUF's weights as stored, on the CPU); default
+    bf16 on CUDA, fp32 on the CPU."""
     from agentspec.bench.results import DTYPES
 
     if text is None:
@@ -124,8 +125,9 @@ def bench(
         "--device", help="Where the target runs, for every system: cpu, cuda, cuda:N. Default "
                          "cuda when available, else cpu.")] = None,
     dtype: Annotated[str | None, typer.Option(
-        "--dtype", help="The target's weights, for every system: bf16, fp16, fp32. Default "
-                        "bf16 on CUDA, fp32 on the CPU.")] = None,
+        "--dtype", help="The target's weights, for every system: bf16, fp16, fp32, or gguf "
+                        "(a GGUF model's weights as the file stores them, on the CPU). "
+                        "Default bf16 on CUDA, fp32 on the CPU.")] = None,
     json_out: Annotated[bool, typer.Option(
         "--json", help="The results as one JSON value on stdout (the table goes to "
                        "stderr).")] = False,
@@ -189,7 +191,8 @@ def bench(
         against_servers(workload, model, against, parse_levels(concurrency or "1,4,8,16"),
                         tools=tools, threads=threads, context=context,
                         max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS, out=out,
-                        report=report, plot=plot, json_out=json_out)
+                        report=report, plot=plot, json_out=json_out,
+                        dtype=None if dtype is None else resolve_dtype(dtype, "cpu"))
         return
     if tools:
         fail("--tools goes with --against", EXIT_USAGE)
@@ -287,7 +290,8 @@ def _load(workload: str, model: str, concurrency: str, systems: str | None, *, r
 
         summary = load_mod.run_load(loaded, model, systems=names, concurrencies=levels,
                                     repeats=repeats, max_new_tokens=max_new_tokens,
-                                    device=device, dtype=getattr(torch, DTYPES[dtype]),
+                                    device=device, dtype=DTYPES[dtype] if dtype == "gguf"
+                                    else getattr(torch, DTYPES[dtype]),
                                     max_batch=max_batch, on_progress=tick)
     shown = err_console if json_out else console
     shown.print(load_mod.rich_table(summary), width=max(console.width, 150))

@@ -38,8 +38,9 @@ def serve(ctx: typer.Context,
               "--device", help="Where the model runs: cpu, cuda or cuda:N. Default: cuda when "
                                "torch sees a GPU, else cpu.")] = None,
           dtype: Annotated[str | None, typer.Option(
-              "--dtype", help="The model's weights: float32 (fp32), bfloat16 (bf16) or float16 "
-                              "(fp16). Default: bfloat16 on CUDA, float32 on the CPU.")] = None,
+              "--dtype", help="The model's weights: float32 (fp32), bfloat16 (bf16), float16 "
+                              "(fp16), or gguf: a GGUF model's weights as the file stores "
+                              "them (CPU). Default: bfloat16 on CUDA, float32 on the CPU.")] = None,
           host: Annotated[str, typer.Option(
               "--host", help="Address to bind; the default serves this machine only.")] = "127.0.0.1",
           port: Annotated[int, typer.Option(
@@ -165,14 +166,15 @@ def serve(ctx: typer.Context,
 def _placement(device: str | None, dtype: str | None) -> tuple[str | None, str | None]:
     """``--device`` and ``--dtype`` checked as ``Speculator.from_pretrained`` checks them,
     before the socket is bound or the model loads: a bad value exits 2 naming the option."""
-    from agentspec.engine.load import as_device, as_dtype
+    from agentspec.engine.load import as_device, as_dtype, quantized
 
     try:
         placed = as_device(device) if device is not None else None
     except ValueError as e:
         fail(f"--device {device!r}: {e}", EXIT_USAGE)
     try:
-        as_dtype(dtype)
+        if not quantized(dtype):
+            as_dtype(dtype)
     except ValueError as e:
         fail(f"--dtype {dtype!r}: {e}", EXIT_USAGE)
     return placed, dtype
