@@ -28,12 +28,14 @@ from agentspec.engine.kernels import engine_kernels
 from agentspec.engine.kv import FULL, REPLACED, SLIDING, PoolCache, laid_out
 from agentspec.engine.plan import Layout, Member, Prefill, lay_out
 from agentspec.engine.pool import KVPool
+from agentspec.engine.quant.model import holds_quantized
 from agentspec.engine.torch_thread import for_device
 from agentspec.engine.widths import default_widths, ordered_widths
 from agentspec.errors import warn_once
 
 if TYPE_CHECKING:
     from agentspec.engine.fused.runner import FusedRunner
+    from agentspec.engine.quant.runner import NativeForward
 
 
 class Scored(list[torch.Tensor | None]):
@@ -90,7 +92,16 @@ class Forward:
             chosen = select(model, required=bool(fused))
             if chosen is not None:
                 self.fused = FusedRunner(chosen, pool, self.device, cuda_graphs=self.cuda_graphs)
-        default, default_wide = default_widths(self.fused is not None, cuda)
+        # A GGUF's weights held as stored, on the CPU: the native forward where it covers the
+        # layers (agentspec.engine.quant.runner), else the modules over the native products.
+        self.native: NativeForward | None = None
+        if not cuda and holds_quantized(model):
+            from agentspec.engine.quant.runner import NativeForward, unsupported
+
+            if unsupported(model) is None:
+                self.native = NativeForward(model, pool)
+        default, default_wide = default_widths(self.fused is not None, cuda,
+                                               self.native is not None)
         self.widths = ordered_widths(widths or default)
         if self.fused is not None:
             from agentspec.engine.fused import kernels
@@ -102,11 +113,16 @@ class Forward:
         wide = default_wide if prefill_widths is None else tuple(prefill_widths)
         self.prefill_widths = ordered_widths([w for w in wide if w > self.widths[-1]],
                                              "prefill_widths", str(prefill_widths))
-        # Whether the widths still need the probe (a single width asked for needs none), and
-        # whether a forward may carry several sequences (the probe's batch check).
-        self.probed = widths is not None and len(self.widths) == 1 and not self.prefill_widths
+        # Whether the widths still need the probe (a single width asked for needs none, nor the
+        # native forward, which pads no row), and whether a forward may carry several
+        # sequences (the probe's batch check).
+        self.probed = self.native is not None or (
+            widths is not None and len(self.widths) == 1 and not self.prefill_widths)
         self.batches = True
-        pool.define_layers(compat.kv_shapes(model))
+        shapes = compat.kv_shapes(model)
+        if self.native is not None:
+            shapes = [(heads, dim, self.native.kv_dtype) for heads, dim, _ in shapes]
+        pool.define_layers(shapes)
         # Mistral and Phi-3 slide every layer and take no dict of masks: one mask for all.
         self._every_layer_slides = compat.sliding_window(model)[1]
         self.supports_trees = self._trees()
@@ -153,6 +169,8 @@ class Forward:
         The fused forward falls back to the modules where it fails before it ever ran (a
         Triton or driver its kernels do not compile on; nothing it wrote is committed), with
         a warning."""
+        if self.native is not None:  # no widths to force: it pads nothing
+            return Scored(*for_device(self.device, self.native.run, members, hidden))
         if self.fused is None:
             return self._modules_run(members, hidden, width, wq)
         try:

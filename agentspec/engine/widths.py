@@ -22,6 +22,10 @@ CPU_WIDTHS = (2, 4, 6, 8, 12, 16, 20, 24, 32, 40, 48, 64)
 # call adds a tail (a user turn, a tool's result) to a prompt whose prefix is in the KV; the
 # widths between 96 and 256 keep a short tail from paying for a whole 256-row chunk.
 CPU_PREFILL_WIDTHS = (96, 128, 160, 192, 256)
+# The native forward over a GGUF's weights as stored (agentspec.engine.quant.runner) pads no
+# row: every operation computes a row alone, so these are only the steps of the cost curve the
+# policy sizes drafts on, one row the first.
+NATIVE_WIDTHS = (1, *CPU_WIDTHS)
 # The fused forward's widths (agentspec.engine.fused): its products are fixed tiles of 16 rows,
 # so every multiple of 16 computes a row's bits alike, and prompt chunks can be far wider than
 # steps. A graph is captured per width.
@@ -29,11 +33,15 @@ FUSED_WIDTHS = (16, 32, 64)
 FUSED_PREFILL_WIDTHS = (128, 256, 512)
 
 
-def default_widths(fused: bool, cuda: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The default forward and prefill widths of the fused forward, or of the modules on
-    CUDA (one width) or on the CPU."""
+def default_widths(fused: bool, cuda: bool,
+                   native: bool = False) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The default forward and prefill widths of the fused forward, of the native one
+    (``native``, the CPU's over a GGUF's weights as stored), or of the modules on CUDA (one
+    width) or on the CPU."""
     if fused:
         return FUSED_WIDTHS, FUSED_PREFILL_WIDTHS
+    if native:
+        return NATIVE_WIDTHS, CPU_PREFILL_WIDTHS
     return ((64,), ()) if cuda else (CPU_WIDTHS, CPU_PREFILL_WIDTHS)
 
 

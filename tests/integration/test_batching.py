@@ -235,30 +235,28 @@ def test_trees_of_wrong_drafts_in_batched_steps_change_no_bf16_output(monkeypatc
     assert forwards.count(lambda f: len(f) > 1 and any(tree for *_, tree in f)) > 0
 
 
-def test_a_quantized_product_that_depends_on_the_rows_fails_that_check(monkeypatch):
-    """The deliberately wrong quantized product: a forward of more than eight rows quantizes
-    its inputs to 8 bits a row (a batched path that takes llama.cpp's int8 dot products). Solo
+def test_a_quantized_forward_that_depends_on_the_rows_fails_that_check(monkeypatch):
+    """The deliberately wrong quantized forward: a forward of more than eight rows takes
+    another path that keeps its logits in bf16 (a batched kernel of a narrower type). Solo
     steps carry at most eight rows; sixteen calls together carry more, and outputs change."""
-    from agentspec.engine.quant.formats import QuantWeight
-
     calls = _mixed_calls()
     target = _fresh("gguf")
     spec = _speculator(target)
-    spec.warmup()  # probed on the right product
-    assert target.batches
+    spec.warmup()  # probed on the right forward
+    assert target.batches and target.forward.native is not None
     for c in calls:
-        c.solo("gguf")  # the solo runs on the right product
-    right = QuantWeight.matmul
+        c.solo("gguf")  # the solo runs on the right forward
+    right = target.forward.native.run
 
-    def wrong(self: QuantWeight, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.reshape(-1, self.k).shape[0] > 8:
-            step = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-30) / 127
-            x = (x / step).round() * step
-        return right(self, x, bias)
+    def batched_path(members: list[Any], hidden: bool) -> Any:
+        logits, rows = right(members, hidden)
+        if sum(len(m.ids) for m in members) <= 8:
+            return logits, rows
+        return [None if x is None else x.to(torch.bfloat16).float() for x in logits], rows
 
-    monkeypatch.setattr(QuantWeight, "matmul", wrong)
+    monkeypatch.setattr(target.forward.native, "run", batched_path)
     outs = _together(spec, calls, len(calls), queued=True)
-    assert _differing(outs, calls, "gguf"), "products rounded by row count changed no output"
+    assert _differing(outs, calls, "gguf"), "a path chosen by row count changed no output"
 
 
 def _fold_rounded_in_groups(x: torch.Tensor, *, fold: Callable[..., torch.Tensor]) -> torch.Tensor:

@@ -147,9 +147,7 @@ def _outputs(spec: Speculator, **kw) -> list[tuple[int, ...]]:
 # poisoned memory, suffix, prompt lookup, random and poisoned trees, alone and batched) and
 # test_families (drafts and a poisoned memory on every family).
 @pytest.mark.long
-# gguf in `make test-long`: its rows are held in make test by the verified-rows check below and
-# by test_batching's sixteen requests at every concurrency.
-@pytest.mark.parametrize("dtype_name", ["bf16", pytest.param("gguf", marks=pytest.mark.long)])
+@pytest.mark.parametrize("dtype_name", ["bf16", "gguf"])
 def test_no_draft_changes_the_output(dtype_name, tmp_path):
     refs = _reference(dtype_name)
     encode = Speculator(_model(dtype_name), speculate=False, cost=DEFAULT_COST, memory=None).encode
@@ -252,7 +250,7 @@ def _prefill_keys(target: HFTarget, ids: list[int]) -> list[torch.Tensor]:
     return [solo(target).seq.read(layer, solo(target).kv_len)[0] for layer in range(len(target.pool.keys))]
 
 
-@pytest.mark.parametrize("dtype_name", ["bf16", "fp32", pytest.param("gguf", marks=pytest.mark.long)])
+@pytest.mark.parametrize("dtype_name", ["bf16", "fp32", "gguf"])
 def test_wide_prefill_chunks_write_the_rows_decode_widths_write(dtype_name):
     """A prompt prefilled in chunks of the widest prefill width the width check kept, and a
     last one at the narrowest width that holds it, has the same KV bits as one prefilled in

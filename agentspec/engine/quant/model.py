@@ -81,8 +81,14 @@ class _File:
         self.arch = bytes(arch.parts[arch.data[0]]).decode()
         self.path = path
 
+    def _tensor(self, name: str) -> Any:
+        t = self.tensors.get(name)
+        if t is None:
+            raise ValueError(f"{self.path.name}: no tensor {name} in the file")
+        return t
+
     def quantized(self, name: str, *, heads: int | None = None) -> QuantWeight:
-        t = self.tensors[name]
+        t = self._tensor(name)
         kind = t.tensor_type.name
         if kind not in FORMATS:
             raise ValueError(f"{self.path.name}: tensor {name} is {kind}, which is not held as "
@@ -97,7 +103,7 @@ class _File:
     def dense(self, name: str) -> torch.Tensor:
         from gguf import quants
 
-        t = self.tensors[name]
+        t = self._tensor(name)
         values = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         return torch.from_numpy(values.reshape([int(d) for d in reversed(t.shape)]).copy())
 

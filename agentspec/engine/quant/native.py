@@ -1,4 +1,5 @@
-"""The quantized products' native kernels (``qmm.cpp``): compiled once per machine with the
+"""The native kernels over quantized weights (``qmm.cpp``: the products, ``forward.cpp``: a
+whole forward): compiled once per machine with the
 system's C++ compiler and loaded with ctypes.
 
 Compiled for the machine it runs on (``-march=native``: AVX-512 where the CPU has it) and
@@ -24,7 +25,8 @@ import torch
 
 from agentspec.home import agentspec_home
 
-SOURCE = Path(__file__).with_name("qmm.cpp")
+SOURCE = Path(__file__).with_name("forward.cpp")  # includes qmm.cpp
+SOURCES = (SOURCE, Path(__file__).with_name("qmm.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off",
          "-fno-fast-math")
 
@@ -61,7 +63,7 @@ def library_path() -> Path:
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=False).stdout.splitlines()[:1]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *version, *FLAGS,
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), compiler, *version, *FLAGS,
                                     _cpu_flags()]).encode()).hexdigest()[:16]
     return agentspec_home() / "kernels" / f"qmm-{key}.so"
 
@@ -93,6 +95,12 @@ def library() -> ctypes.CDLL:
             lib.as_qmm.restype = None
             lib.as_qrows.argtypes = [ptr, i64, i64, ptr, i32, i32, ptr, ptr, i32, ptr]
             lib.as_qrows.restype = None
+            lib.as_forward.argtypes = [ptr, ptr, ptr, ptr, i32]
+            lib.as_forward.restype = None
+            lib.as_kv_half.argtypes = [i64]
+            lib.as_kv_half.restype = i32
+            lib.as_spent.argtypes = [ptr, i32]
+            lib.as_spent.restype = None
             _LIB = lib
         return _LIB
 
@@ -100,3 +108,14 @@ def library() -> ctypes.CDLL:
 def threads() -> int:
     """The kernels' thread count: torch's."""
     return torch.get_num_threads()
+
+
+PARTS = ("embed", "norms", "qkv", "rope+kv", "attention", "out", "mlp", "act", "head")
+"""The parts of a native forward whose time :func:`spent` reports."""
+
+
+def spent(reset: bool = False) -> dict[str, float]:
+    """Seconds the native forwards of this process spent in each of :data:`PARTS`."""
+    out = (ctypes.c_double * len(PARTS))()
+    library().as_spent(ctypes.addressof(out), int(reset))
+    return dict(zip(PARTS, out, strict=True))

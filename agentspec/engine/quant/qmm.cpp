@@ -66,13 +66,19 @@ static inline int64_t group_bytes(int bits, int gs) {
   return bits == 4 ? (int64_t)(gs / 2) * 64 : (int64_t)gs * 64;
 }
 
-// Stores rows [m0, m0 + rows) of the unit's 32 output columns (acc: [rows][32]), plus bias.
+// Stores rows [m0, m0 + rows) of the unit's 32 output columns (acc: [rows][32]): out[m][n] =
+// add[m][n] + (acc + bias[n]), rows ldo apart (bias and add optional; add may be out).
 static inline void store(const float* acc, int64_t rows, int64_t m0, int64_t N, int64_t n0,
-                         const float* bias, float* out) {
+                         const float* bias, const float* add, float* out, int64_t ldo) {
   int64_t width = N - n0 < 32 ? N - n0 : 32;
   for (int64_t r = 0; r < rows; r++) {
-    float* row = out + (m0 + r) * N + n0;
-    for (int64_t c = 0; c < width; c++) row[c] = acc[r * 32 + c] + (bias ? bias[n0 + c] : 0.0f);
+    float* row = out + (m0 + r) * ldo + n0;
+    const float* plus = add ? add + (m0 + r) * ldo + n0 : nullptr;
+    for (int64_t c = 0; c < width; c++) {
+      float v = acc[r * 32 + c];
+      if (bias) v = v + bias[n0 + c];
+      row[c] = plus ? plus[c] + v : v;
+    }
   }
 }
 
@@ -229,11 +235,12 @@ static void rows_portable(const float* x, int64_t K, int64_t M, const uint8_t* q
     }
 }
 
-// out[M][N] = x[M][K] @ W^T (+ bias[N] when given), W quantized as above; nthreads threads
-// share the units of 32 output columns (half a tile each), never K.
-extern "C" void as_qmm(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* q,
-                       int bits, int gs, const void* scale, const void* offset, int f32,
-                       const float* bias, float* out, int nthreads) {
+// out[m][n] = add[m][n] + (x[M][K] @ W^T + bias)[m][n], output rows ldo apart (bias, add
+// optional), W quantized as above; nthreads threads share the units of 32 output columns (half
+// a tile each), never K.
+void as_qmm_into(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* q, int bits,
+                 int gs, const void* scale, const void* offset, int f32, const float* bias,
+                 const float* add, float* out, int64_t ldo, int nthreads) {
   int64_t tiles = (N + 63) / 64, groups = K / gs, units = 2 * tiles;
 #pragma omp parallel num_threads(nthreads)
   {
@@ -249,7 +256,7 @@ extern "C" void as_qmm(const float* x, int64_t M, int64_t K, int64_t N, const ui
         for (int64_t m0 = 0; m0 < M; m0 += 8) {
           int64_t rows = M - m0 < 8 ? M - m0 : 8;
           DIRECT[rows](x, K, m0, q, bits, gs, groups, t, half, scale, offset, f32, acc);
-          store(acc, rows, m0, N, n0, bias, out);
+          store(acc, rows, m0, N, n0, bias, add, out, ldo);
         }
         continue;
       }
@@ -257,11 +264,18 @@ extern "C" void as_qmm(const float* x, int64_t M, int64_t K, int64_t N, const ui
 #else
       rows_portable(x, K, M, q, bits, gs, groups, t, half, scale, offset, f32, acc);
 #endif
-      store(acc, M, 0, N, n0, bias, out);
+      store(acc, M, 0, N, n0, bias, add, out, ldo);
     }
     free(acc);
     free(buf);
   }
+}
+
+// out[M][N] = x[M][K] @ W^T (+ bias[N] when given).
+extern "C" void as_qmm(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* q,
+                       int bits, int gs, const void* scale, const void* offset, int f32,
+                       const float* bias, float* out, int nthreads) {
+  as_qmm_into(x, M, K, N, q, bits, gs, scale, offset, f32, bias, nullptr, out, N, nthreads);
 }
 
 // Rows ids[i] of the weight (an embedding table held as above) into out[len(ids)][K].

@@ -1,0 +1,626 @@
+// agentspec's native forward of a Llama-like decoder over a GGUF's weights as stored, on the
+// engine's KV pool: one call a forward, every layer's norms, products, rotary embedding, KV
+// writes, attention and MLP inside it.
+//
+// Row invariance: a row's bits depend on nothing but its own token, position and the keys it
+// sees. Each operation below computes a row (and a (row, head) of attention) alone, in a fixed
+// order: the products (qmm.cpp) one fma chain per (row, output) over the inputs in order; every
+// other reduction (a norm's sum of squares, a dot product over a head, attention's sums over
+// the keys) in sixteen partial sums by index modulo sixteen, added in one fixed order. A row
+// reads its keys in slot order, from slot 0: the committed positions, then the forward's rows
+// it sees (its ancestors); a slot it does not see adds exact zeros, so the keys of other rows of
+// its forward (or their absence) change nothing. No row is padded: the forward runs exactly
+// its rows, whatever their number.
+//
+// exp is one fixed polynomial (exp_fixed), the same on every path, not the C library's.
+#include "qmm.cpp"
+
+struct QW {
+  const uint8_t* q;
+  const void* scale;
+  const void* offset;
+  const float* bias;
+  int64_t n, k;
+  int32_t bits, gs, f32, pad;
+};
+
+struct Layer {
+  QW q, k, v, o, gate, up, down;
+  const float* norm_in;
+  const float* norm_mlp;
+};
+
+struct Model {
+  int64_t layers, hidden, heads, kv_heads, dim, inter, vocab, block, kv_half;
+  float eps, scale;
+  const Layer* layer;
+  const float* norm;
+  const QW* head;
+  const QW* embed;
+  const float* cos;  // [positions, dim]
+  const float* sin;
+};
+
+struct Batch {
+  int64_t rows;
+  const int64_t* ids;       // [rows]
+  const int64_t* pos;       // [rows] rotary positions
+  const int64_t* member;    // [rows] the member a row belongs to
+  const int64_t* index;     // [rows] the row's index within its member
+  const int64_t* kv;        // [members] committed length
+  const int64_t* nrows;     // [members] rows in this forward
+  const int64_t* table_at;  // [members] offset of the member's block table in tables
+  const int64_t* tables;
+  const int64_t* anc_at;    // [members] offset of the member's ancestor matrix in anc
+  const uint8_t* anc;       // row-major [nrows][nrows] per member
+  int64_t logit_count;
+  const int64_t* logit_rows;
+  float* const* keys;       // [layers] pool buffers [blocks, kv_heads, block, dim]
+  float* const* values;
+};
+
+static inline float exp_fixed(float x) {
+  x = fminf(fmaxf(x, -87.0f), 88.0f);
+  float n = nearbyintf(x * 1.44269504088896341f);
+  float r = fmaf(n, -0.693145751953125f, x);
+  r = fmaf(n, -1.428606765330187e-06f, r);
+  float p = 1.3888889e-03f;
+  p = fmaf(p, r, 8.3333333e-03f);
+  p = fmaf(p, r, 4.1666668e-02f);
+  p = fmaf(p, r, 1.6666667e-01f);
+  p = fmaf(p, r, 0.5f);
+  p = fmaf(p, r, 1.0f);
+  p = fmaf(p, r, 1.0f);
+  uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+  float s;
+  memcpy(&s, &bits, 4);
+  return p * s;
+}
+
+// Sixteen partial sums of a[i] * b[i] by i modulo sixteen (n a multiple of 16), added in a
+// fixed tree.
+static inline float dot16(const float* a, const float* b, int64_t n) {
+  float part[16] = {0};
+  for (int64_t i = 0; i < n; i += 16)
+    for (int l = 0; l < 16; l++) part[l] = fmaf(a[i + l], b[i + l], part[l]);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int l = 0; l < w; l++) part[l] = part[l] + part[l + w];
+  return part[0];
+}
+
+static void rmsnorm(const float* x, int64_t rows, int64_t dim, const float* w, float eps,
+                    float* out, int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (rows > 8) schedule(static)
+  for (int64_t r = 0; r < rows; r++) {
+    const float* xr = x + r * dim;
+    float var = dot16(xr, xr, dim) / (float)dim;
+    float inv = 1.0f / sqrtf(var + eps);
+    for (int64_t i = 0; i < dim; i++) out[r * dim + i] = w[i] * (xr[i] * inv);
+  }
+}
+
+static void product(const float* x, int64_t rows, const QW& w, const float* add, float* out,
+                    int64_t ldo, int nthreads) {
+  as_qmm_into(x, rows, w.k, w.n, w.q, w.bits, w.gs, w.scale, w.offset, w.f32, w.bias, add, out,
+              ldo, nthreads);
+}
+
+// Rotary embedding of heads [0, heads) of each row of x ([rows][stride], heads of dim at the
+// start of a row), rotate-half form: x * cos + rotate_half(x) * sin.
+static void rope(float* x, int64_t rows, int64_t stride, int64_t heads, int64_t dim,
+                 const int64_t* pos, const float* cos, const float* sin) {
+  int64_t half = dim / 2;
+  for (int64_t r = 0; r < rows; r++) {
+    const float* c = cos + pos[r] * dim;
+    const float* s = sin + pos[r] * dim;
+    for (int64_t h = 0; h < heads; h++) {
+      float* v = x + r * stride + h * dim;
+      for (int64_t i = 0; i < half; i++) {
+        float a = v[i], b = v[i + half];
+        v[i] = a * c[i] + (-b) * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
+    }
+  }
+}
+
+static inline int64_t slot_at(const Model* m, const Batch* b, int64_t mem, int64_t slot,
+                              int64_t head) {
+  int64_t block = b->tables[b->table_at[mem] + slot / m->block];
+  return ((block * m->kv_heads + head) * m->block + slot % m->block) * m->dim;
+}
+
+// Each row's keys and values into the pool at slot kv + index.
+static void write_kv(const Model* m, const Batch* b, const float* qkv, int64_t stride,
+                     float* keys, float* values) {
+  int64_t qw = m->heads * m->dim, kw = m->kv_heads * m->dim;
+  for (int64_t r = 0; r < b->rows; r++) {
+    int64_t mem = b->member[r], slot = b->kv[mem] + b->index[r];
+    for (int64_t h = 0; h < m->kv_heads; h++) {
+      int64_t at = slot_at(m, b, mem, slot, h);
+      const float* k = qkv + r * stride + qw + h * m->dim;
+      const float* v = qkv + r * stride + qw + kw + h * m->dim;
+#ifdef AS_AVX512
+      if (m->kv_half) {  // float16, rounded to nearest: half the bytes attention reads
+        uint16_t* kh = (uint16_t*)keys + at;
+        uint16_t* vh = (uint16_t*)values + at;
+        for (int64_t c = 0; c < m->dim; c += 16) {
+          _mm256_storeu_si256((__m256i*)(kh + c), _mm512_cvtps_ph(_mm512_loadu_ps(k + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          _mm256_storeu_si256((__m256i*)(vh + c), _mm512_cvtps_ph(_mm512_loadu_ps(v + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+        continue;
+      }
+#endif
+      memcpy(keys + at, k, m->dim * sizeof(float));
+      memcpy(values + at, v, m->dim * sizeof(float));
+    }
+  }
+}
+
+// out[r][h] = softmax(q . K / sqrt) V over the keys row r sees, per query head; the query
+// heads sharing a key/value head are one task, each key read once for them.
+static void attention_portable(const Model* m, const Batch* b, const float* qkv, int64_t stride,
+                      const float* keys, const float* values, float* out, int nthreads) {
+  int64_t heads = m->heads, dim = m->dim, group = m->heads / m->kv_heads, B = m->block;
+  int64_t most = 0;
+  for (int64_t r = 0; r < b->rows; r++) {
+    int64_t mem = b->member[r];
+    int64_t len = b->kv[mem] + b->nrows[mem];
+    if (len > most) most = len;
+  }
+#pragma omp parallel num_threads(nthreads)
+  {
+    float* score = (float*)malloc((size_t)group * (most + 16) * sizeof(float));
+    float* acc = (float*)malloc((size_t)group * dim * sizeof(float));
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < b->rows * m->kv_heads; task++) {
+      int64_t r = task / m->kv_heads, kvh = task % m->kv_heads;
+      int64_t mem = b->member[r], kv = b->kv[mem], n = b->nrows[mem], i = b->index[r];
+      const uint8_t* sees = b->anc + b->anc_at[mem] + i * n;
+      const int64_t* table = b->tables + b->table_at[mem];
+      const float* q = qkv + r * stride + kvh * group * dim;  // the group's query heads
+      int64_t len = kv + n;
+      float top[64];
+      for (int64_t g = 0; g < group; g++) top[g] = -INFINITY;
+      for (int64_t j0 = 0; j0 < len; j0 += B) {
+        const float* kb = keys + (table[j0 / B] * m->kv_heads + kvh) * B * dim;
+        int64_t j1 = j0 + B < len ? j0 + B : len;
+        for (int64_t j = j0; j < j1; j++) {
+          if (j >= kv && !sees[j - kv]) continue;
+          const float* k = kb + (j - j0) * dim;
+          for (int64_t g = 0; g < group; g++) {
+            float s = dot16(q + g * dim, k, dim) * m->scale;
+            score[g * most + j] = s;
+            if (s > top[g]) top[g] = s;
+          }
+        }
+      }
+      float part[64][16];
+      for (int64_t g = 0; g < group; g++) {
+        for (int l = 0; l < 16; l++) part[g][l] = 0.0f;
+        for (int64_t d = 0; d < dim; d++) acc[g * dim + d] = 0.0f;
+      }
+      for (int64_t j0 = 0; j0 < len; j0 += B) {
+        const float* vb = values + (table[j0 / B] * m->kv_heads + kvh) * B * dim;
+        int64_t j1 = j0 + B < len ? j0 + B : len;
+        for (int64_t j = j0; j < j1; j++) {
+          if (j >= kv && !sees[j - kv]) continue;
+          const float* v = vb + (j - j0) * dim;
+          for (int64_t g = 0; g < group; g++) {
+            float p = exp_fixed(score[g * most + j] - top[g]);
+            part[g][j % 16] += p;
+            float* a = acc + g * dim;
+            for (int64_t d = 0; d < dim; d++) a[d] = fmaf(p, v[d], a[d]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; g++) {
+        for (int w = 8; w >= 1; w /= 2)
+          for (int l = 0; l < w; l++) part[g][l] = part[g][l] + part[g][l + w];
+        float* o = out + r * heads * dim + (kvh * group + g) * dim;
+        for (int64_t d = 0; d < dim; d++) o[d] = acc[g * dim + d] / part[g][0];
+      }
+    }
+    free(score);
+    free(acc);
+  }
+}
+
+#ifdef AS_AVX512
+static inline __m512 exp_fixed16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.3888889e-03f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-03f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666668e-02f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-01f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+// lane i = the sum of v[i]'s sixteen lanes, in one fixed order.
+static inline __m512 sums16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; i++)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; i++) {
+    __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
+}
+
+// The same attention with sixteen keys a vector: a key's dot product with a query head in
+// sixteen lanes (dim / 16 fmas a lane), the sixteen keys' sums by sums16; exp sixteen at a
+// time; the weights' sum in sixteen partials by key modulo sixteen; the values' products one
+// fma chain per output in key order. head_dim a multiple of 16, at most 256; at most 16 query
+// heads a key/value head.
+static void attention_sums(const Model* m, const Batch* b, const float* qkv, int64_t stride,
+                      const float* keys, const float* values, float* out, int nthreads) {
+  int64_t heads = m->heads, dim = m->dim, group = m->heads / m->kv_heads, B = m->block;
+  int64_t vecs = dim / 16;
+  int64_t most = 0;
+  for (int64_t r = 0; r < b->rows; r++) {
+    int64_t mem = b->member[r];
+    int64_t len = b->kv[mem] + b->nrows[mem];
+    if (len > most) most = len;
+  }
+  most = (most + 15) / 16 * 16;
+#pragma omp parallel num_threads(nthreads)
+  {
+    float* score = (float*)aligned_alloc(64, (size_t)group * most * sizeof(float));
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < b->rows * m->kv_heads; task++) {
+      int64_t r = task / m->kv_heads, kvh = task % m->kv_heads;
+      int64_t mem = b->member[r], kv = b->kv[mem], n = b->nrows[mem], i = b->index[r];
+      const uint8_t* sees = b->anc + b->anc_at[mem] + i * n;
+      const int64_t* table = b->tables + b->table_at[mem];
+      const float* q = qkv + r * stride + kvh * group * dim;
+      int64_t len = kv + n;
+      __m512 top[16];
+      for (int64_t g = 0; g < group; g++) top[g] = _mm512_set1_ps(-INFINITY);
+      for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        const float* kb = keys + (table[j0 / B] * m->kv_heads + kvh) * B * dim + (j0 % B) * dim;
+        uint16_t seen = 0;
+        for (int l = 0; l < 16; l++) {
+          int64_t j = j0 + l;
+          if (j < len && (j < kv || sees[j - kv])) seen |= (uint16_t)(1u << l);
+        }
+        for (int64_t g = 0; g < group; g++) {
+          __m512 part[16];
+          const float* qg = q + g * dim;
+          for (int l = 0; l < 16; l++) {
+            __m512 a = _mm512_setzero_ps();
+            if (seen >> l & 1)
+              for (int64_t c = 0; c < vecs; c++)
+                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_loadu_ps(kb + l * dim + 16 * c), a);
+            part[l] = a;
+          }
+          __m512 s = _mm512_mul_ps(sums16(part), _mm512_set1_ps(m->scale));
+          s = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), s);
+          _mm512_store_ps(score + g * most + j0, s);
+          top[g] = _mm512_max_ps(top[g], s);
+        }
+      }
+      for (int64_t g = 0; g < group; g++) {
+        float t = _mm512_reduce_max_ps(top[g]);  // a max: exact in any order
+        __m512 tv = _mm512_set1_ps(t), sum = _mm512_setzero_ps();
+        for (int64_t j0 = 0; j0 < len; j0 += 16) {
+          __m512 s = _mm512_load_ps(score + g * most + j0);
+          __mmask16 live = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+          __m512 p = _mm512_maskz_mov_ps(live, exp_fixed16(_mm512_sub_ps(s, tv)));
+          _mm512_store_ps(score + g * most + j0, p);
+          sum = _mm512_add_ps(sum, p);
+        }
+        float part[16];
+        _mm512_storeu_ps(part, sum);
+        for (int w = 8; w >= 1; w /= 2)
+          for (int l = 0; l < w; l++) part[l] = part[l] + part[l + w];
+        top[g] = _mm512_set1_ps(part[0]);  // now the weights' sum
+      }
+      __m512 acc[16 * 16];
+      for (int64_t g = 0; g < group; g++)
+        for (int64_t c = 0; c < vecs; c++) acc[g * vecs + c] = _mm512_setzero_ps();
+      for (int64_t j0 = 0; j0 < len; j0 += B) {
+        const float* vb = values + (table[j0 / B] * m->kv_heads + kvh) * B * dim;
+        int64_t j1 = j0 + B < len ? j0 + B : len;
+        for (int64_t j = j0; j < j1; j++) {
+          const float* v = vb + (j - j0) * dim;
+          for (int64_t g = 0; g < group; g++) {
+            __m512 p = _mm512_set1_ps(score[g * most + j]);
+            for (int64_t c = 0; c < vecs; c++)
+              acc[g * vecs + c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[g * vecs + c]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; g++) {
+        float* o = out + r * heads * dim + (kvh * group + g) * dim;
+        for (int64_t c = 0; c < vecs; c++)
+          _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(acc[g * vecs + c], top[g]));
+      }
+    }
+    free(score);
+  }
+}
+
+// Sixteen rows of sixteen floats transposed in registers.
+static inline void transpose16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; i++) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; i++) {
+    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; i++) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// Attention with the keys in the lanes: each run of up to eight rows of one member and one
+// key/value head is a task; each chunk of sixteen keys is transposed once for the run's
+// queries, a query's score for a key four fma chains over the head's dims (by dim modulo four,
+// added in one order; lane = key),
+// exp sixteen keys at a time, the weights' sum in sixteen partials by key modulo sixteen, the
+// values' products one fma chain per output in key order (a key a query does not see adds
+// nothing). What a query computes depends on its own keys only, not on the run it is in.
+template <int V, bool HALF>
+static void attention_keys(const Model* m, const Batch* b, const float* qkv, int64_t stride,
+                           const float* keys, const float* values, float* out, int nthreads) {
+  const int64_t dim = V * 16, heads = m->heads, group = m->heads / m->kv_heads, B = m->block;
+  int64_t* run = (int64_t*)malloc((size_t)(b->rows + 1) * sizeof(int64_t));
+  int64_t runs = 0, most = 0;
+  for (int64_t r = 0; r < b->rows; r++) {
+    if (r == 0 || b->member[r] != b->member[r - 1] || r - run[runs - 1] == 8) run[runs++] = r;
+    int64_t len = b->kv[b->member[r]] + b->nrows[b->member[r]];
+    if (len > most) most = len;
+  }
+  run[runs] = b->rows;
+  most = (most + 15) / 16 * 16;
+  // Few tasks (a step of one or two rows): a key/value head's query heads split among tasks,
+  // so every thread has work (each part transposes the keys again).
+  int64_t parts = 1;
+  while (runs * m->kv_heads * parts < 2 * nthreads && parts < group) parts++;
+#pragma omp parallel num_threads(nthreads)
+  {
+    float* kt = (float*)aligned_alloc(64, (size_t)dim * 16 * sizeof(float));
+    float* score = (float*)aligned_alloc(64, (size_t)8 * group * most * sizeof(float));
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < runs * m->kv_heads * parts; task++) {
+      int64_t ru = task / (m->kv_heads * parts), kvh = task / parts % m->kv_heads;
+      int64_t g0 = task % parts * group / parts, g1 = (task % parts + 1) * group / parts;
+      int64_t r0 = run[ru], count = run[ru + 1] - r0, queries = count * group;
+      int64_t mem = b->member[r0], kv = b->kv[mem], n = b->nrows[mem], len = kv + n;
+      const int64_t* table = b->tables + b->table_at[mem];
+      __m512 top[8 * 16];
+      for (int64_t qi = 0; qi < queries; qi++) top[qi] = _mm512_set1_ps(-INFINITY);
+      for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        int64_t kat = ((table[j0 / B] * m->kv_heads + kvh) * B + j0 % B) * dim;
+        for (int64_t c = 0; c < V; c++) {
+          __m512 rows[16];
+          for (int l = 0; l < 16; l++)
+            rows[l] = HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)keys + kat + l * dim + 16 * c)))
+                           : _mm512_loadu_ps(keys + kat + l * dim + 16 * c);
+          transpose16(rows);
+          for (int l = 0; l < 16; l++) _mm512_store_ps(kt + (16 * c + l) * 16, rows[l]);
+        }
+        for (int64_t ri = 0; ri < count; ri++) {
+          int64_t i = b->index[r0 + ri];
+          const uint8_t* sees = b->anc + b->anc_at[mem] + i * n;
+          uint16_t seen = 0;
+          if (j0 + 16 <= kv) {
+            seen = 0xffff;
+          } else {
+            for (int l = 0; l < 16; l++) {
+              int64_t j = j0 + l;
+              if (j < len && (j < kv || sees[j - kv])) seen |= (uint16_t)(1u << l);
+            }
+          }
+          const float* q = qkv + (r0 + ri) * stride + kvh * group * dim;
+          for (int64_t g = g0; g < g1; g++) {
+            int64_t qi = ri * group + g;
+            __m512 s = _mm512_set1_ps(-INFINITY);
+            if (seen) {
+              const float* qg = q + g * dim;
+              __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+              for (int64_t d = 0; d < dim; d += 4) {  // four chains, by dim modulo four
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(qg[d]), _mm512_load_ps(kt + d * 16), a0);
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(qg[d + 1]), _mm512_load_ps(kt + (d + 1) * 16), a1);
+                a2 = _mm512_fmadd_ps(_mm512_set1_ps(qg[d + 2]), _mm512_load_ps(kt + (d + 2) * 16), a2);
+                a3 = _mm512_fmadd_ps(_mm512_set1_ps(qg[d + 3]), _mm512_load_ps(kt + (d + 3) * 16), a3);
+              }
+              __m512 a = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
+              s = _mm512_mask_blend_ps(seen, s, _mm512_mul_ps(a, _mm512_set1_ps(m->scale)));
+            }
+            _mm512_store_ps(score + qi * most + j0, s);
+            top[qi] = _mm512_max_ps(top[qi], s);
+          }
+        }
+      }
+      for (int64_t qi = 0; qi < queries; qi++) {
+        if (qi % group < g0 || qi % group >= g1) continue;
+        float* sq = score + qi * most;
+        __m512 tv = _mm512_set1_ps(_mm512_reduce_max_ps(top[qi])), sum = _mm512_setzero_ps();
+        for (int64_t j0 = 0; j0 < len; j0 += 16) {
+          __m512 sv = _mm512_load_ps(sq + j0);
+          __mmask16 live = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+          __m512 p = _mm512_maskz_mov_ps(live, exp_fixed16(_mm512_sub_ps(sv, tv)));
+          _mm512_store_ps(sq + j0, p);
+          sum = _mm512_add_ps(sum, p);
+        }
+        float part[16];
+        _mm512_storeu_ps(part, sum);
+        for (int w = 8; w >= 1; w /= 2)
+          for (int l = 0; l < w; l++) part[l] = part[l] + part[l + w];
+        __m512 acc[V];
+        for (int c = 0; c < V; c++) acc[c] = _mm512_setzero_ps();
+        for (int64_t j0 = 0; j0 < len; j0 += B) {
+          int64_t vat = (table[j0 / B] * m->kv_heads + kvh) * B * dim;
+          int64_t j1 = j0 + B < len ? j0 + B : len;
+          for (int64_t j = j0; j < j1; j++) {
+            float p = sq[j];
+            if (p == 0.0f) continue;  // a key it does not see: adds nothing
+            __m512 pv = _mm512_set1_ps(p);
+            int64_t at = vat + (j - j0) * dim;
+            for (int c = 0; c < V; c++) {
+              __m512 v = HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)values + at + 16 * c)))
+                              : _mm512_loadu_ps(values + at + 16 * c);
+              acc[c] = _mm512_fmadd_ps(pv, v, acc[c]);
+            }
+          }
+        }
+        int64_t ri = qi / group, g = qi % group;
+        float* o = out + (r0 + ri) * heads * dim + (kvh * group + g) * dim;
+        __m512 total = _mm512_set1_ps(part[0]);
+        for (int c = 0; c < V; c++) _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(acc[c], total));
+      }
+    }
+    free(kt);
+    free(score);
+  }
+  free(run);
+}
+
+static void attention(const Model* m, const Batch* b, const float* qkv, int64_t stride,
+                      const float* keys, const float* values, float* out, int nthreads) {
+  bool half = m->kv_half != 0;
+  switch (m->dim) {
+    case 64:
+      if (half) attention_keys<4, true>(m, b, qkv, stride, keys, values, out, nthreads);
+      else attention_keys<4, false>(m, b, qkv, stride, keys, values, out, nthreads);
+      return;
+    case 128:
+      if (half) attention_keys<8, true>(m, b, qkv, stride, keys, values, out, nthreads);
+      else attention_keys<8, false>(m, b, qkv, stride, keys, values, out, nthreads);
+      return;
+    default: attention_sums(m, b, qkv, stride, keys, values, out, nthreads);
+  }
+}
+#else
+static void attention(const Model* m, const Batch* b, const float* qkv, int64_t stride,
+                      const float* keys, const float* values, float* out, int nthreads) {
+  attention_portable(m, b, qkv, stride, keys, values, out, nthreads);
+}
+#endif
+
+// act[r][i] = silu(gate) * up, gate_up [rows][2 * inter] (gate first).
+static void silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* act,
+                     int nthreads) {
+#pragma omp parallel for num_threads(nthreads) if (rows > 8) schedule(static)
+  for (int64_t r = 0; r < rows; r++) {
+    const float* g = gate_up + r * 2 * inter;
+    const float* u = g + inter;
+    int64_t i = 0;
+#ifdef AS_AVX512
+    for (; i + 16 <= inter; i += 16) {
+      __m512 gv = _mm512_loadu_ps(g + i);
+      __m512 e = exp_fixed16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+      __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+      _mm512_storeu_ps(act + r * inter + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < inter; i++) act[r * inter + i] = g[i] / (1.0f + exp_fixed(-g[i])) * u[i];
+  }
+}
+
+// Whether this build keeps a model of head_dim ``dim``'s KV in float16 (the key-lane attention
+// of an AVX-512 build); else float32.
+extern "C" int as_kv_half(int64_t dim) {
+#ifdef AS_AVX512
+  return dim == 64 || dim == 128;
+#else
+  (void)dim;
+  return 0;
+#endif
+}
+
+// Seconds spent in each part of the forwards so far (embed, norms, qkv, rope and KV writes,
+// attention, output product, MLP products, activation, head), for the engine bench.
+static double spent[9];
+
+extern "C" void as_spent(double* out, int reset) {
+  for (int i = 0; i < 9; i++) {
+    out[i] = spent[i];
+    if (reset) spent[i] = 0.0;
+  }
+}
+
+extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float* hidden_out,
+                           int nthreads) {
+  int64_t rows = b->rows, hid = m->hidden;
+  int64_t qw = m->heads * m->dim, kw = m->kv_heads * m->dim, stride = qw + 2 * kw;
+  float* res = (float*)malloc((size_t)rows * hid * sizeof(float));
+  float* h = (float*)malloc((size_t)rows * (hid > qw ? hid : qw) * sizeof(float));
+  float* qkv = (float*)malloc((size_t)rows * stride * sizeof(float));
+  float* att = (float*)malloc((size_t)rows * qw * sizeof(float));
+  float* gu = (float*)malloc((size_t)rows * 2 * m->inter * sizeof(float));
+  float* act = (float*)malloc((size_t)rows * m->inter * sizeof(float));
+  const QW& e = *m->embed;
+  double t = omp_get_wtime(), now;
+#define LAP(i) (now = omp_get_wtime(), spent[i] += now - t, t = now)
+  as_qrows(b->ids, rows, e.k, e.q, e.bits, e.gs, e.scale, e.offset, e.f32, res);
+  LAP(0);
+  for (int64_t l = 0; l < m->layers; l++) {
+    const Layer& L = m->layer[l];
+    rmsnorm(res, rows, hid, L.norm_in, m->eps, h, nthreads);
+    LAP(1);
+    product(h, rows, L.q, nullptr, qkv, stride, nthreads);
+    product(h, rows, L.k, nullptr, qkv + qw, stride, nthreads);
+    product(h, rows, L.v, nullptr, qkv + qw + kw, stride, nthreads);
+    LAP(2);
+    rope(qkv, rows, stride, m->heads + m->kv_heads, m->dim, b->pos, m->cos, m->sin);
+    write_kv(m, b, qkv, stride, b->keys[l], b->values[l]);
+    LAP(3);
+    attention(m, b, qkv, stride, b->keys[l], b->values[l], att, nthreads);
+    LAP(4);
+    product(att, rows, L.o, res, res, hid, nthreads);
+    LAP(5);
+    rmsnorm(res, rows, hid, L.norm_mlp, m->eps, h, nthreads);
+    LAP(1);
+    product(h, rows, L.gate, nullptr, gu, 2 * m->inter, nthreads);
+    product(h, rows, L.up, nullptr, gu + m->inter, 2 * m->inter, nthreads);
+    LAP(6);
+    silu_mul(gu, rows, m->inter, act, nthreads);
+    LAP(7);
+    product(act, rows, L.down, res, res, hid, nthreads);
+    LAP(6);
+  }
+  if (b->logit_count) {
+    float* kept = (float*)malloc((size_t)b->logit_count * hid * sizeof(float));
+    for (int64_t i = 0; i < b->logit_count; i++)
+      memcpy(kept + i * hid, res + b->logit_rows[i] * hid, hid * sizeof(float));
+    float* normed = hidden_out ? hidden_out : h;
+    rmsnorm(kept, b->logit_count, hid, m->norm, m->eps, normed, nthreads);
+    product(normed, b->logit_count, *m->head, nullptr, logits, m->vocab, nthreads);
+    free(kept);
+  }
+  LAP(8);
+#undef LAP
+  free(res);
+  free(h);
+  free(qkv);
+  free(att);
+  free(gu);
+  free(act);
+}
