@@ -31,10 +31,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.fixture(scope="session")
 def spec():
-    """The real packaged SmolLM2-135M-Instruct with prompt lookup only (no memory)."""
+    """The real packaged SmolLM2-135M-Instruct with prompt lookup only (no memory), in fp32:
+    the reference mode, whose greedy output is transformers' ``generate``'s (the file's own
+    weights, the CPU's default for it, have their own tests: ``tests/unit/test_quant.py``,
+    and the ``gguf`` cases of the invariance and batching tests)."""
     from agentspec import Speculator
 
-    return Speculator.from_pretrained("smollm2-135m-instruct", memory=None)
+    return Speculator.from_pretrained("smollm2-135m-instruct", memory=None, dtype="float32")
 
 
 @pytest.fixture(scope="module")

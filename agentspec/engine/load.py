@@ -248,8 +248,9 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = No
         dtype: a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, ``"float16"``),
             or ``"gguf"``: a GGUF model's weights held as the file stores them (Q4_0, Q4_1,
             Q5_0, Q5_1, Q8_0, Q4_K, Q6_K; no full-precision copy), its products on the CPU in
-            float32 over them (:mod:`agentspec.engine.quant`). Default bfloat16 on CUDA,
-            float32 on the CPU.
+            float32 over them (:mod:`agentspec.engine.quant`). Default: bfloat16 on CUDA; on
+            the CPU ``"gguf"`` for a GGUF model of Llama, Qwen2 or Qwen3 layers whose matrices
+            are all of those types (the packaged SmolLM2 included), else float32.
         prefix_cache_bytes: the target's prefix cache budget (:class:`HFTarget`; ``None``:
             512 MiB, 0: off).
 
@@ -260,6 +261,8 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = No
         UnsupportedModelError: an architecture agentspec does not support.
     """
     device = as_device(device)
+    if dtype is None and device.startswith("cpu") and _held_as_stored(name_or_path):
+        dtype = QUANTIZED[0]
     if quantized(dtype):
         if not device.startswith("cpu"):
             raise ValueError(f"dtype {dtype!r} (the file's own quantization) runs on the CPU; "
@@ -284,6 +287,20 @@ def _load(name_or_path: str, device: str, torch_dtype: Any,
     if name_or_path in PACKAGED_MODELS:
         give_turn_format(PACKAGED_MODELS[name], model, tokenizer)
     return HFTarget(model, tokenizer, name=name, prefix_cache_bytes=prefix_cache_bytes)
+
+
+def _held_as_stored(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is a GGUF model (packaged, or a ``.gguf`` file) whose weights
+    load as stored (:func:`~agentspec.engine.quant.model.loads_as_stored`): the CPU's default
+    for it."""
+    from agentspec.engine.quant.model import loads_as_stored
+
+    if name_or_path not in PACKAGED_MODELS and not str(name_or_path).endswith(".gguf"):
+        return False
+    try:
+        return loads_as_stored(gguf_file(name_or_path))
+    except (ValueError, OSError, ModelNotAvailableError):
+        return False  # not installed, not a file: the usual load says why
 
 
 def _load_quantized(name_or_path: str, prefix_cache_bytes: int | None) -> HFTarget:

@@ -80,8 +80,9 @@ class CheckingTarget(HFTarget):
 
 @functools.cache
 def cached_target(name: str) -> HFTarget:
-    """A packaged model loaded once per test session (shared by the modules that need it)."""
-    return load_target(name)
+    """A packaged model loaded once per test session in fp32 (shared by the modules that need
+    it)."""
+    return load_target(name, dtype="float32")
 
 
 # Three levels, four leaves; siblings distinct; node order is not a path order.

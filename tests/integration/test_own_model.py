@@ -27,11 +27,14 @@ from agentspec import ModelNotAvailableError, Speculator
 out = {}
 hub = Speculator.from_pretrained("agentspec-test/smollm2-135m-instruct", memory=None,
                                 speculate=False)
-packaged = Speculator.from_pretrained("smollm2-135m-instruct", memory=None, speculate=False)
+packaged = Speculator.from_pretrained("smollm2-135m-instruct", memory=None, speculate=False,
+                                     dtype="float32")
+held = Speculator.from_pretrained("smollm2-135m-instruct", memory=None, speculate=False)
 prompt = [{"role": "user", "content": "Name three colours."}]
 out["hub"] = list(hub.generate(prompt, 12).token_ids)
 out["packaged"] = list(packaged.generate(prompt, 12).token_ids)
-out["fingerprints"] = [hub.target.fingerprint, packaged.target.fingerprint]
+out["fingerprints"] = [hub.target.fingerprint, packaged.target.fingerprint,
+                       held.target.fingerprint]
 try:
     Speculator.from_pretrained("agentspec-test/not-cached", memory=None)
 except ModelNotAvailableError as exc:
@@ -65,8 +68,9 @@ def test_hub_id_loads_from_the_hub_cache_offline(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["hub"] == out["packaged"] and len(out["hub"]) > 0
-    # the same model by the repository's name: one fingerprint, one memory
-    assert out["fingerprints"][0] == out["fingerprints"][1]
+    # the same model by the repository's name, and on the file's own weights (the CPU's
+    # default for the packaged model): one fingerprint, one memory
+    assert out["fingerprints"][0] == out["fingerprints"][1] == out["fingerprints"][2]
     error = out["error"]
     assert "'agentspec-test/not-cached'" in error and "HF_HUB_OFFLINE is set" in error
     assert str(tmp_path / "hub") in error

@@ -100,6 +100,17 @@ def test_a_product_that_follows_the_row_count_fails_the_check():
     assert rows_depend_on_the_call(split, K)
 
 
+@pytest.mark.slow
+def test_the_cpus_default_for_a_gguf_model_is_its_weights_as_stored():
+    target = load_target("smollm2-135m-instruct", device="cpu")
+    assert weights_mode(target.model) == "gguf" and target.forward.native is not None
+
+
+def test_gguf_weights_are_refused_off_the_cpu_by_name():
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        load_target("smollm2-135m-instruct", device="meta", dtype="gguf")
+
+
 @functools.cache
 def _targets() -> tuple:
     return load_target(device="cpu", dtype="gguf"), load_target(device="cpu", dtype="float32")
@@ -119,6 +130,7 @@ def test_the_packaged_model_holds_its_files_weights_bitwise_and_no_more():
         assert torch.equal(module.weight, ref), name
     for name, param in quant.model.named_parameters():
         assert torch.equal(param, reference[name]), name
+    assert quant.fingerprint == plain.fingerprint  # one model: its memory rows serve both
     held, file = weight_bytes(quant.model), gguf_file("smollm2-135m-instruct").stat().st_size
     assert held <= 1.2 * file, (held, file)
     assert not any(isinstance(m, torch.nn.Linear) for m in quant.model.modules())

@@ -69,6 +69,21 @@ def _permute_order(n: int, heads: int) -> np.ndarray:
     return np.arange(n).reshape(heads, dim, 2).transpose(0, 2, 1).reshape(-1)
 
 
+HELD_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+"""The GGUF architectures whose tensors load as stored: transformers' GGUF loader changes no
+value of theirs but the rotary interleaving of Llama's query and key rows, which is a row
+order (Gemma's norms, for one, are stored offset by one and rewritten by the loader)."""
+
+
+def loads_as_stored(path: Path) -> bool:
+    """Whether the GGUF file ``path`` loads as stored: an architecture of
+    :data:`HELD_ARCHITECTURES` whose matrices are all of held types (a file with float16 or
+    float32 matrices, as small or converted models have, does not)."""
+    file = _File(path)
+    return file.arch in HELD_ARCHITECTURES and all(
+        t.tensor_type.name in FORMATS for t in file.tensors.values() if len(t.shape) > 1)
+
+
 class _File:
     """A GGUF file's tensors by name (memory-mapped)."""
 
@@ -126,6 +141,10 @@ def load_quantized(path: Path, config: Any) -> Any:
     from agentspec.engine import compat
 
     file = _File(path)
+    if file.arch not in HELD_ARCHITECTURES:
+        raise ValueError(f"{path.name}: GGUF architecture {file.arch!r} does not load as stored "
+                         f"(held: {', '.join(HELD_ARCHITECTURES)}); load it with "
+                         "dtype='float32' or 'bfloat16'")
     arch = next((a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == file.arch), None)
     if arch is None:
         raise ValueError(f"{path.name}: GGUF architecture {file.arch!r} has no tensor names "
@@ -173,6 +192,9 @@ def load_quantized(path: Path, config: Any) -> Any:
             if key not in file.tensors:
                 raise ValueError(f"{path.name}: no tensor {key} for {name}")
             param.copy_(file.dense(key).reshape(param.shape))
+        # The class as save_pretrained writes it: the config, and so the fingerprint (memory
+        # rows, heads), is the dequantised model's.
+        model.config.architectures = [type(model).__name__]
         base = compat.base_model(model)
         rotary = getattr(base, "rotary_emb", None)
         if rotary is not None:
