@@ -289,6 +289,30 @@ def _load(name_or_path: str, device: str, torch_dtype: Any,
     return HFTarget(model, tokenizer, name=name, prefix_cache_bytes=prefix_cache_bytes)
 
 
+def _gguf_meta(path: Path) -> tuple[Any, Any]:
+    """A GGUF's config and tokenizer, read from the file once (its vocabulary is parsed for
+    each) and kept in a small folder under ``$AGENTSPEC_HOME/models`` keyed by the file's path,
+    size and time, from which later loads read them."""
+    stat = path.stat()
+    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    out = model_dir() / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}-meta"
+    if (out / _MARKER).exists():
+        return compat.load_config(str(out)), compat.load_tokenizer(str(out))
+    config = compat.load_config(str(path.parent), gguf_file=path.name)
+    tokenizer = compat.load_tokenizer(str(path.parent), gguf_file=path.name)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    config.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    (tmp / _MARKER).write_text(json.dumps({"source": str(path), "weights": "none"}))
+    try:
+        tmp.rename(out)  # atomic: a concurrent loader either wins or finds it kept
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return config, tokenizer
+
+
 def _held_as_stored(name_or_path: str) -> bool:
     """Whether ``name_or_path`` is a GGUF model (packaged, or a ``.gguf`` file) whose weights
     load as stored (:func:`~agentspec.engine.quant.model.loads_as_stored`): the CPU's default
@@ -313,9 +337,8 @@ def _load_quantized(name_or_path: str, prefix_cache_bytes: int | None) -> HFTarg
         if entry.min_transformers is not None:
             compat.check_transformers_at_least(entry.min_transformers,
                                                f"the packaged {name_or_path}", entry.below_min)
-    config = compat.load_config(str(path.parent), gguf_file=path.name)
+    config, tokenizer = _gguf_meta(path)
     compat.check_architecture(config, name_or_path)
-    tokenizer = compat.load_tokenizer(str(path.parent), gguf_file=path.name)
     model = load_quantized(path, config)
     if name_or_path in PACKAGED_MODELS:
         give_turn_format(PACKAGED_MODELS[name], model, tokenizer)

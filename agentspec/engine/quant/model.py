@@ -12,6 +12,7 @@ order, the same for every row and every row count).
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,15 @@ value of theirs but the rotary interleaving of Llama's query and key rows, which
 order (Gemma's norms, for one, are stored offset by one and rewritten by the loader)."""
 
 
+@functools.lru_cache(maxsize=2)
+def _read(path: str, size: int, mtime: int) -> Any:
+    """The file's reader (memory-mapped), parsed once for the check and the load that follows
+    (its vocabulary alone takes seconds to parse)."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 def loads_as_stored(path: Path) -> bool:
     """Whether the GGUF file ``path`` loads as stored: an architecture of
     :data:`HELD_ARCHITECTURES` whose matrices are all of held types (a file with float16 or
@@ -88,9 +98,8 @@ class _File:
     """A GGUF file's tensors by name (memory-mapped)."""
 
     def __init__(self, path: Path) -> None:
-        import gguf
-
-        self.reader = gguf.GGUFReader(str(path))
+        stat = path.stat()
+        self.reader = _read(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
         self.tensors = {t.name: t for t in self.reader.tensors}
         arch = self.reader.fields["general.architecture"]
         self.arch = bytes(arch.parts[arch.data[0]]).decode()
@@ -141,6 +150,7 @@ def load_quantized(path: Path, config: Any) -> Any:
     from agentspec.engine import compat
 
     file = _File(path)
+    _read.cache_clear()  # the file's mapping goes with this load: its pages are not held after
     if file.arch not in HELD_ARCHITECTURES:
         raise ValueError(f"{path.name}: GGUF architecture {file.arch!r} does not load as stored "
                          f"(held: {', '.join(HELD_ARCHITECTURES)}); load it with "
