@@ -27,7 +27,10 @@ from agentspec.home import agentspec_home
 
 SOURCE = Path(__file__).with_name("forward.cpp")  # includes qmm.cpp
 SOURCES = (SOURCE, Path(__file__).with_name("qmm.cpp"))
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off",
+ARCH = os.environ.get("AGENTSPEC_KERNEL_MARCH", "native")
+"""The instruction set the kernels are built for: the machine's own unless
+``AGENTSPEC_KERNEL_MARCH`` names another (``x86-64-v3``: AVX2, the portable paths)."""
+FLAGS = ("-O3", f"-march={ARCH}", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off",
          "-fno-fast-math")
 
 _LOCK = threading.Lock()

@@ -1,0 +1,60 @@
+"""The native kernels built without AVX-512 (``AGENTSPEC_KERNEL_MARCH=x86-64-v3``: the
+portable products and attention, float32 KV), in a process of their own: the weights are still
+gguf's, a row's product the same at any row count, and on the packaged model every verified
+row equals the row scored alone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentspec.home import agentspec_home
+
+ROOT = Path(__file__).resolve().parents[2]
+
+_SCRIPT = """
+import numpy as np, torch
+from gguf import GGMLQuantizationType, quants
+from agentspec.engine.quant import native
+from agentspec.engine.quant.formats import QuantWeight, unpack
+from agentspec.engine.load import load_target
+from agentspec.types import Draft
+from tests.solo import solo
+from tests.unit.test_quant import rows_depend_on_the_call
+assert native.library().as_kv_half(64) == 0  # the portable build keeps float32 KV
+rng = np.random.default_rng(0)
+for kind in ("Q4_1", "Q8_0"):
+    data = quants.quantize(rng.standard_normal((96, 256)).astype(np.float32), GGMLQuantizationType[kind])
+    w = QuantWeight(unpack(kind, data, 96, 256), kind)
+    assert np.array_equal(w.dequantized().numpy(), quants.dequantize(data, GGMLQuantizationType[kind]).reshape(96, 256))
+    assert rows_depend_on_the_call(w.matmul, 256) == []
+target = load_target(device="cpu", dtype="gguf")
+assert target.forward.native is not None
+prompt = target.tokenizer.encode("Name three colours and a tool.")
+chain = [11, 22, 33, 44, 55, 66]
+solo(target).start(prompt)
+verified = solo(target).score(prompt[-1], Draft.chain(chain, "t")).clone()
+for i in range(len(chain) + 1):
+    ids = prompt + chain[:i]
+    solo(target).start(ids)
+    assert torch.equal(solo(target).score(ids[-1], Draft())[0], verified[i]), i
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_the_portable_build_keeps_the_weights_and_the_rows(tmp_path):
+    env = {**os.environ, "AGENTSPEC_KERNEL_MARCH": "x86-64-v3",
+           "AGENTSPEC_HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "2",
+           "PYTHONPATH": str(ROOT)}
+    models = agentspec_home() / "models"
+    if models.is_dir():  # the converted model and GGUF metadata: not what this test checks
+        (tmp_path / "home").mkdir()
+        (tmp_path / "home" / "models").symlink_to(models)
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
