@@ -380,8 +380,8 @@ static inline void transpose16(__m512* r) {
 
 // Attention with the keys in the lanes: each run of up to eight rows of one member and one
 // key/value head is a task; each chunk of sixteen keys is transposed once for the run's
-// queries, a query's score for a key four fma chains over the head's dims (by dim modulo four,
-// added in one order; lane = key),
+// queries (and its values widened once), a query's score for a key four fma chains over the
+// head's dims (by dim modulo four, added in one order; lane = key),
 // exp sixteen keys at a time, the weights' sum in sixteen partials by key modulo sixteen, the
 // values' products one fma chain per output in key order (a key a query does not see adds
 // nothing). What a query computes depends on its own keys only, not on the run it is in.
@@ -406,6 +406,9 @@ static void attention_keys(const Model* m, const Batch* b, const float* qkv, int
   {
     float* kt = (float*)aligned_alloc(64, (size_t)dim * 16 * sizeof(float));
     float* score = (float*)aligned_alloc(64, (size_t)8 * group * most * sizeof(float));
+    float* vbuf = (float*)aligned_alloc(64, (size_t)16 * dim * sizeof(float));
+    float* accs = (float*)aligned_alloc(64, (size_t)8 * group * dim * sizeof(float));
+    float total[8 * 16];
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < runs * m->kv_heads * parts; task++) {
       int64_t ru = task / (m->kv_heads * parts), kvh = task / parts % m->kv_heads;
@@ -473,29 +476,50 @@ static void attention_keys(const Model* m, const Batch* b, const float* qkv, int
         _mm512_storeu_ps(part, sum);
         for (int w = 8; w >= 1; w /= 2)
           for (int l = 0; l < w; l++) part[l] = part[l] + part[l + w];
-        __m512 acc[V];
-        for (int c = 0; c < V; c++) acc[c] = _mm512_setzero_ps();
-        for (int64_t j0 = 0; j0 < len; j0 += B) {
-          int64_t vat = (table[j0 / B] * m->kv_heads + kvh) * B * dim;
-          int64_t j1 = j0 + B < len ? j0 + B : len;
-          for (int64_t j = j0; j < j1; j++) {
-            float p = sq[j];
+        total[qi] = part[0];
+        for (int64_t c = 0; c < dim; c++) accs[qi * dim + c] = 0.0f;
+      }
+      // The values: each chunk of sixteen rows read (and widened) once for the task's queries;
+      // a query's output one fma chain per element in key order.
+      for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        int64_t vat = ((table[j0 / B] * m->kv_heads + kvh) * B + j0 % B) * dim;
+        int64_t keys16 = len - j0 < 16 ? len - j0 : 16;
+        const float* vrows;
+        if (HALF) {
+          for (int64_t l = 0; l < keys16; l++)
+            for (int c = 0; c < V; c++)
+              _mm512_store_ps(vbuf + l * dim + 16 * c, _mm512_cvtph_ps(_mm256_loadu_si256(
+                  (const __m256i*)((const uint16_t*)values + vat + l * dim + 16 * c))));
+          vrows = vbuf;
+        } else {
+          vrows = values + vat;
+        }
+        for (int64_t qi = 0; qi < queries; qi++) {
+          if (qi % group < g0 || qi % group >= g1) continue;
+          const float* sq = score + qi * most + j0;
+          __m512 acc[V];
+          for (int c = 0; c < V; c++) acc[c] = _mm512_load_ps(accs + qi * dim + 16 * c);
+          for (int64_t l = 0; l < keys16; l++) {
+            float p = sq[l];
             if (p == 0.0f) continue;  // a key it does not see: adds nothing
             __m512 pv = _mm512_set1_ps(p);
-            int64_t at = vat + (j - j0) * dim;
-            for (int c = 0; c < V; c++) {
-              __m512 v = HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)values + at + 16 * c)))
-                              : _mm512_loadu_ps(values + at + 16 * c);
-              acc[c] = _mm512_fmadd_ps(pv, v, acc[c]);
-            }
+            for (int c = 0; c < V; c++)
+              acc[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vrows + l * dim + 16 * c), acc[c]);
           }
+          for (int c = 0; c < V; c++) _mm512_store_ps(accs + qi * dim + 16 * c, acc[c]);
         }
+      }
+      for (int64_t qi = 0; qi < queries; qi++) {
+        if (qi % group < g0 || qi % group >= g1) continue;
         int64_t ri = qi / group, g = qi % group;
         float* o = out + (r0 + ri) * heads * dim + (kvh * group + g) * dim;
-        __m512 total = _mm512_set1_ps(part[0]);
-        for (int c = 0; c < V; c++) _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(acc[c], total));
+        __m512 t = _mm512_set1_ps(total[qi]);
+        for (int c = 0; c < V; c++)
+          _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(_mm512_load_ps(accs + qi * dim + 16 * c), t));
       }
     }
+    free(vbuf);
+    free(accs);
     free(kt);
     free(score);
   }
