@@ -216,3 +216,18 @@ def test_end_to_end_on_a_tiny_workload(tmp_path: Path) -> None:
     assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "agentspec-plain" in md.read_text()
     assert "exact" in res.stderr and "TTFT" in res.stderr  # the table, on stderr under --json
+
+
+def test_every_system_runs_on_the_files_own_weights_with_dtype_gguf(tmp_path: Path) -> None:
+    """``--dtype gguf``: transformers' generate runs on the same held weights (its modules over
+    the native products, float32 KV), agentspec on the native forward (float16 KV): the promise
+    is agentspec-plain's outputs, and the report names the mode."""
+    workload = tmp_path / "tiny.jsonl"
+    workload.write_text("".join(json.dumps(line) + "\n" for line in TINY))
+    out = tmp_path / "o.json"
+    res = invoke("--workload", str(workload), "--max-new-tokens", "6", "--dtype", "gguf",
+                 "--systems", "hf-greedy,agentspec-plain,agentspec", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    summary = json.loads(out.read_text())
+    assert summary["dtype"] == "gguf"
+    assert summary["same_as_plain"]["agentspec"] == 1.0
