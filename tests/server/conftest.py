@@ -89,8 +89,9 @@ def start_server(tmp: Path, *args: str, timeout: float = 600.0) -> Server:
     env.pop("AGENTSPEC_API_KEY", None)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
+            # fp32, as the library's reference (the ``spec`` fixture) the answers are held to
             [sys.executable, "-m", "agentspec.cli", "--db", db, "serve", "--model", MODEL,
-             "--port", "0", "--api-key", MASTER_KEY, "--keys", str(keys),
+             "--dtype", "float32", "--port", "0", "--api-key", MASTER_KEY, "--keys", str(keys),
              "--log-level", "warning", *args],
             stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout
