@@ -262,7 +262,10 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = No
     """
     device = as_device(device)
     if dtype is None and device.startswith("cpu") and _held_as_stored(name_or_path):
-        dtype = QUANTIZED[0]
+        from agentspec.engine.quant import native
+
+        if native.available():  # else (no C++ compiler) the dequantised model, with a warning
+            dtype = QUANTIZED[0]
     if quantized(dtype):
         if not device.startswith("cpu"):
             raise ValueError(f"dtype {dtype!r} (the file's own quantization) runs on the CPU; "

@@ -150,3 +150,16 @@ def test_its_logits_are_the_float32_models_within_summation_noise():
         worst = max(worst, float((a - b).abs().max()))
         assert torch.equal(a.argmax(-1), b.argmax(-1))
     assert worst < 1e-2, worst
+
+
+@pytest.mark.slow
+def test_without_a_compiler_the_default_is_the_dequantised_model_with_a_warning(monkeypatch):
+    from agentspec.engine.quant import native
+
+    def no_compiler() -> None:
+        raise native.KernelBuildError("no C++ compiler (a test)")
+
+    monkeypatch.setattr(native, "library", no_compiler)
+    with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
+        target = load_target("smollm2-135m-instruct", device="cpu")
+    assert weights_mode(target.model) == "float32"

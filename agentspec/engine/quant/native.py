@@ -108,6 +108,19 @@ def library() -> ctypes.CDLL:
         return _LIB
 
 
+def available() -> bool:
+    """Whether the kernels build (or are built) here; where not, a warning says why once."""
+    from agentspec.errors import warn_once
+
+    try:
+        library()
+    except (KernelBuildError, OSError) as exc:
+        warn_once(f"a GGUF's weights cannot be held as stored on this machine ({exc}); loading "
+                  "it dequantised to float32")
+        return False
+    return True
+
+
 def threads() -> int:
     """The kernels' thread count: torch's."""
     return torch.get_num_threads()
