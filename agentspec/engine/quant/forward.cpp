@@ -244,115 +244,6 @@ static inline __m512 exp_fixed16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// lane i = the sum of v[i]'s sixteen lanes, in one fixed order.
-static inline __m512 sums16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; i++)
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; i++) {
-    __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  __m512 c0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
-  __m512 c1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(c0, c1, 0x88), _mm512_shuffle_f32x4(c0, c1, 0xDD));
-}
-
-// The same attention with sixteen keys a vector: a key's dot product with a query head in
-// sixteen lanes (dim / 16 fmas a lane), the sixteen keys' sums by sums16; exp sixteen at a
-// time; the weights' sum in sixteen partials by key modulo sixteen; the values' products one
-// fma chain per output in key order. head_dim a multiple of 16, at most 256; at most 16 query
-// heads a key/value head.
-static void attention_sums(const Model* m, const Batch* b, const float* qkv, int64_t stride,
-                      const float* keys, const float* values, float* out, int nthreads) {
-  int64_t heads = m->heads, dim = m->dim, group = m->heads / m->kv_heads, B = m->block;
-  int64_t vecs = dim / 16;
-  int64_t most = 0;
-  for (int64_t r = 0; r < b->rows; r++) {
-    int64_t mem = b->member[r];
-    int64_t len = b->kv[mem] + b->nrows[mem];
-    if (len > most) most = len;
-  }
-  most = (most + 15) / 16 * 16;
-#pragma omp parallel num_threads(nthreads)
-  {
-    float* score = (float*)aligned_alloc(64, (size_t)group * most * sizeof(float));
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < b->rows * m->kv_heads; task++) {
-      int64_t r = task / m->kv_heads, kvh = task % m->kv_heads;
-      int64_t mem = b->member[r], kv = b->kv[mem], n = b->nrows[mem], i = b->index[r];
-      const uint8_t* sees = b->anc + b->anc_at[mem] + i * n;
-      const int64_t* table = b->tables + b->table_at[mem];
-      const float* q = qkv + r * stride + kvh * group * dim;
-      int64_t len = kv + n;
-      __m512 top[16];
-      for (int64_t g = 0; g < group; g++) top[g] = _mm512_set1_ps(-INFINITY);
-      for (int64_t j0 = 0; j0 < len; j0 += 16) {
-        const float* kb = keys + (table[j0 / B] * m->kv_heads + kvh) * B * dim + (j0 % B) * dim;
-        uint16_t seen = 0;
-        for (int l = 0; l < 16; l++) {
-          int64_t j = j0 + l;
-          if (j < len && (j < kv || sees[j - kv])) seen |= (uint16_t)(1u << l);
-        }
-        for (int64_t g = 0; g < group; g++) {
-          __m512 part[16];
-          const float* qg = q + g * dim;
-          for (int l = 0; l < 16; l++) {
-            __m512 a = _mm512_setzero_ps();
-            if (seen >> l & 1)
-              for (int64_t c = 0; c < vecs; c++)
-                a = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), _mm512_loadu_ps(kb + l * dim + 16 * c), a);
-            part[l] = a;
-          }
-          __m512 s = _mm512_mul_ps(sums16(part), _mm512_set1_ps(m->scale));
-          s = _mm512_mask_blend_ps(seen, _mm512_set1_ps(-INFINITY), s);
-          _mm512_store_ps(score + g * most + j0, s);
-          top[g] = _mm512_max_ps(top[g], s);
-        }
-      }
-      for (int64_t g = 0; g < group; g++) {
-        float t = _mm512_reduce_max_ps(top[g]);  // a max: exact in any order
-        __m512 tv = _mm512_set1_ps(t), sum = _mm512_setzero_ps();
-        for (int64_t j0 = 0; j0 < len; j0 += 16) {
-          __m512 s = _mm512_load_ps(score + g * most + j0);
-          __mmask16 live = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-          __m512 p = _mm512_maskz_mov_ps(live, exp_fixed16(_mm512_sub_ps(s, tv)));
-          _mm512_store_ps(score + g * most + j0, p);
-          sum = _mm512_add_ps(sum, p);
-        }
-        float part[16];
-        _mm512_storeu_ps(part, sum);
-        for (int w = 8; w >= 1; w /= 2)
-          for (int l = 0; l < w; l++) part[l] = part[l] + part[l + w];
-        top[g] = _mm512_set1_ps(part[0]);  // now the weights' sum
-      }
-      __m512 acc[16 * 16];
-      for (int64_t g = 0; g < group; g++)
-        for (int64_t c = 0; c < vecs; c++) acc[g * vecs + c] = _mm512_setzero_ps();
-      for (int64_t j0 = 0; j0 < len; j0 += B) {
-        const float* vb = values + (table[j0 / B] * m->kv_heads + kvh) * B * dim;
-        int64_t j1 = j0 + B < len ? j0 + B : len;
-        for (int64_t j = j0; j < j1; j++) {
-          const float* v = vb + (j - j0) * dim;
-          for (int64_t g = 0; g < group; g++) {
-            __m512 p = _mm512_set1_ps(score[g * most + j]);
-            for (int64_t c = 0; c < vecs; c++)
-              acc[g * vecs + c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[g * vecs + c]);
-          }
-        }
-      }
-      for (int64_t g = 0; g < group; g++) {
-        float* o = out + r * heads * dim + (kvh * group + g) * dim;
-        for (int64_t c = 0; c < vecs; c++)
-          _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(acc[g * vecs + c], top[g]));
-      }
-    }
-    free(score);
-  }
-}
-
 // Sixteen rows of sixteen floats transposed in registers.
 static inline void transpose16(__m512* r) {
   __m512 t[16];
@@ -538,7 +429,7 @@ static void attention(const Model* m, const Batch* b, const float* qkv, int64_t 
       if (half) attention_keys<8, true>(m, b, qkv, stride, keys, values, out, nthreads);
       else attention_keys<8, false>(m, b, qkv, stride, keys, values, out, nthreads);
       return;
-    default: attention_sums(m, b, qkv, stride, keys, values, out, nthreads);
+    default: attention_portable(m, b, qkv, stride, keys, values, out, nthreads);
   }
 }
 #else

@@ -107,10 +107,7 @@ def _qw(weight: QuantWeight, bias: torch.Tensor | None = None) -> _QW:
 
 
 def _linear(module: QuantLinear) -> _QW:
-    bias = None if module.bias is None else module.bias.detach().float().contiguous()
-    if bias is not None:
-        module.native_bias = bias  # kept alive with the module
-    return _qw(module.qweight, bias)
+    return _qw(module.qweight, None if module.bias is None else module.bias.detach())
 
 
 class NativeForward:
