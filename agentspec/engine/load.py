@@ -124,20 +124,34 @@ def gguf_file(name_or_path: str) -> Path:
                      f"packaged: {', '.join(PACKAGED_MODELS)}")
 
 
-def _convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantise a GGUF once and keep safetensors + config + tokenizer in ``out_dir``."""
+def _keep(out_dir: Path, parts: Sequence[Any], marker: dict[str, str]) -> None:
+    """Save ``parts`` (each with ``save_pretrained``) and the marker into ``out_dir`` at once:
+    written beside it, then renamed (a concurrent writer either wins or finds it done)."""
     tmp = out_dir.with_name(out_dir.name + f".tmp-{os.getpid()}-{id(out_dir)}")
     shutil.rmtree(tmp, ignore_errors=True)
+    for part in parts:
+        part.save_pretrained(str(tmp))
+    (tmp / _MARKER).write_text(json.dumps(marker))
+    try:
+        tmp.rename(out_dir)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantise a GGUF once and keep safetensors + config + tokenizer in ``out_dir``."""
     tokenizer = compat.load_tokenizer(str(gguf.parent), gguf_file=gguf.name)
     model = compat.load_causal_lm(str(gguf.parent), torch.float32, gguf_file=gguf.name)
     compat.drop_quantizer(model)  # the dequantised weights are plain tensors now
-    model.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    (tmp / _MARKER).write_text(json.dumps({"source": str(gguf)}))
-    try:
-        tmp.rename(out_dir)  # atomic: a concurrent converter either wins or finds it done
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _keep(out_dir, [model, tokenizer], {"source": str(gguf)})
+
+
+def _check_packaged(name: str) -> None:
+    """A packaged model's transformers floor, where it has one."""
+    entry = PACKAGED_MODELS[name]
+    if entry.min_transformers is not None:
+        compat.check_transformers_at_least(entry.min_transformers, f"the packaged {name}",
+                                           entry.below_min)
 
 
 def resolve_model(name_or_path: str) -> tuple[str, str]:
@@ -151,10 +165,7 @@ def resolve_model(name_or_path: str) -> tuple[str, str]:
         NotFoundError: none of these (the message lists what is accepted).
     """
     if name_or_path in PACKAGED_MODELS:
-        entry = PACKAGED_MODELS[name_or_path]
-        if entry.min_transformers is not None:
-            compat.check_transformers_at_least(entry.min_transformers,
-                                               f"the packaged {name_or_path}", entry.below_min)
+        _check_packaged(name_or_path)
         out = model_dir() / name_or_path
         if not (out / _MARKER).exists():
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -303,16 +314,7 @@ def _gguf_meta(path: Path) -> tuple[Any, Any]:
         return compat.load_config(str(out)), compat.load_tokenizer(str(out))
     config = compat.load_config(str(path.parent), gguf_file=path.name)
     tokenizer = compat.load_tokenizer(str(path.parent), gguf_file=path.name)
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    config.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    (tmp / _MARKER).write_text(json.dumps({"source": str(path), "weights": "none"}))
-    try:
-        tmp.rename(out)  # atomic: a concurrent loader either wins or finds it kept
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _keep(out, [config, tokenizer], {"source": str(path), "weights": "none"})
     return config, tokenizer
 
 
@@ -336,10 +338,7 @@ def _load_quantized(name_or_path: str, prefix_cache_bytes: int | None) -> HFTarg
     path = gguf_file(name_or_path)
     name = name_or_path if name_or_path in PACKAGED_MODELS else path.stem
     if name_or_path in PACKAGED_MODELS:
-        entry = PACKAGED_MODELS[name_or_path]
-        if entry.min_transformers is not None:
-            compat.check_transformers_at_least(entry.min_transformers,
-                                               f"the packaged {name_or_path}", entry.below_min)
+        _check_packaged(name_or_path)
     config, tokenizer = _gguf_meta(path)
     compat.check_architecture(config, name_or_path)
     model = load_quantized(path, config)
