@@ -1,6 +1,7 @@
 """The native kernels built without AVX-512 (``AGENTSPEC_KERNEL_MARCH=x86-64-v3``: the
 portable products and attention, float32 KV), in a process of their own: the weights are still
-gguf's and a row's product the same at any row count (make test), and on the packaged model
+gguf's, the products bitwise the scheme the vector build computes (so both builds give the same
+bits) and a row's product the same at any row count (make test), and on the packaged model
 every verified row equals the row scored alone (make test-long: a model load in a process of
 its own)."""
 
@@ -20,20 +21,18 @@ ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = """
 import sys
 import numpy as np, torch
-from gguf import GGMLQuantizationType, quants
 from agentspec.engine.quant import native
-from agentspec.engine.quant.formats import QuantWeight, unpack
 from agentspec.engine.load import load_target
 from agentspec.types import Draft
 from tests.solo import solo
-from tests.unit.test_quant import rows_depend_on_the_call
+from tests.unit.test_quant import K, _unpacked, _weight, rows_depend_on_the_call, scheme_product
 assert native.library().as_kv_half(64) == 0  # the portable build keeps float32 KV
-rng = np.random.default_rng(0)
-for kind in ("Q4_1", "Q8_0"):
-    data = quants.quantize(rng.standard_normal((96, 256)).astype(np.float32), GGMLQuantizationType[kind])
-    w = QuantWeight(unpack(kind, data, 96, 256), kind)
-    assert np.array_equal(w.dequantized().numpy(), quants.dequantize(data, GGMLQuantizationType[kind]).reshape(96, 256))
-    assert rows_depend_on_the_call(w.matmul, 256) == []
+for kind in ("Q4_1", "Q8_0", "Q6_K"):
+    w, ref = _weight(kind)
+    assert np.array_equal(w.dequantized().numpy(), ref)
+    x = torch.randn(9, K)
+    assert np.array_equal(w.matmul(x).numpy(), scheme_product(_unpacked(kind), x.numpy()))
+    assert rows_depend_on_the_call(w.matmul, K) == []
 if sys.argv[-1] != "forward":
     print("ok")
     raise SystemExit(0)

@@ -136,26 +136,29 @@ def _q6_k(rows: np.ndarray, n: int, k: int) -> Unpacked:
 
 
 class QuantWeight:
-    """A weight of ``n`` output rows and ``k`` inputs, held quantized in tiles of
-    :data:`TILE` rows (see ``qmm.cpp``): :meth:`matmul` and :meth:`rows` run on it, nothing
-    holds it in full precision."""
+    """A weight of ``n`` output rows and ``k`` inputs, held quantized in units of 32 output
+    rows (tiles of :data:`TILE`, see ``qmm.cpp``): :meth:`matmul` and :meth:`rows` run on it,
+    nothing holds it in full precision."""
 
     def __init__(self, unpacked: Unpacked, kind: str = "") -> None:
         u = unpacked
         n, k = u.q.shape
         self.n, self.k, self.group, self.bits, self.kind = n, k, u.group, u.bits, kind
-        tiles, groups = -(-n // TILE), k // u.group
-        pad = tiles * TILE - n
-        q = np.pad(u.q, ((0, pad), (0, 0)))
+        units, groups, gs = 2 * -(-n // TILE), k // u.group, u.group
+        pad = units * 32 - n
+        q = np.pad(u.q, ((0, pad), (0, 0))).astype(np.int8 if u.bits == 8 else np.uint8)
         scale = np.pad(u.scale, ((0, pad), (0, 0)))
         offset = np.pad(u.offset, ((0, pad), (0, 0)))
-        # [tiles, 64 rows, groups, group] -> [tiles, groups, group, 64 rows]
-        q = q.reshape(tiles, TILE, groups, u.group).transpose(0, 2, 3, 1)
-        if u.bits == 4:
-            half = u.group // 2
-            q = (q[:, :, :half] | (q[:, :, half:] << 4)).astype(np.uint8)
-        self.q = torch.from_numpy(np.ascontiguousarray(q).view(np.uint8))
-        params = [p.reshape(tiles, TILE, groups).transpose(0, 2, 1) for p in (scale, offset)]
+        # [units, blocks, 16 rows, groups, chunks, 2 inputs] -> [units, blocks, groups, chunks,
+        # 16 rows, 2 inputs]: a chunk widens to a row's two inputs in each 32-bit lane
+        if u.bits == 4:  # chunk j: inputs 4j, 4j + 1 low nibbles, 4j + 2, 4j + 3 high ones
+            q = q.reshape(units, 2, 16, groups, gs // 4, 2, 2)
+            q = q[..., 0, :] | (q[..., 1, :] << 4)
+        else:
+            q = q.reshape(units, 2, 16, groups, gs // 2, 2)
+        q = q.transpose(0, 1, 3, 4, 2, 5)
+        self.q = torch.from_numpy(np.ascontiguousarray(q).view(np.uint8).reshape(-1))
+        params = [p.reshape(units, 32, groups).transpose(0, 2, 1) for p in (scale, offset)]
         exact16 = all(np.array_equal(p.astype(np.float16).astype(np.float32), p) for p in params)
         dtype = np.float16 if exact16 else np.float32
         self.f32 = not exact16
@@ -172,8 +175,8 @@ class QuantWeight:
                 self.offset.data_ptr(), int(self.f32))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x @ W.T (+ bias)`` in float32: ``x`` ``[..., k]`` -> ``[..., n]``; each output row
-        one fma chain over the inputs in order (``qmm.cpp``)."""
+        """``x @ W.T (+ bias)`` in float32: ``x`` ``[..., k]`` -> ``[..., n]``, each row of
+        ``x`` quantized alone to 16 bits per group of 32 inputs and summed in integers (``qmm.cpp``)."""
         rows = x.reshape(-1, self.k).float().contiguous()
         out = torch.empty((rows.shape[0], self.n), dtype=torch.float32)
         if rows.shape[0]:

@@ -4,7 +4,8 @@
 //
 // Row invariance: a row's bits depend on nothing but its own token, position and the keys it
 // sees. Each operation below computes a row (and a (row, head) of attention) alone, in a fixed
-// order: the products (qmm.cpp) one fma chain per (row, output) over the inputs in order; every
+// order: the products (qmm.cpp) quantize a row's inputs alone (16 bits a group of 32) and sum
+// each (row, output) in exact integers a group and in float32 over the groups in order; every
 // other reduction (a norm's sum of squares, a dot product over a head, attention's sums over
 // the keys) in sixteen partial sums by index modulo sixteen, added in one fixed order. A row
 // reads its keys in slot order, from slot 0: the committed positions, then the forward's rows
@@ -99,10 +100,11 @@ static void rmsnorm(const float* x, int64_t rows, int64_t dim, const float* w, f
   }
 }
 
-static void product(const float* x, int64_t rows, const QW& w, const float* add, float* out,
+// out = add + x @ w^T (+ bias), x the rows already quantized (qmm.cpp).
+static void product(const QX& x, int64_t rows, const QW& w, const float* add, float* out,
                     int64_t ldo, int nthreads) {
-  as_qmm_into(x, rows, w.k, w.n, w.q, w.bits, w.gs, w.scale, w.offset, w.f32, w.bias, add, out,
-              ldo, nthreads);
+  as_qmm_q(x, rows, w.n, w.q, w.bits, w.gs, w.scale, w.offset, w.f32, w.bias, add, out,
+           ldo, nthreads);
 }
 
 // Rotary embedding of heads [0, heads) of each row of x ([rows][stride], heads of dim at the
@@ -269,6 +271,21 @@ static inline void transpose16(__m512* r) {
   }
 }
 
+// Four queries' scores for sixteen keys (kt: the keys transposed, [dim][16]): per query four
+// fma chains over the dims (by dim modulo four), added in one order.
+static inline void scores4(const float* const* qg, const float* kt, int64_t dim, __m512* out) {
+  __m512 a[4][4];
+  for (int t = 0; t < 4; t++)
+    for (int c = 0; c < 4; c++) a[t][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += 4)
+    for (int c = 0; c < 4; c++) {
+      __m512 k = _mm512_load_ps(kt + (d + c) * 16);
+      for (int t = 0; t < 4; t++) a[t][c] = _mm512_fmadd_ps(_mm512_set1_ps(qg[t][d + c]), k, a[t][c]);
+    }
+  for (int t = 0; t < 4; t++)
+    out[t] = _mm512_add_ps(_mm512_add_ps(a[t][0], a[t][1]), _mm512_add_ps(a[t][2], a[t][3]));
+}
+
 // Attention with the keys in the lanes: each run of up to eight rows of one member and one
 // key/value head is a task; each chunk of sixteen keys is transposed once for the run's
 // queries (and its values widened once), a query's score for a key four fma chains over the
@@ -319,34 +336,37 @@ static void attention_keys(const Model* m, const Batch* b, const float* qkv, int
           transpose16(rows);
           for (int l = 0; l < 16; l++) _mm512_store_ps(kt + (16 * c + l) * 16, rows[l]);
         }
+        uint16_t seen[8];
         for (int64_t ri = 0; ri < count; ri++) {
           int64_t i = b->index[r0 + ri];
           const uint8_t* sees = b->anc + b->anc_at[mem] + i * n;
-          uint16_t seen = 0;
+          seen[ri] = 0;
           if (j0 + 16 <= kv) {
-            seen = 0xffff;
+            seen[ri] = 0xffff;
           } else {
             for (int l = 0; l < 16; l++) {
               int64_t j = j0 + l;
-              if (j < len && (j < kv || sees[j - kv])) seen |= (uint16_t)(1u << l);
+              if (j < len && (j < kv || sees[j - kv])) seen[ri] |= (uint16_t)(1u << l);
             }
           }
-          const float* q = qkv + (r0 + ri) * stride + kvh * group * dim;
-          for (int64_t g = g0; g < g1; g++) {
-            int64_t qi = ri * group + g;
+        }
+        // The task's queries four at a time: a row of the transposed keys loaded once for four.
+        for (int64_t t0 = 0; t0 < count * (g1 - g0); t0 += 4) {
+          int64_t tn = count * (g1 - g0) - t0 < 4 ? count * (g1 - g0) - t0 : 4;
+          int64_t qis[4];
+          const float* qg[4];
+          for (int64_t t = 0; t < 4; t++) {
+            int64_t at = t0 + (t < tn ? t : 0), ri = at / (g1 - g0), g = g0 + at % (g1 - g0);
+            qis[t] = ri * group + g;
+            qg[t] = qkv + (r0 + ri) * stride + (kvh * group + g) * dim;
+          }
+          __m512 sc[4];
+          scores4(qg, kt, dim, sc);
+          for (int64_t t = 0; t < tn; t++) {
+            int64_t qi = qis[t];
             __m512 s = _mm512_set1_ps(-INFINITY);
-            if (seen) {
-              const float* qg = q + g * dim;
-              __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-              for (int64_t d = 0; d < dim; d += 4) {  // four chains, by dim modulo four
-                a0 = _mm512_fmadd_ps(_mm512_set1_ps(qg[d]), _mm512_load_ps(kt + d * 16), a0);
-                a1 = _mm512_fmadd_ps(_mm512_set1_ps(qg[d + 1]), _mm512_load_ps(kt + (d + 1) * 16), a1);
-                a2 = _mm512_fmadd_ps(_mm512_set1_ps(qg[d + 2]), _mm512_load_ps(kt + (d + 2) * 16), a2);
-                a3 = _mm512_fmadd_ps(_mm512_set1_ps(qg[d + 3]), _mm512_load_ps(kt + (d + 3) * 16), a3);
-              }
-              __m512 a = _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3));
-              s = _mm512_mask_blend_ps(seen, s, _mm512_mul_ps(a, _mm512_set1_ps(m->scale)));
-            }
+            uint16_t sn = seen[qi / group];
+            if (sn) s = _mm512_mask_blend_ps(sn, s, _mm512_mul_ps(sc[t], _mm512_set1_ps(m->scale)));
             _mm512_store_ps(score + qi * most + j0, s);
             top[qi] = _mm512_max_ps(top[qi], s);
           }
@@ -385,19 +405,34 @@ static void attention_keys(const Model* m, const Batch* b, const float* qkv, int
         } else {
           vrows = values + vat;
         }
-        for (int64_t qi = 0; qi < queries; qi++) {
-          if (qi % group < g0 || qi % group >= g1) continue;
-          const float* sq = score + qi * most + j0;
-          __m512 acc[V];
-          for (int c = 0; c < V; c++) acc[c] = _mm512_load_ps(accs + qi * dim + 16 * c);
-          for (int64_t l = 0; l < keys16; l++) {
-            float p = sq[l];
-            if (p == 0.0f) continue;  // a key it does not see: adds nothing
-            __m512 pv = _mm512_set1_ps(p);
-            for (int c = 0; c < V; c++)
-              acc[c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vrows + l * dim + 16 * c), acc[c]);
+        // Two queries at a time: a value row loaded once for both; a key a query does not see
+        // has p = 0 and adds exactly nothing (fma(0, v, acc) is acc: v is finite, acc never -0).
+        for (int64_t t0 = 0; t0 < count * (g1 - g0); t0 += 2) {
+          int64_t tn = count * (g1 - g0) - t0 < 2 ? count * (g1 - g0) - t0 : 2;
+          float* acc[2];
+          const float* sq[2];
+          for (int64_t t = 0; t < 2; t++) {
+            int64_t at = t0 + (t < tn ? t : 0), ri = at / (g1 - g0), g = g0 + at % (g1 - g0);
+            acc[t] = accs + (ri * group + g) * dim;
+            sq[t] = score + (ri * group + g) * most + j0;
           }
-          for (int c = 0; c < V; c++) _mm512_store_ps(accs + qi * dim + 16 * c, acc[c]);
+          __m512 a0[V], a1[V];
+          for (int c = 0; c < V; c++) {
+            a0[c] = _mm512_load_ps(acc[0] + 16 * c);
+            a1[c] = _mm512_load_ps(acc[1] + 16 * c);
+          }
+          for (int64_t l = 0; l < keys16; l++) {
+            __m512 p0 = _mm512_set1_ps(sq[0][l]), p1 = _mm512_set1_ps(sq[1][l]);
+            for (int c = 0; c < V; c++) {
+              __m512 v = _mm512_loadu_ps(vrows + l * dim + 16 * c);
+              a0[c] = _mm512_fmadd_ps(p0, v, a0[c]);
+              a1[c] = _mm512_fmadd_ps(p1, v, a1[c]);
+            }
+          }
+          for (int c = 0; c < V; c++) {
+            _mm512_store_ps(acc[0] + 16 * c, a0[c]);
+            if (tn == 2) _mm512_store_ps(acc[1] + 16 * c, a1[c]);
+          }
         }
       }
       for (int64_t qi = 0; qi < queries; qi++) {
@@ -500,25 +535,32 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
     const Layer& L = m->layer[l];
     rmsnorm(res, rows, hid, L.norm_in, m->eps, h, nthreads);
     LAP(1);
-    product(h, rows, L.q, nullptr, qkv, stride, nthreads);
-    product(h, rows, L.k, nullptr, qkv + qw, stride, nthreads);
-    product(h, rows, L.v, nullptr, qkv + qw + kw, stride, nthreads);
+    QX hq = quantize_rows(h, rows, hid, hid, nthreads);
+    product(hq, rows, L.q, nullptr, qkv, stride, nthreads);
+    product(hq, rows, L.k, nullptr, qkv + qw, stride, nthreads);
+    product(hq, rows, L.v, nullptr, qkv + qw + kw, stride, nthreads);
+    free((void*)hq.q);
     LAP(2);
     rope(qkv, rows, stride, m->heads + m->kv_heads, m->dim, b->pos, m->cos, m->sin);
     write_kv(m, b, qkv, stride, b->keys[l], b->values[l]);
     LAP(3);
     attention(m, b, qkv, stride, b->keys[l], b->values[l], att, nthreads);
     LAP(4);
-    product(att, rows, L.o, res, res, hid, nthreads);
+    as_qmm_into(att, rows, qw, qw, L.o.n, L.o.q, L.o.bits, L.o.gs, L.o.scale,
+                L.o.offset, L.o.f32, L.o.bias, res, res, hid, nthreads);
     LAP(5);
     rmsnorm(res, rows, hid, L.norm_mlp, m->eps, h, nthreads);
     LAP(1);
-    product(h, rows, L.gate, nullptr, gu, 2 * m->inter, nthreads);
-    product(h, rows, L.up, nullptr, gu + m->inter, 2 * m->inter, nthreads);
+    hq = quantize_rows(h, rows, hid, hid, nthreads);
+    product(hq, rows, L.gate, nullptr, gu, 2 * m->inter, nthreads);
+    product(hq, rows, L.up, nullptr, gu + m->inter, 2 * m->inter, nthreads);
+    free((void*)hq.q);
     LAP(6);
     silu_mul(gu, rows, m->inter, act, nthreads);
     LAP(7);
-    product(act, rows, L.down, res, res, hid, nthreads);
+    as_qmm_into(act, rows, m->inter, m->inter, L.down.n, L.down.q, L.down.bits, L.down.gs,
+                L.down.scale, L.down.offset, L.down.f32, L.down.bias, res, res, hid,
+                nthreads);
     LAP(6);
   }
   if (b->logit_count) {
@@ -527,7 +569,9 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
       memcpy(kept + i * hid, res + b->logit_rows[i] * hid, hid * sizeof(float));
     float* normed = hidden_out ? hidden_out : h;
     rmsnorm(kept, b->logit_count, hid, m->norm, m->eps, normed, nthreads);
-    product(normed, b->logit_count, *m->head, nullptr, logits, m->vocab, nthreads);
+    const QW& H = *m->head;
+    as_qmm_into(normed, b->logit_count, hid, hid, H.n, H.q, H.bits, H.gs, H.scale,
+                H.offset, H.f32, H.bias, nullptr, logits, m->vocab, nthreads);
     free(kept);
   }
   LAP(8);

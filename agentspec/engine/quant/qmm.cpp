@@ -1,20 +1,25 @@
 // agentspec's CPU products over quantized weights, as a GGUF file stores them.
 //
-// A weight of N output rows and K inputs is held in tiles of 64 output rows (zero-padded),
-// each tile in groups of GS inputs (GS = 32, or 16 for Q6_K): per group the quantized values
-// ([GS][64] bytes, or [GS/2][64] bytes holding two 4-bit values each: input k in the low
-// nibble, input k + GS/2 in the high one), a scale and an offset per output row. The weight is
-// w = fma(scale, q, offset), the value gguf's own dequantisation gives (its product d * q is
-// exact in float32, so one rounding either way).
+// Weights. A weight of N output rows and K inputs is held in units of 32 output rows (tiles of
+// 64 zero-padded, two units each), each unit in groups of GS inputs (GS = 32, or 16 for Q6_K):
+// the quantized values q, then a scale and an offset per output row and group. The weight is
+// w = fma(scale, q, offset), the value gguf's own dequantisation gives. A unit is two blocks of
+// 16 output rows, each block its groups in order, a group a run of 32-byte chunks that widen to
+// the lanes of the dot-product instruction: lane c holds two consecutive inputs of output row c.
+// 8-bit formats (q signed, in a byte): chunk j holds inputs 2j, 2j + 1. 4-bit formats (q
+// 0..15): chunk j holds inputs 4j, 4j + 1 in its low nibbles and 4j + 2, 4j + 3 in its high
+// ones. The scales and offsets are [unit][group][32].
 //
-// Row invariance by construction: out[m][n] = fma(x[m][K-1], w[n][K-1], ... fma(x[m][0],
-// w[n][0], 0)), one chain in the order of k, whatever M is, whichever of the forward's rows m
-// is, and whichever thread computes the tile. Threads split the output rows (tiles), never K.
-// A tile's groups are dequantised once into a small buffer and used by every row, so eight
-// rows cost far less than eight times one.
-//
-// Both fmas are correctly rounded (the AVX-512 instructions and fmaf alike), so the portable
-// path gives the same bits as the vector one.
+// Activations. A product's input rows are quantized first, each row alone: per group of 32
+// inputs d = amax / 32767 and x_q = round(x * (32767 / amax)), 16-bit, with the sums of x_q
+// per 16 inputs. Then per (row, output, group) the integer sum S = sum(q * x_q) is exact, and
+// the group adds ((scale * S) + (offset * sum(x_q))) * d to the row's float32 accumulator,
+// groups in order of k, each operation rounded once. 16 bits keep the products within float32
+// summation noise of the dequantised weights' (8-bit activations, llama.cpp's, would not on
+// the packaged model). So a row's bits depend on its own inputs only, whatever M is, whichever
+// row of the call it is and whichever thread computes its unit (threads split units, never K);
+// and the vector path (AVX-512 VNNI) and the portable one give the same bits: integer sums are
+// exact and the float operations the same, in the same order.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,6 +28,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define AS_AVX512 1
+#endif
+#if defined(AS_AVX512) && defined(__AVX512VNNI__)
+#define AS_VNNI 1
 #endif
 
 static inline float half_to_float(uint16_t h) {
@@ -47,23 +55,83 @@ static inline float half_to_float(uint16_t h) {
   return out;
 }
 
-// The scales or offsets of one group's 64 output rows as floats.
-static inline void load_params(const void* p, int f32, int64_t at, float* out) {
-  if (f32) {
-    memcpy(out, (const float*)p + at, 64 * sizeof(float));
-    return;
-  }
-  const uint16_t* h = (const uint16_t*)p + at;
-#ifdef AS_AVX512
-  for (int c = 0; c < 4; c++)
-    _mm512_storeu_ps(out + 16 * c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + 16 * c))));
-#else
-  for (int c = 0; c < 64; c++) out[c] = half_to_float(h[c]);
-#endif
+static inline float param_at(const void* p, int f32, int64_t at) {
+  return f32 ? ((const float*)p)[at] : half_to_float(((const uint16_t*)p)[at]);
 }
 
-static inline int64_t group_bytes(int bits, int gs) {
-  return bits == 4 ? (int64_t)(gs / 2) * 64 : (int64_t)gs * 64;
+// Bytes of one block's group of values (16 output rows).
+static inline int64_t block_bytes(int bits, int gs) { return bits == 4 ? 8 * gs : 16 * gs; }
+
+// The values of unit u's block b (16 output rows), group g.
+static inline const uint8_t* block_at(const uint8_t* q, int bits, int gs, int64_t groups,
+                                      int64_t u, int b, int64_t g) {
+  return q + ((u * 2 + b) * groups + g) * block_bytes(bits, gs);
+}
+
+// The quantized value q of output row c (of the unit's 32) and input k (of group g).
+static inline int stored_at(const uint8_t* q, int bits, int gs, int64_t groups, int64_t u,
+                            int64_t g, int k, int c) {
+  const uint8_t* block = block_at(q, bits, gs, groups, u, c / 16, g);
+  if (bits == 4) {
+    uint8_t v = block[(k / 4) * 32 + (c % 16) * 2 + k % 2];
+    return (k % 4) < 2 ? v & 0x0f : v >> 4;
+  }
+  return (int8_t)block[(k / 2) * 32 + (c % 16) * 2 + k % 2];
+}
+
+// Input rows quantized per group of 32 (see the top of this file).
+struct QX {
+  const int16_t* q;     // [M][K]
+  const float* d;       // [M][K / 32]
+  const int32_t* sums;  // [M][K / 16]
+  int64_t K;
+};
+
+static void quantize_row(const float* x, int64_t K, int16_t* q, float* d, int32_t* sums) {
+  for (int64_t g = 0; g < K / 32; g++) {
+    const float* xg = x + g * 32;
+    float amax = 0.0f;
+    int h = 0;
+#ifdef AS_AVX512
+    __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(xg)), a1 = _mm512_abs_ps(_mm512_loadu_ps(xg + 16));
+    amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+    for (; h < 2; h++) {  // cvtps rounds to nearest even, as nearbyintf does
+      __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + 16 * h), _mm512_set1_ps(id)));
+      _mm256_storeu_si256((__m256i*)(q + g * 32 + 16 * h), _mm512_cvtsepi32_epi16(v));
+      sums[g * 2 + h] = _mm512_reduce_add_epi32(v);
+    }
+#else
+    for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xg[i]));
+    float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+#endif
+    for (; h < 2; h++) {
+      int32_t s = 0;
+      for (int i = 16 * h; i < 16 * h + 16; i++) {
+        int v = (int)nearbyintf(xg[i] * id);
+        q[g * 32 + i] = (int16_t)v;
+        s += v;
+      }
+      sums[g * 2 + h] = s;
+    }
+    d[g] = amax / 32767.0f;
+  }
+}
+
+// M rows of K inputs (ldx apart) quantized into one allocation (free(qx.q) releases it).
+static QX quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, int nthreads) {
+  size_t qb = (size_t)M * K * 2, db = (size_t)M * (K / 32) * 4, sb = (size_t)M * (K / 16) * 4;
+  char* mem = (char*)malloc(qb + db + sb + 64);
+  QX qx;
+  qx.q = (int16_t*)mem;
+  qx.d = (float*)(mem + ((qb + 15) / 16) * 16);
+  qx.sums = (int32_t*)((char*)qx.d + db);
+  qx.K = K;
+#pragma omp parallel for num_threads(nthreads) if (M > 8) schedule(static)
+  for (int64_t m = 0; m < M; m++)
+    quantize_row(x + m * ldx, K, (int16_t*)qx.q + m * K, (float*)qx.d + m * (K / 32),
+                 (int32_t*)qx.sums + m * (K / 16));
+  return qx;
 }
 
 // Stores rows [m0, m0 + rows) of the unit's 32 output columns (acc: [rows][32]): out[m][n] =
@@ -82,212 +150,157 @@ static inline void store(const float* acc, int64_t rows, int64_t m0, int64_t N, 
   }
 }
 
-#ifdef AS_AVX512
-// The weights of input k of one group, for the unit's 32 output columns (two vectors).
-static inline void weights2(const uint8_t* base, int bits, int gs, int k, int half,
-                            const __m512* sc, const __m512* of, __m512* w) {
-  __m128i raw[2];
-  if (bits == 4) {
-    int h = gs / 2;
-    __m256i v = _mm256_loadu_si256((const __m256i*)(base + (k % h) * 64 + half * 32));
-    if (k >= h) v = _mm256_srli_epi16(v, 4);
-    v = _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
-    raw[0] = _mm256_castsi256_si128(v);
-    raw[1] = _mm256_extracti128_si256(v, 1);
-    for (int c = 0; c < 2; c++)
-      w[c] = _mm512_fmadd_ps(sc[c], _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw[c])), of[c]);
-  } else {
-    const int8_t* row = (const int8_t*)base + k * 64 + half * 32;
-    for (int c = 0; c < 2; c++)
-      w[c] = _mm512_fmadd_ps(sc[c], _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                        _mm_loadu_si128((const __m128i*)(row + 16 * c)))), of[c]);
-  }
+// The integer sum of x_q over weight group g (gs inputs) of row m.
+static inline int32_t group_sum(const QX& x, int64_t m, int gs, int64_t g) {
+  const int32_t* s = x.sums + m * (x.K / 16);
+  return gs == 16 ? s[g] : s[2 * g] + s[2 * g + 1];
 }
 
-static inline void params2(const void* p, int f32, int64_t at, __m512* out) {
-  for (int c = 0; c < 2; c++) {
-    if (!p) out[c] = _mm512_setzero_ps();
-    else if (f32) out[c] = _mm512_loadu_ps((const float*)p + at + 16 * c);
-    else out[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + at + 16 * c)));
-  }
+#ifdef AS_VNNI
+static inline __m512 params16(const void* p, int f32, int64_t at) {
+  if (f32) return _mm512_loadu_ps((const float*)p + at);
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + at)));
 }
 
-// Rows [m0, m0 + R) of one unit (tile t, 32 columns at half): each weight dequantised in
-// registers once for the R rows, each (row, column) one fma chain over k in order.
-template <int R>
-static void rows_direct(const float* x, int64_t K, int64_t m0, const uint8_t* q, int bits,
-                        int gs, int64_t groups, int64_t t, int half, const void* scale,
-                        const void* offset, int f32, float* acc) {
-  __m512 a[R][2];
-  for (int r = 0; r < R; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; g++) {
-    int64_t at = (t * groups + g) * 64 + half * 32;
-    __m512 sc[2], of[2], w[2];
-    params2(scale, f32, at, sc);
-    params2(offset, f32, at, of);
-    const uint8_t* base = q + (t * groups + g) * group_bytes(bits, gs);
-    const float* xg = x + m0 * K + g * gs;
-    for (int k = 0; k < gs; k++) {
-      weights2(base, bits, gs, k, half, sc, of, w);
-      for (int r = 0; r < R; r++) {
-        __m512 xb = _mm512_set1_ps(xg[r * K + k]);
-        a[r][0] = _mm512_fmadd_ps(xb, w[0], a[r][0]);
-        a[r][1] = _mm512_fmadd_ps(xb, w[1], a[r][1]);
-      }
-    }
-  }
-  for (int r = 0; r < R; r++) {
-    _mm512_storeu_ps(acc + r * 32, a[r][0]);
-    _mm512_storeu_ps(acc + r * 32 + 16, a[r][1]);
-  }
+// The inputs 2i, 2i + 1 of a quantized row as one 32-bit lane, in all sixteen.
+static inline __m512i pair(const int16_t* x, int64_t i) {
+  int32_t v;
+  memcpy(&v, x + 2 * i, 4);
+  return _mm512_set1_epi32(v);
 }
 
-typedef void (*direct_fn)(const float*, int64_t, int64_t, const uint8_t*, int, int, int64_t,
-                          int64_t, int, const void*, const void*, int, float*);
-static const direct_fn DIRECT[9] = {nullptr, rows_direct<1>, rows_direct<2>, rows_direct<3>,
-                                    rows_direct<4>, rows_direct<5>, rows_direct<6>,
-                                    rows_direct<7>, rows_direct<8>};
-
-// All M rows of one unit, many rows: each group's weights dequantised once into buf[gs][32],
-// then the rows' chains continued from acc[M][32], eight rows at a time (the same chains).
-static void rows_buffered(const float* x, int64_t K, int64_t M, const uint8_t* q, int bits,
-                          int gs, int64_t groups, int64_t t, int half, const void* scale,
-                          const void* offset, int f32, float* buf, float* acc) {
-  memset(acc, 0, (size_t)M * 32 * sizeof(float));
-  for (int64_t g = 0; g < groups; g++) {
-    int64_t at = (t * groups + g) * 64 + half * 32;
-    __m512 sc[2], of[2], w[2];
-    params2(scale, f32, at, sc);
-    params2(offset, f32, at, of);
-    const uint8_t* base = q + (t * groups + g) * group_bytes(bits, gs);
-    for (int k = 0; k < gs; k++) {
-      weights2(base, bits, gs, k, half, sc, of, w);
-      _mm512_storeu_ps(buf + k * 32, w[0]);
-      _mm512_storeu_ps(buf + k * 32 + 16, w[1]);
-    }
-    const float* xg = x + g * gs;
-    int64_t m = 0;
-    for (; m + 8 <= M; m += 8) {
-      __m512 a[8][2];
-      for (int r = 0; r < 8; r++) {
-        a[r][0] = _mm512_loadu_ps(acc + (m + r) * 32);
-        a[r][1] = _mm512_loadu_ps(acc + (m + r) * 32 + 16);
-      }
-      for (int k = 0; k < gs; k++) {
-        __m512 w0 = _mm512_loadu_ps(buf + k * 32), w1 = _mm512_loadu_ps(buf + k * 32 + 16);
-        for (int r = 0; r < 8; r++) {
-          __m512 xb = _mm512_set1_ps(xg[(m + r) * K + k]);
-          a[r][0] = _mm512_fmadd_ps(xb, w0, a[r][0]);
-          a[r][1] = _mm512_fmadd_ps(xb, w1, a[r][1]);
+// Rows [m0, m0 + R) of unit u, 16 output rows at a time: per group the R rows' integer sums in
+// registers (vpdpwssd on the widened chunks), then the group's float step.
+template <int R, int BITS>
+static void unit_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_t groups,
+                      int64_t u, const void* scale, const void* offset, int f32, float* acc) {
+  for (int b = 0; b < 2; b++) {
+    __m512 a[R];
+    for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+      const uint8_t* w = block_at(q, BITS, gs, groups, u, b, g);
+      __m512i s[R];
+      for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
+      const int16_t* xg = x.q + m0 * x.K + g * gs;
+      if (BITS == 4) {
+        for (int j = 0; j < gs / 4; j++) {
+          __m256i v = _mm256_loadu_si256((const __m256i*)(w + 32 * j));
+          __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(v, _mm256_set1_epi8(0x0f)));
+          __m512i hi = _mm512_cvtepu8_epi16(
+              _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)));
+          for (int r = 0; r < R; r++) {
+            s[r] = _mm512_dpwssd_epi32(s[r], lo, pair(xg + r * x.K, 2 * j));
+            s[r] = _mm512_dpwssd_epi32(s[r], hi, pair(xg + r * x.K, 2 * j + 1));
+          }
+        }
+      } else {
+        for (int j = 0; j < gs / 2; j++) {
+          __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32 * j)));
+          for (int r = 0; r < R; r++) s[r] = _mm512_dpwssd_epi32(s[r], v, pair(xg + r * x.K, j));
         }
       }
-      for (int r = 0; r < 8; r++) {
-        _mm512_storeu_ps(acc + (m + r) * 32, a[r][0]);
-        _mm512_storeu_ps(acc + (m + r) * 32 + 16, a[r][1]);
+      int64_t at = (u * groups + g) * 32 + b * 16;
+      __m512 sc = params16(scale, f32, at), of = params16(offset, f32, at);
+      for (int r = 0; r < R; r++) {
+        float xs = (float)group_sum(x, m0 + r, gs, g);
+        __m512 v = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(s[r]));
+        v = _mm512_add_ps(v, _mm512_mul_ps(of, _mm512_set1_ps(xs)));
+        v = _mm512_mul_ps(v, _mm512_set1_ps(x.d[(m0 + r) * (x.K / 32) + (g * gs) / 32]));
+        a[r] = _mm512_add_ps(a[r], v);
       }
     }
-    for (; m < M; m++) {
-      __m512 a0 = _mm512_loadu_ps(acc + m * 32), a1 = _mm512_loadu_ps(acc + m * 32 + 16);
-      for (int k = 0; k < gs; k++) {
-        __m512 xb = _mm512_set1_ps(xg[m * K + k]);
-        a0 = _mm512_fmadd_ps(xb, _mm512_loadu_ps(buf + k * 32), a0);
-        a1 = _mm512_fmadd_ps(xb, _mm512_loadu_ps(buf + k * 32 + 16), a1);
-      }
-      _mm512_storeu_ps(acc + m * 32, a0);
-      _mm512_storeu_ps(acc + m * 32 + 16, a1);
-    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * 32 + b * 16, a[r]);
   }
 }
+
+typedef void (*unit_fn)(const QX&, int64_t, const uint8_t*, int, int64_t, int64_t, const void*,
+                        const void*, int, float*);
+#define AS_UNITS(B)                                                                         \
+  {nullptr, unit_rows<1, B>, unit_rows<2, B>, unit_rows<3, B>, unit_rows<4, B>,              \
+   unit_rows<5, B>, unit_rows<6, B>, unit_rows<7, B>, unit_rows<8, B>}
+static const unit_fn UNITS4[9] = AS_UNITS(4);
+static const unit_fn UNITS8[9] = AS_UNITS(8);
 #endif
 
-// The weight of output column n (of 64 in tile t) and input k, as gguf dequantises it.
-static inline float weight_at(const uint8_t* q, int bits, int gs, int64_t groups, int64_t t,
-                              int64_t g, int k, int n, const void* scale, const void* offset,
-                              int f32) {
-  int64_t at = (t * groups + g) * 64 + n;
-  float s = f32 ? ((const float*)scale)[at] : half_to_float(((const uint16_t*)scale)[at]);
-  float o = !offset ? 0.0f : f32 ? ((const float*)offset)[at]
-                                 : half_to_float(((const uint16_t*)offset)[at]);
-  const uint8_t* base = q + (t * groups + g) * group_bytes(bits, gs);
-  float v;
-  if (bits == 4) {
-    int h = gs / 2;
-    uint8_t b = base[(k % h) * 64 + n];
-    v = (float)(k >= h ? b >> 4 : b & 0x0f);
-  } else {
-    v = (float)((const int8_t*)base)[k * 64 + n];
-  }
-  return fmaf(s, v, o);
-}
-
-// Rows of one unit, portably (the same weights, the same chains, slower).
-static void rows_portable(const float* x, int64_t K, int64_t M, const uint8_t* q, int bits,
-                          int gs, int64_t groups, int64_t t, int half, const void* scale,
+// Rows [m0, m0 + rows) of unit u, portably (the same sums and float steps, slower).
+static void unit_portable(const QX& x, int64_t m0, int64_t rows, const uint8_t* q, int bits,
+                          int gs, int64_t groups, int64_t u, const void* scale,
                           const void* offset, int f32, float* acc) {
-  for (int64_t m = 0; m < M; m++)
+  for (int64_t r = 0; r < rows; r++)
     for (int c = 0; c < 32; c++) {
       float a = 0.0f;
-      for (int64_t g = 0; g < groups; g++)
+      for (int64_t g = 0; g < groups; g++) {
+        const int16_t* xg = x.q + (m0 + r) * x.K + g * gs;
+        int32_t s = 0;
         for (int k = 0; k < gs; k++)
-          a = fmaf(x[m * K + g * gs + k],
-                   weight_at(q, bits, gs, groups, t, g, k, half * 32 + c, scale, offset, f32), a);
-      acc[m * 32 + c] = a;
+          s += stored_at(q, bits, gs, groups, u, g, k, c) * (int32_t)xg[k];
+        float xs = (float)group_sum(x, m0 + r, gs, g);
+        int64_t at = (u * groups + g) * 32 + c;
+        float v = param_at(scale, f32, at) * (float)s;
+        v = v + param_at(offset, f32, at) * xs;
+        v = v * x.d[(m0 + r) * (x.K / 32) + (g * gs) / 32];
+        a = a + v;
+      }
+      acc[r * 32 + c] = a;
     }
 }
 
-// out[m][n] = add[m][n] + (x[M][K] @ W^T + bias)[m][n], output rows ldo apart (bias, add
-// optional), W quantized as above; nthreads threads share the units of 32 output columns (half
-// a tile each), never K.
-void as_qmm_into(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* q, int bits,
-                 int gs, const void* scale, const void* offset, int f32, const float* bias,
-                 const float* add, float* out, int64_t ldo, int nthreads) {
-  int64_t tiles = (N + 63) / 64, groups = K / gs, units = 2 * tiles;
+// out[m][n] = add[m][n] + (x @ W^T + bias)[m][n] for the M quantized rows x, output rows ldo
+// apart (bias, add optional; add may be out); nthreads threads share the units, never K.
+void as_qmm_q(const QX& x, int64_t M, int64_t N, const uint8_t* q, int bits, int gs,
+              const void* scale, const void* offset, int f32, const float* bias,
+              const float* add, float* out, int64_t ldo, int nthreads) {
+  int64_t groups = x.K / gs, units = 2 * ((N + 63) / 64);
 #pragma omp parallel num_threads(nthreads)
   {
-    float* acc = (float*)aligned_alloc(64, (size_t)(M < 8 ? 8 : M) * 32 * sizeof(float));
-    float* buf = (float*)aligned_alloc(64, (size_t)gs * 32 * sizeof(float));
+    float acc[8 * 32];
 #pragma omp for schedule(static)
     for (int64_t u = 0; u < units; u++) {
-      int64_t t = u / 2, n0 = u * 32;
-      int half = (int)(u % 2);
+      int64_t n0 = u * 32;
       if (n0 >= N) continue;
-#ifdef AS_AVX512
-      if (M < 16) {
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
-          int64_t rows = M - m0 < 8 ? M - m0 : 8;
-          DIRECT[rows](x, K, m0, q, bits, gs, groups, t, half, scale, offset, f32, acc);
-          store(acc, rows, m0, N, n0, bias, add, out, ldo);
-        }
-        continue;
-      }
-      rows_buffered(x, K, M, q, bits, gs, groups, t, half, scale, offset, f32, buf, acc);
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        int64_t rows = M - m0 < 8 ? M - m0 : 8;
+#ifdef AS_VNNI
+        (bits == 4 ? UNITS4 : UNITS8)[rows](x, m0, q, gs, groups, u, scale, offset, f32, acc);
 #else
-      rows_portable(x, K, M, q, bits, gs, groups, t, half, scale, offset, f32, acc);
+        unit_portable(x, m0, rows, q, bits, gs, groups, u, scale, offset, f32, acc);
 #endif
-      store(acc, M, 0, N, n0, bias, add, out, ldo);
+        store(acc, rows, m0, N, n0, bias, add, out, ldo);
+      }
     }
-    free(acc);
-    free(buf);
   }
+}
+
+// The same from float rows x[M][K] (ldx apart): quantized here, then as above.
+void as_qmm_into(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t N, const uint8_t* q,
+                 int bits, int gs, const void* scale, const void* offset, int f32,
+                 const float* bias, const float* add, float* out, int64_t ldo, int nthreads) {
+  QX qx = quantize_rows(x, M, K, ldx, nthreads);
+  as_qmm_q(qx, M, N, q, bits, gs, scale, offset, f32, bias, add, out, ldo, nthreads);
+  free((void*)qx.q);
 }
 
 // out[M][N] = x[M][K] @ W^T (+ bias[N] when given).
 extern "C" void as_qmm(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* q,
                        int bits, int gs, const void* scale, const void* offset, int f32,
                        const float* bias, float* out, int nthreads) {
-  as_qmm_into(x, M, K, N, q, bits, gs, scale, offset, f32, bias, nullptr, out, N, nthreads);
+  as_qmm_into(x, M, K, K, N, q, bits, gs, scale, offset, f32, bias, nullptr, out, N, nthreads);
 }
 
-// Rows ids[i] of the weight (an embedding table held as above) into out[len(ids)][K].
+// Rows ids[i] of the weight (an embedding table held as above), dequantised as gguf does, into
+// out[len(ids)][K].
 extern "C" void as_qrows(const int64_t* ids, int64_t count, int64_t K, const uint8_t* q,
                          int bits, int gs, const void* scale, const void* offset, int f32,
                          float* out) {
   int64_t groups = K / gs;
   for (int64_t i = 0; i < count; i++) {
-    int64_t t = ids[i] / 64;
-    int n = (int)(ids[i] % 64);
-    for (int64_t g = 0; g < groups; g++)
+    int64_t u = ids[i] / 32;
+    int c = (int)(ids[i] % 32);
+    for (int64_t g = 0; g < groups; g++) {
+      int64_t at = (u * groups + g) * 32 + c;
+      float s = param_at(scale, f32, at), o = param_at(offset, f32, at);
       for (int k = 0; k < gs; k++)
-        out[i * K + g * gs + k] = weight_at(q, bits, gs, groups, t, g, k, n, scale, offset, f32);
+        out[i * K + g * gs + k] = fmaf(s, (float)stored_at(q, bits, gs, groups, u, g, k, c), o);
+    }
   }
 }
