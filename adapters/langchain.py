@@ -112,14 +112,17 @@ class _SpecParams(BaseModel):
 
     @classmethod
     def from_pretrained(cls, name: str = "smollm2-135m-instruct", *, device: Any = None,
-                        dtype: Any = None, memory: Any = "default", **fields: Any) -> Any:
-        """Load ``name`` into a new Speculator and wrap it: ``name``, ``device``, ``dtype`` and
-        ``memory`` as :meth:`agentspec.Speculator.from_pretrained` takes them (a packaged
-        model, a model folder, a ``.gguf`` file or a hub id; ``memory=None``: no memory);
+                        dtype: Any = None, memory: Any = "default", quantize: str | None = None,
+                        **fields: Any) -> Any:
+        """Load ``name`` into a new Speculator and wrap it: ``name``, ``device``, ``dtype``,
+        ``quantize`` and ``memory`` as :meth:`agentspec.Speculator.from_pretrained` takes them
+        (a packaged model, a model folder, a ``.gguf`` file or a hub id; ``memory=None``: no
+        memory);
         ``fields`` as the constructor's (``max_tokens=64``, ``temperature=0.0``, ...)."""
         from agentspec.speculator import Speculator
 
-        spec = Speculator.from_pretrained(name, device=device, dtype=dtype, memory=memory)
+        spec = Speculator.from_pretrained(name, device=device, dtype=dtype, quantize=quantize,
+                                          memory=memory)
         return cls(speculator=spec, **fields)
 
     def _label(self) -> str:

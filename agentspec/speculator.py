@@ -134,7 +134,7 @@ class Speculator:
     @classmethod
     def from_pretrained(cls, name: str = "smollm2-135m-instruct", *, speculate: bool = True,
                         memory: Any = "default", device: Any = None, dtype: Any = None,
-                        config: SpecConfig | None = None,
+                        quantize: str | None = None, config: SpecConfig | None = None,
                         cost: CostModel | str = "measure",
                         draft_model: str | HFTarget | None = None) -> Speculator:
         """Load a model (:func:`~agentspec.engine.load.load_target`) and wrap it.
@@ -152,14 +152,17 @@ class Speculator:
             dtype: a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, ``"gguf"``: a
                 GGUF's weights as the file stores them, see :func:`~agentspec.load_target`;
                 ``"float16"``); default bfloat16 on CUDA, float32 on the CPU.
+            quantize: ``"int8"`` or ``"int4"``: a transformers checkpoint's weights quantized
+                at load and run as a GGUF's are (CPU; see :func:`~agentspec.load_target`).
             draft_model: a small model drafting when nothing better does (see ``__init__``).
 
         Raises:
-            ValueError: an unknown model, device or dtype.
+            ValueError: an unknown model, device, dtype or quantize (or one that does not go
+                with the model, device or dtype).
             ModelNotAvailableError: a packaged model not installed, a hub id not fetchable.
             UnsupportedModelError: an architecture agentspec does not support.
         """
-        target = load_target(name, device=device, dtype=dtype)
+        target = load_target(name, device=device, dtype=dtype, quantize=quantize)
         return cls(target, memory=memory, config=config, speculate=speculate,
                    cost=cost, draft_model=draft_model)
 

@@ -244,7 +244,8 @@ def _hub_error(repo_id: str, exc: Exception) -> ModelNotAvailableError:
 
 
 def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = None,
-                dtype: Any = None, prefix_cache_bytes: int | None = None) -> HFTarget:
+                dtype: Any = None, quantize: str | None = None,
+                prefix_cache_bytes: int | None = None) -> HFTarget:
     """Load a target model.
 
     Args:
@@ -262,16 +263,30 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = No
             float32 over them (:mod:`agentspec.engine.quant`). Default: bfloat16 on CUDA; on
             the CPU ``"gguf"`` for a GGUF model of Llama, Qwen2 or Qwen3 layers whose matrices
             are all of those types (the packaged SmolLM2 included), else float32.
+        quantize: ``"int8"`` or ``"int4"``: a transformers checkpoint (a model folder or a hub
+            id) loaded in float32 and its weights quantized at load, per group of 32 inputs
+            as GGUF's Q8_0 and Q4_1 (:mod:`agentspec.engine.quant.quantize`), then held and
+            run as a GGUF's are (CPU only; ``dtype`` None or float32). A GGUF model (packaged
+            or a ``.gguf`` file) is quantized already: it takes ``dtype="gguf"`` instead.
         prefix_cache_bytes: the target's prefix cache budget (:class:`HFTarget`; ``None``:
             512 MiB, 0: off).
 
     Raises:
         NotFoundError: no model of that name or path (a ValueError).
-        ValueError: an unknown device or dtype.
+        ValueError: an unknown device, dtype or quantize; quantize with a GGUF model, off
+            the CPU or with another dtype than float32; a weight that cannot be quantized.
         ModelNotAvailableError: a packaged model not installed, a hub id not fetchable.
         UnsupportedModelError: an architecture agentspec does not support.
+        KernelBuildError: quantize, and the native products cannot be built (no C++ compiler).
     """
     device = as_device(device)
+    scheme = check_quantize(name_or_path, device, dtype, quantize)
+    if scheme is not None:
+        from agentspec.engine.quant import native
+
+        native.library()  # no C++ compiler: refused now, naming why, not at the first forward
+        return for_device(torch.device(device), _load, name_or_path, device, torch.float32,
+                          prefix_cache_bytes, scheme)
     if dtype is None and device.startswith("cpu") and _held_as_stored(name_or_path):
         from agentspec.engine.quant import native
 
@@ -291,13 +306,46 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = No
                       prefix_cache_bytes)
 
 
+def check_quantize(name_or_path: str, device: Any, dtype: Any, quantize: Any) -> str | None:
+    """``quantize`` checked as :func:`load_target` checks it, against the model, the device
+    (None: :func:`as_device`'s default) and the dtype it goes with, loading nothing: the
+    scheme, or None.
+
+    Raises:
+        ValueError: an unknown scheme, a GGUF model, a device other than the CPU, or a dtype
+            other than float32 (each message names it).
+    """
+    from agentspec.engine.quant.quantize import as_scheme
+
+    scheme = as_scheme(quantize)
+    if scheme is None:
+        return None
+    device = as_device(device)
+    if name_or_path in PACKAGED_MODELS or str(name_or_path).endswith(".gguf"):
+        raise ValueError(f"quantize={scheme!r}: {name_or_path!r} is a GGUF model, quantized "
+                         "already; load it with dtype='gguf' (its weights as the file stores "
+                         "them) instead. quantize takes a transformers checkpoint: a model "
+                         "folder or a hub id")
+    if not device.startswith("cpu"):
+        raise ValueError(f"quantize={scheme!r} runs on the CPU (agentspec's native products); "
+                         f"device {device!r} takes dtype 'bfloat16' or 'float16' instead")
+    if dtype is not None and (quantized(dtype) or as_dtype(dtype) != torch.float32):
+        raise ValueError(f"quantize={scheme!r} quantizes the float32 weights and computes in "
+                         f"float32: dtype must be None or 'float32', got {dtype!r}")
+    return scheme
+
+
 def _load(name_or_path: str, device: str, torch_dtype: Any,
-          prefix_cache_bytes: int | None) -> HFTarget:
+          prefix_cache_bytes: int | None, quantize: str | None = None) -> HFTarget:
     name, source = resolve_model(name_or_path)
     model_config(name_or_path, source)
     tokenizer = compat.load_tokenizer(source)
     model = compat.load_causal_lm(source, torch_dtype)
     model = model.to(device).eval()
+    if quantize is not None:
+        from agentspec.engine.quant.quantize import quantize_model
+
+        quantize_model(model, quantize)
     if name_or_path in PACKAGED_MODELS:
         give_turn_format(PACKAGED_MODELS[name], model, tokenizer)
     return HFTarget(model, tokenizer, name=name, prefix_cache_bytes=prefix_cache_bytes)

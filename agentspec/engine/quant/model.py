@@ -8,6 +8,9 @@ biases) and the rotary tables are made on the CPU. The weights' values are bitwi
 dequantisation of them, the values transformers' GGUF loader gives the float32 model; only the
 products' order of summation differs from the float32 path (one fma chain over the inputs in
 order, the same for every row and every row count).
+
+A float checkpoint quantized at load (:mod:`~agentspec.engine.quant.quantize`) is held in the
+same modules, and so runs the same way.
 """
 
 from __future__ import annotations
@@ -132,7 +135,8 @@ class _File:
         return torch.from_numpy(values.reshape([int(d) for d in reversed(t.shape)]).copy())
 
 
-def _set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+def set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> None:
+    """Put ``module`` at ``name`` (dotted) in ``root``, in place of what was there."""
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
@@ -177,7 +181,7 @@ def load_quantized(path: Path, config: Any) -> Any:
 
     with torch.inference_mode(False), torch.no_grad():
         embed = QuantEmbedding(file.quantized(gguf_name(embed_name) + ".weight"))
-        _set_module(model, embed_name, embed)
+        set_module(model, embed_name, embed)
         for name, module in tqdm(linears, desc=f"loading {path.name}", unit="layer",
                                  disable=len(linears) < 64, leave=False):
             key = gguf_name(name)
@@ -191,7 +195,7 @@ def load_quantized(path: Path, config: Any) -> Any:
                     order = kv_heads
                 weight = file.quantized(key + ".weight", heads=order)
             bias = file.dense(key + ".bias") if module.bias is not None else None
-            _set_module(model, name, QuantLinear(weight, bias))
+            set_module(model, name, QuantLinear(weight, bias))
         model.to_empty(device="cpu")
         for name, param in model.named_parameters():
             if name.endswith(".bias") and isinstance(model.get_submodule(name.rpartition(".")[0]),
@@ -212,17 +216,26 @@ def load_quantized(path: Path, config: Any) -> Any:
     return model.eval()
 
 
+AT_LOAD = ("int8", "int4")
+"""The kinds of the weights quantized at load (:mod:`~agentspec.engine.quant.quantize`'s
+schemes), as :func:`weights_mode` reports them."""
+
+
 def holds_quantized(model: Any) -> bool:
-    """Whether ``model``'s weights are held as a GGUF stores them (any :class:`QuantLinear`)."""
+    """Whether ``model``'s weights are held quantized (any :class:`QuantLinear`): as a GGUF
+    stores them, or quantized at load (:mod:`~agentspec.engine.quant.quantize`)."""
     return any(isinstance(m, QuantLinear) for m in model.modules())
 
 
 def weights_mode(model: Any) -> str:
-    """How ``model``'s weights are held: ``"gguf"`` (as the file stores them), else its
+    """How ``model``'s weights are held: ``"int8"`` or ``"int4"`` (quantized at load, every
+    quantized weight by that scheme), ``"gguf"`` (as the file stores them), else its
     parameters' dtype (``"float32"``, ``"bfloat16"``, ``"float16"``). Outputs are a function
     of the request for one mode; the cost model and the bench's reports are kept per mode."""
     if holds_quantized(model):
-        return "gguf"
+        kinds = {w.kind for m in model.modules()
+                 if isinstance(w := getattr(m, "qweight", None), QuantWeight)}
+        return kinds.pop() if len(kinds) == 1 and kinds <= set(AT_LOAD) else "gguf"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
