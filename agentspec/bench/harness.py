@@ -254,7 +254,7 @@ def run_bench(workload: Workload, model: str, config: BenchConfig,
     from agentspec import Speculator, load_target
 
     target = load_target(model, device=config.device, dtype=_torch_dtype(config.dtype),
-                         prefix_cache_bytes=config.prefix_cache_bytes)
+                         quantize=config.quantize, prefix_cache_bytes=config.prefix_cache_bytes)
     encode = Speculator(target, speculate=False, memory=None).encode
     static_len = max((len(encode(prompt_of(i))) + budget(i, config) for i in workload.measure),
                      default=None) if "hf-static" in config.systems else None

@@ -261,9 +261,10 @@ def run_load(workload: Workload, model: str, *, systems: Sequence[str] = DEFAULT
              concurrencies: Sequence[int] = (1, 4, 8, 16), repeats: int = 1,
              max_new_tokens: int | None = None, device: str | None = None,
              dtype: Any = None, max_batch: int | None = None,
-             on_progress: Progress | None = None) -> dict[str, Any]:
+             on_progress: Progress | None = None, quantize: str | None = None) -> dict[str, Any]:
     """Every system at every concurrency (see the module docstring); returns the summary
-    (:func:`summarize`) with every pass."""
+    (:func:`summarize`) with every pass. ``device``, ``dtype`` and ``quantize`` as
+    :func:`agentspec.load_target` takes them."""
     from agentspec import load_target
 
     if repeats < 1:
@@ -272,7 +273,7 @@ def run_load(workload: Workload, model: str, *, systems: Sequence[str] = DEFAULT
         raise ValueError(f"concurrencies must be integers >= 1, got {list(concurrencies)}")
     levels = sorted(set(concurrencies) | {1})  # the solo outputs are every check's reference
     names = list(dict.fromkeys([REFERENCE, *systems]))
-    target = load_target(model, device=device, dtype=dtype)
+    target = load_target(model, device=device, dtype=dtype, quantize=quantize)
     passes: list[Pass] = []
     with tempfile.TemporaryDirectory(prefix="agentspec-load-") as tmp:
         specs = build_load_systems(target, names, Path(tmp), max_batch=max_batch)

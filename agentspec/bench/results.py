@@ -21,6 +21,10 @@ REFERENCE = "hf-greedy"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "gguf": "gguf"}
 """The bench's ``--dtype`` names and what each loads (``gguf``: a GGUF's weights held as the
 file stores them, :mod:`agentspec.engine.quant`)."""
+QUANTIZE = ("int8", "int4")
+"""The bench's ``--quantize`` schemes: ``load_target``'s ``quantize``
+(:data:`agentspec.engine.quant.quantize.SCHEMES`, named here so that checking them imports no
+torch)."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,8 @@ class BenchConfig:
             when available, else the CPU (:func:`agentspec.load_target`'s default).
         dtype: the target's weights, a key of :data:`DTYPES`; ``None``: bf16 on CUDA, fp32 on
             the CPU.
+        quantize: the target's weights quantized at load, one of :data:`QUANTIZE` (fp32
+            loaded, then quantized; the CPU); ``None``: not.
         lines_out: a greedy run also writes its outputs (warmup and measured) here, in the
             offline replay's ``--outputs`` format (:mod:`agentspec.bench.replay`).
         prefix_cache_bytes: each agentspec system's prefix cache budget (``None``: the
@@ -54,10 +60,14 @@ class BenchConfig:
     dtype: str | None = None
     lines_out: Path | None = None
     prefix_cache_bytes: int | None = None
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantize is not None and self.quantize not in QUANTIZE:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got "
+                             f"{self.quantize!r}")
         if not self.systems or self.systems[0] != REFERENCE:
             raise ValueError(f"systems must start with the reference 'hf-greedy', got {self.systems}")
         if self.temperature < 0:

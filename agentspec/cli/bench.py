@@ -26,6 +26,7 @@ from agentspec.cli.common import (
     print_json,
     progress,
 )
+from agentspec.cli.placement import placement, resolve_dtype
 
 bench_app = typer.Typer(
     name="bench", **APP_SETTINGS,
@@ -53,39 +54,6 @@ def parse_systems(text: str) -> list[str]:
     if len(set(names)) != len(names):
         fail(f"a system is listed twice in {text!r}", EXIT_USAGE)
     return ["hf-greedy"] + [s for s in names if s != "hf-greedy"]
-
-
-def resolve_dtype(text: str | None, device: str) -> str:
-    """``--dtype``: bf16, fp16, fp32 or gguf (a GGUF's weights as stored, on the CPU); default
-    bf16 on CUDA, fp32 on the CPU."""
-    from agentspec.bench.results import DTYPES
-
-    if text is None:
-        return "bf16" if device.startswith("cuda") else "fp32"
-    if text not in DTYPES:
-        fail(f"unknown dtype {text!r}; choices: {', '.join(DTYPES)}", EXIT_USAGE)
-    return text
-
-
-def resolve_device(text: str | None) -> str:
-    """``--device``: cpu, cuda or cuda:N (checked to exist); default cuda when available."""
-    import torch
-
-    if text is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        fail(f"unknown device {text!r}; use cpu, cuda or cuda:N", EXIT_USAGE)
-    if device.type not in ("cpu", "cuda"):
-        fail(f"device {text!r} is not supported by the bench; use cpu, cuda or cuda:N", EXIT_USAGE)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        fail(f"device {text!r} needs CUDA, which is not available here (torch "
-             f"{torch.__version__}); use --device cpu", EXIT_USAGE)
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        fail(f"device {text!r} does not exist: {torch.cuda.device_count()} CUDA device(s)",
-             EXIT_USAGE)
-    return text
 
 
 def _check_temperature(t: float) -> float:
@@ -128,6 +96,11 @@ def bench(
         "--dtype", help="The target's weights, for every system: bf16, fp16, fp32, or gguf "
                         "(a GGUF model's weights as the file stores them, on the CPU). "
                         "Default bf16 on CUDA, fp32 on the CPU.")] = None,
+    quantize: Annotated[str | None, typer.Option(
+        "--quantize", help="The target's weights quantized at load, for every system: int8 "
+                           "or int4 (per 32 weights, as GGUF's Q8_0 and Q4_1), held and run "
+                           "as a GGUF's are (CPU, fp32 loaded first). Not for a GGUF model: "
+                           "it takes --dtype gguf.")] = None,
     json_out: Annotated[bool, typer.Option(
         "--json", help="The results as one JSON value on stdout (the table goes to "
                        "stderr).")] = False,
@@ -186,6 +159,10 @@ def bench(
     if against is not None:
         from agentspec.cli.against import against_servers
 
+        if quantize is not None:
+            fail("--quantize does not go with --against: the servers share one GGUF file, "
+                 "quantized already (agentspec serve's weights as stored: --dtype gguf)",
+                 EXIT_USAGE)
         if max_new_tokens is not None and max_new_tokens < 1:
             fail(f"max-new-tokens must be a positive integer, got {max_new_tokens}", EXIT_USAGE)
         against_servers(workload, model, against, parse_levels(concurrency or "1,4,8,16"),
@@ -199,7 +176,7 @@ def bench(
     if concurrency is not None:
         _load(workload, model, concurrency, systems, repeats=repeats, max_batch=max_batch,
               max_new_tokens=max_new_tokens, device=device, dtype=dtype, temperature=temperature,
-              out=out, json_out=json_out)
+              out=out, json_out=json_out, quantize=quantize)
         return
     _check_temperature(temperature)
     if max_new_tokens is not None and max_new_tokens < 1:
@@ -210,10 +187,7 @@ def bench(
         parse_systems(systems)  # bad names fail before anything loads
     if prefix_cache_mb is not None and not prefix_cache_mb >= 0:
         fail(f"prefix-cache-mb must be >= 0, got {prefix_cache_mb}", EXIT_USAGE)
-    if dtype is not None:
-        resolve_dtype(dtype, "cpu")  # a bad name fails before torch is imported
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
+    device, dtype, quantize = placement(model, device, dtype, quantize)
     from agentspec.bench.results import BenchConfig
     from agentspec.bench.workload import load_workload, resolve_workload
 
@@ -228,7 +202,7 @@ def bench(
         err_console.print(f"warning: {path}:{line}: skipped: {error}", markup=False)
     config = BenchConfig(systems=tuple(names), temperature=temperature,
                          max_new_tokens=max_new_tokens, samples=samples, db=db, device=device,
-                         dtype=dtype, lines_out=lines,
+                         dtype=dtype, quantize=quantize, lines_out=lines,
                          prefix_cache_bytes=None if prefix_cache_mb is None
                          else int(prefix_cache_mb * 2**20))
     _run_and_report(loaded, model, config, json_out=json_out, out=out, plot=plot, report=report)
@@ -247,7 +221,8 @@ def parse_levels(text: str) -> list[int]:
 
 def _load(workload: str, model: str, concurrency: str, systems: str | None, *, repeats: int,
           max_batch: int | None, max_new_tokens: int | None, device: str | None,
-          dtype: str | None, temperature: float, out: Path | None, json_out: bool) -> None:
+          dtype: str | None, temperature: float, out: Path | None, json_out: bool,
+          quantize: str | None = None) -> None:
     """``--concurrency``: the load bench (:mod:`agentspec.bench.load`)."""
     from agentspec.bench.load import DEFAULT_LOAD_SYSTEMS, LOAD_SYSTEMS
 
@@ -265,10 +240,7 @@ def _load(workload: str, model: str, concurrency: str, systems: str | None, *, r
         fail(f"max-batch must be a positive integer, got {max_batch}", EXIT_USAGE)
     if max_new_tokens is not None and max_new_tokens < 1:
         fail(f"max-new-tokens must be a positive integer, got {max_new_tokens}", EXIT_USAGE)
-    if dtype is not None:
-        resolve_dtype(dtype, "cpu")
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
+    device, dtype, quantize = placement(model, device, dtype, quantize)
     import torch
 
     from agentspec.bench import load as load_mod
@@ -292,7 +264,7 @@ def _load(workload: str, model: str, concurrency: str, systems: str | None, *, r
                                     repeats=repeats, max_new_tokens=max_new_tokens,
                                     device=device, dtype=DTYPES[dtype] if dtype == "gguf"
                                     else getattr(torch, DTYPES[dtype]),
-                                    max_batch=max_batch, on_progress=tick)
+                                    max_batch=max_batch, on_progress=tick, quantize=quantize)
     shown = err_console if json_out else console
     shown.print(load_mod.rich_table(summary), width=max(console.width, 150))
     if out is not None:

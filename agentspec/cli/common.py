@@ -225,15 +225,18 @@ def open_store(ctx: typer.Context, *, create: bool = False,
 
 
 def load_speculator(model: str, url: str, config: Any = None, *, device: str | None = None,
-                    dtype: str | None = None, speculate: bool = True) -> Any:
+                    dtype: str | None = None, quantize: str | None = None,
+                    speculate: bool = True) -> Any:
     """The Speculator of ``model`` with its memory at ``url`` and ``config`` (a
-    :class:`~agentspec.SpecConfig`), on ``device`` in ``dtype`` (None: the defaults of
-    ``Speculator.from_pretrained``); ``speculate=False``: plain decoding, no memory. A model
+    :class:`~agentspec.SpecConfig`), on ``device`` in ``dtype``, its weights quantized at load
+    by ``quantize`` (None: the defaults of ``Speculator.from_pretrained``);
+    ``speculate=False``: plain decoding, no memory. A model
     that is not there raises NotFoundError or ModelNotAvailableError: exit 3."""
     from agentspec.speculator import Speculator
 
     return Speculator.from_pretrained(model, memory=url if speculate else None, config=config,
-                                      device=device, dtype=dtype, speculate=speculate)
+                                      device=device, dtype=dtype, quantize=quantize,
+                                      speculate=speculate)
 
 
 def print_json(obj: Any) -> None:

@@ -41,6 +41,11 @@ def serve(ctx: typer.Context,
               "--dtype", help="The model's weights: float32 (fp32), bfloat16 (bf16), float16 "
                               "(fp16), or gguf: a GGUF model's weights as the file stores "
                               "them (CPU). Default: bfloat16 on CUDA, float32 on the CPU.")] = None,
+          quantize: Annotated[str | None, typer.Option(
+              "--quantize", help="Quantize a transformers model's weights at load: int8 or "
+                                 "int4 (per 32 weights, as GGUF's Q8_0 and Q4_1), held and "
+                                 "run as a GGUF's are (CPU). Not for a GGUF model: it takes "
+                                 "--dtype gguf.")] = None,
           host: Annotated[str, typer.Option(
               "--host", help="Address to bind; the default serves this machine only.")] = "127.0.0.1",
           port: Annotated[int, typer.Option(
@@ -119,6 +124,7 @@ def serve(ctx: typer.Context,
     if log_level not in _LOG_LEVELS:
         fail(f"--log-level must be one of {', '.join(_LOG_LEVELS)}, got {log_level!r}", EXIT_USAGE)
     device, dtype = _placement(device, dtype)
+    _check_quantize(model, device, dtype, quantize)
     try:
         from agentspec.adapters.lifecycle import (
             ServiceConfig,
@@ -143,7 +149,7 @@ def serve(ctx: typer.Context,
     sock = _bind(host, port)
     started = time.perf_counter()
     spec = load_speculator(model, db_url(ctx), SpecConfig(max_batch=max_batch), device=device,
-                           dtype=dtype, speculate=not no_speculate)
+                           dtype=dtype, quantize=quantize, speculate=not no_speculate)
     loaded = time.perf_counter()
     spec.warmup()
     print(f"load {loaded - started:.2f} s, warmup {time.perf_counter() - loaded:.2f} s",
@@ -178,6 +184,19 @@ def _placement(device: str | None, dtype: str | None) -> tuple[str | None, str |
     except ValueError as e:
         fail(f"--dtype {dtype!r}: {e}", EXIT_USAGE)
     return placed, dtype
+
+
+def _check_quantize(model: str, device: str | None, dtype: str | None,
+                    quantize: str | None) -> None:
+    """``--quantize`` checked against ``--model``, ``--device`` and ``--dtype`` as
+    ``load_target`` checks it, before the socket is bound or the model loads: exit 2 naming
+    the option."""
+    from agentspec.engine.load import check_quantize
+
+    try:
+        check_quantize(model, device, dtype, quantize)
+    except ValueError as e:
+        fail(f"--quantize {quantize!r}: {e}", EXIT_USAGE)
 
 
 def _read_keys(path: Path) -> dict[str, tuple[str, ...]]:

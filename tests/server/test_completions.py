@@ -307,10 +307,10 @@ def test_serve_loads_the_model_where_asked(monkeypatch: pytest.MonkeyPatch) -> N
     result = CliRunner().invoke(app, ["serve", "--port", "0", "--device", "cpu", "--dtype",
                                       "bf16"])
     assert result.exit_code == 0, result.output
-    assert asked == {"device": "cpu", "dtype": "bf16", "speculate": True}
+    assert asked == {"device": "cpu", "dtype": "bf16", "quantize": None, "speculate": True}
     result = CliRunner().invoke(app, ["serve", "--port", "0", "--no-speculate"])
     assert result.exit_code == 0, result.output
-    assert asked == {"device": None, "dtype": None, "speculate": False}
+    assert asked == {"device": None, "dtype": None, "quantize": None, "speculate": False}
 
 
 def test_load_speculator_without_speculation_is_plain_and_keeps_no_memory(tmp_path: Any) -> None:
