@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from agentspec.engine import pages
 from agentspec.engine.quant.formats import FORMATS, QuantWeight, unpack
 
 
@@ -213,7 +214,29 @@ def load_quantized(path: Path, config: Any) -> Any:
         rotary = getattr(base, "rotary_emb", None)
         if rotary is not None:
             base.rotary_emb = type(rotary)(config=model.config)
+    gather(model)
     return model.eval()
+
+
+def gather(model: Any) -> int:
+    """Moves every quantized weight of ``model`` into one buffer in huge pages
+    (:mod:`agentspec.engine.pages`), in the order of its modules (the order a forward reads
+    them); returns its bytes. A forward streams all its weights: in a few 2 MiB pages, not
+    thousands of 4 KiB ones scattered over the heap, they cost far fewer TLB misses. The
+    values are unchanged."""
+    weights: list[QuantWeight] = []
+    for m in model.modules():
+        w = getattr(m, "qweight", None)
+        if isinstance(w, QuantWeight) and all(w is not x for x in weights):
+            weights.append(w)
+    parts = [t for w in weights for t in (w.q, w.scale, w.offset)]
+    shapes = [(tuple(t.shape), t.dtype) for t in parts]
+    moved = pages.carve(pages.huge_zeros(pages.carved_bytes(shapes)), shapes)
+    for old, new in zip(parts, moved, strict=True):
+        new.copy_(old)
+    for i, w in enumerate(weights):
+        w.q, w.scale, w.offset = moved[3 * i : 3 * i + 3]
+    return pages.carved_bytes(shapes)
 
 
 AT_LOAD = ("int8", "int4")

@@ -42,7 +42,13 @@ import numpy as np
 import torch
 
 from agentspec.engine.quant.formats import QuantWeight, Unpacked
-from agentspec.engine.quant.model import AT_LOAD, QuantEmbedding, QuantLinear, set_module
+from agentspec.engine.quant.model import (
+    AT_LOAD,
+    QuantEmbedding,
+    QuantLinear,
+    gather,
+    set_module,
+)
 
 SCHEMES = AT_LOAD
 """What ``quantize`` takes: int8 (symmetric, as Q8_0) or int4 (with an offset, as Q4_1)."""
@@ -207,4 +213,5 @@ def quantize_model(model: Any, scheme: str) -> Any:
                                      scheme)
             bias = None if module.bias is None else module.bias.detach()
             set_module(model, name, QuantLinear(weight, bias))
+    gather(model)
     return model

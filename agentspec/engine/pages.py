@@ -1,0 +1,49 @@
+"""Host memory in transparent huge pages, for what a CPU forward streams whole every step.
+
+A forward over a model's quantized weights or over the KV pool reads tens to hundreds of MB:
+in 4 KiB pages that is tens of thousands of TLB misses a step, in 2 MiB pages a few dozen.
+Linux gives a private anonymous mapping huge pages where it is advised to (the ``madvise``
+setting, the usual default); elsewhere the mapping is plain pages and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+HUGE = 2 << 20
+"""The huge page's size: the buffer's start is aligned to it."""
+
+
+def huge_zeros(nbytes: int) -> torch.Tensor:
+    """``nbytes`` zero bytes (``uint8``, 64-byte aligned at least, 2 MiB at the start) in a
+    private anonymous mapping advised to huge pages; the mapping lives as long as the tensor
+    and its views."""
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+    area = mmap.mmap(-1, max(nbytes, 1) + HUGE, flags=flags)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        area.madvise(mmap.MADV_HUGEPAGE)
+    flat = np.frombuffer(area, dtype=np.uint8)
+    at = -flat.ctypes.data % HUGE
+    return torch.from_numpy(flat[at : at + nbytes])
+
+
+def carve(buffer: torch.Tensor,
+          shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Tensors of ``shapes`` (shape, dtype) laid one after the other in ``buffer`` (bytes), each
+    at a multiple of 64 bytes; ``buffer`` must hold :func:`carved_bytes` of them."""
+    out, at = [], 0
+    for shape, dtype in shapes:
+        n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        out.append(buffer[at : at + n].view(dtype).reshape(shape))
+        at += -(-n // 64) * 64
+    return out
+
+
+def carved_bytes(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """Bytes :func:`carve` needs for ``shapes``."""
+    return sum(-(-int(np.prod(s)) * torch.empty((), dtype=d).element_size() // 64) * 64
+               for s, d in shapes)

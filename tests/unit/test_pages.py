@@ -1,0 +1,62 @@
+"""Host buffers in huge pages (agentspec.engine.pages) and the weights gathered into one.
+
+* ``huge_zeros`` gives zeroed bytes at a 2 MiB boundary; ``carve`` lays tensors one after the
+  other at 64-byte boundaries, none overlapping, and a write to one changes no other.
+* ``gather`` moves a model's quantized weights into one buffer without changing a product's
+  bits, the tied head and the embedding still one table.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, quants
+
+from agentspec.engine import pages
+from agentspec.engine.quant.formats import QuantWeight, unpack
+from agentspec.engine.quant.model import QuantEmbedding, QuantLinear, gather
+
+
+def test_huge_zeros_are_zero_and_aligned():
+    buf = pages.huge_zeros(5 << 20)
+    assert buf.dtype == torch.uint8 and buf.numel() == 5 << 20
+    assert buf.data_ptr() % pages.HUGE == 0
+    assert int(buf.sum()) == 0
+
+
+def test_carved_tensors_do_not_overlap():
+    shapes = [((3, 5), torch.float16), ((7,), torch.float32), ((2, 2, 3), torch.uint8)]
+    parts = pages.carve(pages.huge_zeros(pages.carved_bytes(shapes)), shapes)
+    assert [(tuple(t.shape), t.dtype) for t in parts] == shapes
+    assert all(t.data_ptr() % 64 == 0 for t in parts)
+    for i, t in enumerate(parts):
+        t.fill_(i + 1)
+    for i, t in enumerate(parts):
+        assert bool((t == i + 1).all()), i
+    ends = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parts)
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:], strict=False))
+
+
+def _weight(rng: np.random.Generator, n: int, k: int, kind: str) -> QuantWeight:
+    data = quants.quantize(rng.standard_normal((n, k)).astype(np.float32),
+                           GGMLQuantizationType[kind])
+    return QuantWeight(unpack(kind, data, n, k), kind)
+
+
+def test_gather_keeps_every_products_bits_and_the_tied_table():
+    rng = np.random.default_rng(3)
+    table = _weight(rng, 96, 64, "Q8_0")
+    model = torch.nn.Module()
+    model.embed = QuantEmbedding(table)
+    model.proj = QuantLinear(_weight(rng, 64, 64, "Q4_1"))
+    model.head = QuantLinear(table)
+    x = torch.randn(5, 64)
+    before = [model.proj(x), model.head(x), model.embed(torch.tensor([0, 95]))]
+    held = gather(model)
+    assert held >= table.nbytes + model.proj.qweight.nbytes
+    after = [model.proj(x), model.head(x), model.embed(torch.tensor([0, 95]))]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    assert model.head.qweight is model.embed.qweight
+    ptrs = sorted(t.data_ptr() for w in (table, model.proj.qweight)
+                  for t in (w.q, w.scale, w.offset))
+    assert ptrs[-1] - ptrs[0] < held  # one buffer
