@@ -91,6 +91,19 @@ def test_every_format_holds_ggufs_own_weights(kind):
     assert torch.equal(weight.rows(ids), torch.from_numpy(ref[[0, N - 1, 7, 7]]))
 
 
+# Bits a weight held against the file's (rows padded to whole tiles aside): the 4-bit types and
+# Q8_0 about their file's; Q5_x and Q6_K in a byte a value.
+HELD_OVER_FILE = {"Q4_0": 1.12, "Q4_1": 1.0, "Q4_K": 1.03, "Q8_0": 1.0, "Q5_0": 1.64,
+                  "Q5_1": 1.5, "Q6_K": 1.31}
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_every_format_is_held_in_about_its_files_bytes(kind):
+    weight, _ = _weight(kind)
+    padded = -(-N // 64) * 64
+    assert weight.nbytes <= HELD_OVER_FILE[kind] * _data(kind).nbytes * padded / N
+
+
 @pytest.mark.parametrize("kind", FORMATS)
 def test_every_formats_product_is_the_stated_scheme_bitwise(kind):
     weight, ref = _weight(kind)

@@ -19,8 +19,8 @@ Q6_K    16 (of 256) -32..31 (held in a byte)               d * sc, 0
 ======  ==========  =====================================  ================================
 
 The scales and offsets are held as float16 where every one of a tensor's is a float16 value
-(the file's own: Q4_0, Q4_1, Q5_x, Q8_0), else float32 (a K-quant's products of its
-super-block and sub-block scales).
+(the file's own: Q4_0, Q4_1, Q5_x, Q8_0); a K-quant's as the file's factors, a float16 scale per
+256 inputs and a small integer per group, whose product is its scale exactly; else float32.
 """
 
 from __future__ import annotations
@@ -44,18 +44,25 @@ FORMATS = (*FOUR_BIT, *EIGHT_BIT)
 @dataclass(frozen=True)
 class Unpacked:
     """A quantized weight as per-row arrays: ``q`` ``[N, K]`` integers, ``scale`` and
-    ``offset`` ``[N, K / group]`` float32, the weight ``fma(scale, q, offset)``."""
+    ``offset`` ``[N, K / group]`` float32, the weight ``fma(scale, q, offset)``.
+
+    ``factors``, for the K-quants: ``(d, sc, dm, m)``, the scale the exact float32 product of
+    a float16 ``d`` per 256 inputs and an integer ``sc`` per group (``[N, K / 256]``,
+    ``[N, K / group]``), the offset that of ``dm`` and ``m``: held so, a K-quant takes about
+    its file's bytes."""
 
     q: np.ndarray
     scale: np.ndarray
     offset: np.ndarray
     group: int
     bits: int
+    factors: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def rows(self, order: np.ndarray) -> Unpacked:
         """The same weight with its output rows in ``order``."""
+        factors = None if self.factors is None else tuple(f[order] for f in self.factors)
         return Unpacked(self.q[order], self.scale[order], self.offset[order], self.group,
-                        self.bits)
+                        self.bits, factors)  # type: ignore[arg-type]
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -117,8 +124,10 @@ def _q4_k(rows: np.ndarray, n: int, k: int) -> Unpacked:
     qs = b[..., 16:].reshape(n, k // 256, 4, 32)  # 64 inputs a chunk: low nibbles, then high
     q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)
     scale = (d * sc.astype(np.float32)).reshape(n, k // 32)
-    offset = -(dmin * mn.astype(np.float32)).reshape(n, k // 32)
-    return Unpacked(q.astype(np.uint8), scale, offset, 32, 4)
+    offset = (-dmin * mn.astype(np.float32)).reshape(n, k // 32)
+    factors = (d.reshape(n, -1), sc.reshape(n, k // 32), -dmin.reshape(n, -1),
+               mn.reshape(n, k // 32))
+    return Unpacked(q.astype(np.uint8), scale, offset, 32, 4, factors)
 
 
 def _q6_k(rows: np.ndarray, n: int, k: int) -> Unpacked:
@@ -132,7 +141,39 @@ def _q6_k(rows: np.ndarray, n: int, k: int) -> Unpacked:
     hi = np.concatenate([qh & 3, (qh >> 2) & 3, (qh >> 4) & 3, (qh >> 6) & 3], axis=-1)
     q = (lo.astype(np.int16) | (hi.astype(np.int16) << 4)) - 32
     scale = (d * sc).reshape(n, k // 16)
-    return Unpacked(q.reshape(n, k).astype(np.int8), scale, np.zeros_like(scale), 16, 8)
+    zeros = np.zeros_like(d.reshape(n, -1))
+    factors = (d.reshape(n, -1), sc.reshape(n, k // 16).astype(np.int8), zeros,
+               np.zeros((n, k // 16), dtype=np.int8))
+    return Unpacked(q.reshape(n, k).astype(np.int8), scale, np.zeros_like(scale), 16, 8, factors)
+
+
+def _factored(u: Unpacked, units: int, pad: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A K-quant's scales and offsets as ``qmm.cpp`` holds them: per unit of 32 rows the
+    float16 ``d`` per 256 inputs (``[supers][32]``), then the int8 ``sc`` per group
+    (``[groups][32]``); the same for the offsets. None where the factors do not give the
+    scales and offsets exactly (then they are held in float32)."""
+    if u.factors is None:
+        return None
+    d, sc, dm, m = u.factors
+    n, k = u.q.shape
+    supers, groups = k // 256, k // u.group
+    per = 256 // u.group
+    exact = (all(np.array_equal(x.astype(np.float16).astype(np.float32), x) for x in (d, dm))
+             and all(-128 <= int(x.min(initial=0)) and int(x.max(initial=0)) <= 127
+                     for x in (sc, m))
+             and np.array_equal(np.repeat(d, per, 1) * sc.astype(np.float32), u.scale)
+             and np.array_equal(np.repeat(dm, per, 1) * m.astype(np.float32), u.offset))
+    if not exact:
+        return None
+    out = []
+    for big, small in ((d, sc), (dm, m)):
+        big = np.pad(big, ((0, pad), (0, 0))).reshape(units, 32, supers).transpose(0, 2, 1)
+        small = np.pad(small, ((0, pad), (0, 0))).reshape(units, 32, groups).transpose(0, 2, 1)
+        out.append(np.concatenate(
+            [np.ascontiguousarray(big.astype(np.float16)).view(np.uint8).reshape(units, -1),
+             np.ascontiguousarray(small.astype(np.int8)).view(np.uint8).reshape(units, -1)],
+            axis=1).reshape(-1))
+    return out[0], out[1]
 
 
 class QuantWeight:
@@ -158,21 +199,43 @@ class QuantWeight:
             q = q.reshape(units, 2, 16, groups, gs // 2, 2)
         q = q.transpose(0, 1, 3, 4, 2, 5)
         self.q = torch.from_numpy(np.ascontiguousarray(q).view(np.uint8).reshape(-1))
+        # No offsets at all where every one is +0 (Q8_0, Q6_K): the products add none.
+        none = np.array_equal(u.offset, np.zeros_like(u.offset)) and not np.signbit(u.offset).any()
+        factored = _factored(u, units, pad)
+        if factored is not None:  # d per 256 inputs and sc per group, per unit: see qmm.cpp
+            self.params = 2
+            self.scale, self.offset = (torch.from_numpy(f) for f in factored)
+            if none:
+                self.offset = self.offset[:0]
+            return
         params = [p.reshape(units, 32, groups).transpose(0, 2, 1) for p in (scale, offset)]
         exact16 = all(np.array_equal(p.astype(np.float16).astype(np.float32), p) for p in params)
         dtype = np.float16 if exact16 else np.float32
-        self.f32 = not exact16
+        self.params = 0 if exact16 else 1
         self.scale, self.offset = (torch.from_numpy(np.ascontiguousarray(p.astype(dtype)))
                                    for p in params)
+        if none:
+            self.offset = self.offset.reshape(-1)[:0]
+
+    @property
+    def offset_ptr(self) -> int | None:
+        """The offsets' address, None where the weight has none (all +0)."""
+        return self.offset.data_ptr() if self.offset.numel() else None
+
+    @property
+    def f32(self) -> bool:
+        """Whether the scales and offsets are held as float32 (neither the file's float16 ones
+        nor a K-quant's factors)."""
+        return self.params == 1
 
     @property
     def nbytes(self) -> int:
         """Bytes held."""
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset))
 
-    def _args(self) -> tuple[int, int, int, int, int, int]:
+    def _args(self) -> tuple[int, int, int, int, int | None, int]:
         return (self.q.data_ptr(), self.bits, self.group, self.scale.data_ptr(),
-                self.offset.data_ptr(), int(self.f32))
+                self.offset_ptr, self.params)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` in float32: ``x`` ``[..., k]`` -> ``[..., n]``, each row of

@@ -22,7 +22,7 @@ struct QW {
   const void* offset;
   const float* bias;
   int64_t n, k;
-  int32_t bits, gs, f32, pad;
+  int32_t bits, gs, params, pad;
 };
 
 struct Layer {
@@ -103,7 +103,7 @@ static void rmsnorm(const float* x, int64_t rows, int64_t dim, const float* w, f
 // out = add + x @ w^T (+ bias), x the rows already quantized (qmm.cpp).
 static void product(const QX& x, int64_t rows, const QW& w, const float* add, float* out,
                     int64_t ldo, int nthreads) {
-  as_qmm_q(x, rows, w.n, w.q, w.bits, w.gs, w.scale, w.offset, w.f32, w.bias, add, out,
+  as_qmm_q(x, rows, w.n, w.q, w.bits, w.gs, w.scale, w.offset, w.params, w.bias, add, out,
            ldo, nthreads);
 }
 
@@ -529,7 +529,7 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
   const QW& e = *m->embed;
   double t = omp_get_wtime(), now;
 #define LAP(i) (now = omp_get_wtime(), spent[i] += now - t, t = now)
-  as_qrows(b->ids, rows, e.k, e.q, e.bits, e.gs, e.scale, e.offset, e.f32, res);
+  as_qrows(b->ids, rows, e.k, e.q, e.bits, e.gs, e.scale, e.offset, e.params, res);
   LAP(0);
   for (int64_t l = 0; l < m->layers; l++) {
     const Layer& L = m->layer[l];
@@ -547,7 +547,7 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
     attention(m, b, qkv, stride, b->keys[l], b->values[l], att, nthreads);
     LAP(4);
     as_qmm_into(att, rows, qw, qw, L.o.n, L.o.q, L.o.bits, L.o.gs, L.o.scale,
-                L.o.offset, L.o.f32, L.o.bias, res, res, hid, nthreads);
+                L.o.offset, L.o.params, L.o.bias, res, res, hid, nthreads);
     LAP(5);
     rmsnorm(res, rows, hid, L.norm_mlp, m->eps, h, nthreads);
     LAP(1);
@@ -559,7 +559,7 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
     silu_mul(gu, rows, m->inter, act, nthreads);
     LAP(7);
     as_qmm_into(act, rows, m->inter, m->inter, L.down.n, L.down.q, L.down.bits, L.down.gs,
-                L.down.scale, L.down.offset, L.down.f32, L.down.bias, res, res, hid,
+                L.down.scale, L.down.offset, L.down.params, L.down.bias, res, res, hid,
                 nthreads);
     LAP(6);
   }
@@ -571,7 +571,7 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
     rmsnorm(kept, b->logit_count, hid, m->norm, m->eps, normed, nthreads);
     const QW& H = *m->head;
     as_qmm_into(normed, b->logit_count, hid, hid, H.n, H.q, H.bits, H.gs, H.scale,
-                H.offset, H.f32, H.bias, nullptr, logits, m->vocab, nthreads);
+                H.offset, H.params, H.bias, nullptr, logits, m->vocab, nthreads);
     free(kept);
   }
   LAP(8);

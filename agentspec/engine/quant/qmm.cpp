@@ -8,7 +8,10 @@
 // the lanes of the dot-product instruction: lane c holds two consecutive inputs of output row c.
 // 8-bit formats (q signed, in a byte): chunk j holds inputs 2j, 2j + 1. 4-bit formats (q
 // 0..15): chunk j holds inputs 4j, 4j + 1 in its low nibbles and 4j + 2, 4j + 3 in its high
-// ones. The scales and offsets are [unit][group][32].
+// ones. The scales and offsets (params: 0 float16, 1 float32) are [unit][group][32]; a
+// K-quant's (params 2) per unit the float16 d of each 256 inputs ([supers][32]), then the int8
+// sc of each group ([groups][32]): the scale is d * sc, exact in float32 (the offset alike).
+// A weight whose offsets are all +0 (Q8_0, Q6_K) holds none (a null pointer).
 //
 // Activations. A product's input rows are quantized first, each row alone: per group of 32
 // inputs d = amax / 32767 and x_q = round(x * (32767 / amax)), 16-bit, with the sums of x_q
@@ -55,8 +58,25 @@ static inline float half_to_float(uint16_t h) {
   return out;
 }
 
-static inline float param_at(const void* p, int f32, int64_t at) {
-  return f32 ? ((const float*)p)[at] : half_to_float(((const uint16_t*)p)[at]);
+// Where unit u's factored params start (params 2), and the bytes of one unit's.
+static inline const uint8_t* factored_at(const void* p, int64_t u, int64_t groups, int gs) {
+  int64_t supers = groups * gs / 256;
+  return (const uint8_t*)p + u * (supers * 64 + groups * 32);
+}
+
+// The scale (or offset) of output row c of unit u, group g.
+static inline float param_at(const void* p, int params, int64_t u, int64_t g, int c,
+                             int64_t groups, int gs) {
+  if (!p) return 0.0f;  // no offsets: all +0
+  if (params == 2) {
+    const uint8_t* base = factored_at(p, u, groups, gs);
+    uint16_t d;
+    memcpy(&d, base + (g * gs / 256) * 64 + 2 * c, 2);
+    int64_t supers = groups * gs / 256;
+    return half_to_float(d) * (float)(int8_t)base[supers * 64 + g * 32 + c];
+  }
+  int64_t at = (u * groups + g) * 32 + c;
+  return params ? ((const float*)p)[at] : half_to_float(((const uint16_t*)p)[at]);
 }
 
 // Bytes of one block's group of values (16 output rows).
@@ -157,8 +177,20 @@ static inline int32_t group_sum(const QX& x, int64_t m, int gs, int64_t g) {
 }
 
 #ifdef AS_VNNI
-static inline __m512 params16(const void* p, int f32, int64_t at) {
-  if (f32) return _mm512_loadu_ps((const float*)p + at);
+// The scales (or offsets) of unit u's block b (16 output rows), group g.
+static inline __m512 params16(const void* p, int params, int64_t u, int b, int64_t g,
+                              int64_t groups, int gs) {
+  if (!p) return _mm512_setzero_ps();  // no offsets: all +0
+  if (params == 2) {
+    const uint8_t* base = factored_at(p, u, groups, gs);
+    int64_t supers = groups * gs / 256;
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(base + (g * gs / 256) * 64 + b * 32)));
+    __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128((const __m128i*)(base + supers * 64 + g * 32 + b * 16))));
+    return _mm512_mul_ps(d, sc);
+  }
+  int64_t at = (u * groups + g) * 32 + b * 16;
+  if (params) return _mm512_loadu_ps((const float*)p + at);
   return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + at)));
 }
 
@@ -173,7 +205,7 @@ static inline __m512i pair(const int16_t* x, int64_t i) {
 // registers (vpdpwssd on the widened chunks), then the group's float step.
 template <int R, int BITS>
 static void unit_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_t groups,
-                      int64_t u, const void* scale, const void* offset, int f32, float* acc) {
+                      int64_t u, const void* scale, const void* offset, int params, float* acc) {
   for (int b = 0; b < 2; b++) {
     __m512 a[R];
     for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
@@ -199,8 +231,8 @@ static void unit_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_t
           for (int r = 0; r < R; r++) s[r] = _mm512_dpwssd_epi32(s[r], v, pair(xg + r * x.K, j));
         }
       }
-      int64_t at = (u * groups + g) * 32 + b * 16;
-      __m512 sc = params16(scale, f32, at), of = params16(offset, f32, at);
+      __m512 sc = params16(scale, params, u, b, g, groups, gs);
+      __m512 of = params16(offset, params, u, b, g, groups, gs);
       for (int r = 0; r < R; r++) {
         float xs = (float)group_sum(x, m0 + r, gs, g);
         __m512 v = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(s[r]));
@@ -225,7 +257,7 @@ static const unit_fn UNITS8[9] = AS_UNITS(8);
 // Rows [m0, m0 + rows) of unit u, portably (the same sums and float steps, slower).
 static void unit_portable(const QX& x, int64_t m0, int64_t rows, const uint8_t* q, int bits,
                           int gs, int64_t groups, int64_t u, const void* scale,
-                          const void* offset, int f32, float* acc) {
+                          const void* offset, int params, float* acc) {
   for (int64_t r = 0; r < rows; r++)
     for (int c = 0; c < 32; c++) {
       float a = 0.0f;
@@ -235,9 +267,8 @@ static void unit_portable(const QX& x, int64_t m0, int64_t rows, const uint8_t* 
         for (int k = 0; k < gs; k++)
           s += stored_at(q, bits, gs, groups, u, g, k, c) * (int32_t)xg[k];
         float xs = (float)group_sum(x, m0 + r, gs, g);
-        int64_t at = (u * groups + g) * 32 + c;
-        float v = param_at(scale, f32, at) * (float)s;
-        v = v + param_at(offset, f32, at) * xs;
+        float v = param_at(scale, params, u, g, c, groups, gs) * (float)s;
+        v = v + param_at(offset, params, u, g, c, groups, gs) * xs;
         v = v * x.d[(m0 + r) * (x.K / 32) + (g * gs) / 32];
         a = a + v;
       }
@@ -248,7 +279,7 @@ static void unit_portable(const QX& x, int64_t m0, int64_t rows, const uint8_t* 
 // out[m][n] = add[m][n] + (x @ W^T + bias)[m][n] for the M quantized rows x, output rows ldo
 // apart (bias, add optional; add may be out); nthreads threads share the units, never K.
 void as_qmm_q(const QX& x, int64_t M, int64_t N, const uint8_t* q, int bits, int gs,
-              const void* scale, const void* offset, int f32, const float* bias,
+              const void* scale, const void* offset, int params, const float* bias,
               const float* add, float* out, int64_t ldo, int nthreads) {
   int64_t groups = x.K / gs, units = 2 * ((N + 63) / 64);
 #pragma omp parallel num_threads(nthreads)
@@ -261,9 +292,9 @@ void as_qmm_q(const QX& x, int64_t M, int64_t N, const uint8_t* q, int bits, int
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         int64_t rows = M - m0 < 8 ? M - m0 : 8;
 #ifdef AS_VNNI
-        (bits == 4 ? UNITS4 : UNITS8)[rows](x, m0, q, gs, groups, u, scale, offset, f32, acc);
+        (bits == 4 ? UNITS4 : UNITS8)[rows](x, m0, q, gs, groups, u, scale, offset, params, acc);
 #else
-        unit_portable(x, m0, rows, q, bits, gs, groups, u, scale, offset, f32, acc);
+        unit_portable(x, m0, rows, q, bits, gs, groups, u, scale, offset, params, acc);
 #endif
         store(acc, rows, m0, N, n0, bias, add, out, ldo);
       }
@@ -273,32 +304,32 @@ void as_qmm_q(const QX& x, int64_t M, int64_t N, const uint8_t* q, int bits, int
 
 // The same from float rows x[M][K] (ldx apart): quantized here, then as above.
 void as_qmm_into(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t N, const uint8_t* q,
-                 int bits, int gs, const void* scale, const void* offset, int f32,
+                 int bits, int gs, const void* scale, const void* offset, int params,
                  const float* bias, const float* add, float* out, int64_t ldo, int nthreads) {
   QX qx = quantize_rows(x, M, K, ldx, nthreads);
-  as_qmm_q(qx, M, N, q, bits, gs, scale, offset, f32, bias, add, out, ldo, nthreads);
+  as_qmm_q(qx, M, N, q, bits, gs, scale, offset, params, bias, add, out, ldo, nthreads);
   free((void*)qx.q);
 }
 
 // out[M][N] = x[M][K] @ W^T (+ bias[N] when given).
 extern "C" void as_qmm(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* q,
-                       int bits, int gs, const void* scale, const void* offset, int f32,
+                       int bits, int gs, const void* scale, const void* offset, int params,
                        const float* bias, float* out, int nthreads) {
-  as_qmm_into(x, M, K, K, N, q, bits, gs, scale, offset, f32, bias, nullptr, out, N, nthreads);
+  as_qmm_into(x, M, K, K, N, q, bits, gs, scale, offset, params, bias, nullptr, out, N, nthreads);
 }
 
 // Rows ids[i] of the weight (an embedding table held as above), dequantised as gguf does, into
 // out[len(ids)][K].
 extern "C" void as_qrows(const int64_t* ids, int64_t count, int64_t K, const uint8_t* q,
-                         int bits, int gs, const void* scale, const void* offset, int f32,
+                         int bits, int gs, const void* scale, const void* offset, int params,
                          float* out) {
   int64_t groups = K / gs;
   for (int64_t i = 0; i < count; i++) {
     int64_t u = ids[i] / 32;
     int c = (int)(ids[i] % 32);
     for (int64_t g = 0; g < groups; g++) {
-      int64_t at = (u * groups + g) * 32 + c;
-      float s = param_at(scale, f32, at), o = param_at(offset, f32, at);
+      float s = param_at(scale, params, u, g, c, groups, gs);
+      float o = param_at(offset, params, u, g, c, groups, gs);
       for (int k = 0; k < gs; k++)
         out[i * K + g * gs + k] = fmaf(s, (float)stored_at(q, bits, gs, groups, u, g, k, c), o);
     }

@@ -33,7 +33,7 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 class _QW(ctypes.Structure):
     _fields_ = [("q", _ptr), ("scale", _ptr), ("offset", _ptr), ("bias", _ptr), ("n", _i64),
                 ("k", _i64), ("bits", ctypes.c_int32), ("gs", ctypes.c_int32),
-                ("f32", ctypes.c_int32), ("pad", ctypes.c_int32)]
+                ("params", ctypes.c_int32), ("pad", ctypes.c_int32)]
 
 
 class _Layer(ctypes.Structure):
@@ -101,9 +101,9 @@ def kv_dtype(model: Any) -> torch.dtype:
 
 
 def _qw(weight: QuantWeight, bias: torch.Tensor | None = None) -> _QW:
-    return _QW(weight.q.data_ptr(), weight.scale.data_ptr(), weight.offset.data_ptr(),
+    return _QW(weight.q.data_ptr(), weight.scale.data_ptr(), weight.offset_ptr,
                None if bias is None else bias.data_ptr(), weight.n, weight.k, weight.bits,
-               weight.group, int(weight.f32), 0)
+               weight.group, weight.params, 0)
 
 
 def _linear(module: QuantLinear) -> _QW:
