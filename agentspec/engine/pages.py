@@ -15,13 +15,16 @@ import numpy as np
 import torch
 
 HUGE = 2 << 20
-"""The huge page's size: the buffer's start is aligned to it."""
+"""The huge page's size: a buffer's start is aligned to it."""
+
+CHUNK = 256 << 20
+"""An :class:`Arena`'s mappings are at least this large."""
 
 
 def huge_zeros(nbytes: int) -> torch.Tensor:
-    """``nbytes`` zero bytes (``uint8``, 64-byte aligned at least, 2 MiB at the start) in a
-    private anonymous mapping advised to huge pages; the mapping lives as long as the tensor
-    and its views."""
+    """``nbytes`` zero bytes (``uint8``, starting at a 2 MiB boundary) in a private anonymous
+    mapping advised to huge pages; the mapping lives as long as the tensor and its views, and
+    only the pages written are ever backed."""
     flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
     area = mmap.mmap(-1, max(nbytes, 1) + HUGE, flags=flags)
     if hasattr(mmap, "MADV_HUGEPAGE"):
@@ -31,13 +34,17 @@ def huge_zeros(nbytes: int) -> torch.Tensor:
     return torch.from_numpy(flat[at : at + nbytes])
 
 
+def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+
+
 def carve(buffer: torch.Tensor,
           shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     """Tensors of ``shapes`` (shape, dtype) laid one after the other in ``buffer`` (bytes), each
     at a multiple of 64 bytes; ``buffer`` must hold :func:`carved_bytes` of them."""
     out, at = [], 0
     for shape, dtype in shapes:
-        n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        n = _bytes(shape, dtype)
         out.append(buffer[at : at + n].view(dtype).reshape(shape))
         at += -(-n // 64) * 64
     return out
@@ -45,5 +52,26 @@ def carve(buffer: torch.Tensor,
 
 def carved_bytes(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> int:
     """Bytes :func:`carve` needs for ``shapes``."""
-    return sum(-(-int(np.prod(s)) * torch.empty((), dtype=d).element_size() // 64) * 64
-               for s, d in shapes)
+    return sum(-(-_bytes(s, d) // 64) * 64 for s, d in shapes)
+
+
+class Arena:
+    """Tensors moved one after another into mappings of at least :data:`CHUNK` bytes in huge
+    pages, each at a multiple of 64 bytes: a model's weights, moved as each is made, hold their
+    bytes and one weight's more at the peak (not twice the model's)."""
+
+    def __init__(self) -> None:
+        self._free = torch.empty(0, dtype=torch.uint8)
+        self.nbytes = 0
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of ``t`` (contiguous, on the CPU) in the arena."""
+        n = t.numel() * t.element_size()
+        room = -(-n // 64) * 64
+        if room > self._free.numel():
+            self._free = huge_zeros(max(CHUNK, room))
+        out = self._free[:n].view(t.dtype).reshape(t.shape)
+        out.copy_(t)
+        self._free = self._free[room:]
+        self.nbytes += room
+        return out

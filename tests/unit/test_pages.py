@@ -2,6 +2,8 @@
 
 * ``huge_zeros`` gives zeroed bytes at a 2 MiB boundary; ``carve`` lays tensors one after the
   other at 64-byte boundaries, none overlapping, and a write to one changes no other.
+* An ``Arena`` copies each tensor in at a 64-byte boundary, opening a new mapping when one is
+  full, and counts the bytes it holds.
 * ``gather`` moves a model's quantized weights into one buffer without changing a product's
   bits, the tied head and the embedding still one table.
 """
@@ -35,6 +37,17 @@ def test_carved_tensors_do_not_overlap():
         assert bool((t == i + 1).all()), i
     ends = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parts)
     assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:], strict=False))
+
+
+def test_an_arena_takes_tensors_whole_across_its_mappings(monkeypatch):
+    monkeypatch.setattr(pages, "CHUNK", 4096)
+    arena = pages.Arena()
+    parts = [torch.randn(300), torch.arange(1000, dtype=torch.int16), torch.randn(2000)]
+    held = [arena.take(t) for t in parts]
+    assert all(torch.equal(a, b) for a, b in zip(parts, held, strict=True))
+    assert all(h.data_ptr() % 64 == 0 for h in held)
+    assert held[2].data_ptr() % pages.HUGE == 0  # 8,000 bytes: a mapping of its own
+    assert arena.nbytes == 1216 + 2048 + 8000
 
 
 def _weight(rng: np.random.Generator, n: int, k: int, kind: str) -> QuantWeight:

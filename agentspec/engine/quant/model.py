@@ -180,8 +180,9 @@ def load_quantized(path: Path, config: Any) -> Any:
             raise ValueError(f"{path.name}: no GGUF tensor name for layer {hf!r} ({file.arch})")
         return found
 
+    arena = pages.Arena()  # each weight moved in as it is read: the peak is one weight over
     with torch.inference_mode(False), torch.no_grad():
-        embed = QuantEmbedding(file.quantized(gguf_name(embed_name) + ".weight"))
+        embed = QuantEmbedding(keep(file.quantized(gguf_name(embed_name) + ".weight"), arena))
         set_module(model, embed_name, embed)
         for name, module in tqdm(linears, desc=f"loading {path.name}", unit="layer",
                                  disable=len(linears) < 64, leave=False):
@@ -194,7 +195,7 @@ def load_quantized(path: Path, config: Any) -> Any:
                     order = heads
                 elif file.arch == "llama" and key.endswith(".attn_k"):
                     order = kv_heads
-                weight = file.quantized(key + ".weight", heads=order)
+                weight = keep(file.quantized(key + ".weight", heads=order), arena)
             bias = file.dense(key + ".bias") if module.bias is not None else None
             set_module(model, name, QuantLinear(weight, bias))
         model.to_empty(device="cpu")
@@ -214,29 +215,31 @@ def load_quantized(path: Path, config: Any) -> Any:
         rotary = getattr(base, "rotary_emb", None)
         if rotary is not None:
             base.rotary_emb = type(rotary)(config=model.config)
-    gather(model)
     return model.eval()
 
 
-def gather(model: Any) -> int:
-    """Moves every quantized weight of ``model`` into one buffer in huge pages
-    (:mod:`agentspec.engine.pages`), in the order of its modules (the order a forward reads
-    them); returns its bytes. A forward streams all its weights: in a few 2 MiB pages, not
-    thousands of 4 KiB ones scattered over the heap, they cost far fewer TLB misses. The
-    values are unchanged."""
-    weights: list[QuantWeight] = []
+def gather(model: Any, arena: pages.Arena | None = None) -> int:
+    """Moves every quantized weight of ``model`` not yet in ``arena`` (a new one by default)
+    into it, in the order of its modules (the order a forward reads them); returns the arena's
+    bytes. A forward streams all its weights: in a few 2 MiB pages, not thousands of 4 KiB ones
+    scattered over the heap, they cost far fewer TLB misses. The values are unchanged."""
+    arena = arena if arena is not None else pages.Arena()
+    seen: set[int] = set()
     for m in model.modules():
         w = getattr(m, "qweight", None)
-        if isinstance(w, QuantWeight) and all(w is not x for x in weights):
-            weights.append(w)
-    parts = [t for w in weights for t in (w.q, w.scale, w.offset)]
-    shapes = [(tuple(t.shape), t.dtype) for t in parts]
-    moved = pages.carve(pages.huge_zeros(pages.carved_bytes(shapes)), shapes)
-    for old, new in zip(parts, moved, strict=True):
-        new.copy_(old)
-    for i, w in enumerate(weights):
-        w.q, w.scale, w.offset = moved[3 * i : 3 * i + 3]
-    return pages.carved_bytes(shapes)
+        if isinstance(w, QuantWeight) and id(w) not in seen:
+            seen.add(id(w))
+            keep(w, arena)
+    return arena.nbytes
+
+
+def keep(weight: QuantWeight, arena: pages.Arena) -> QuantWeight:
+    """``weight`` with its arrays moved into ``arena`` (once: a weight already there stays)."""
+    if weight.arena is not arena:
+        weight.q, weight.scale, weight.offset = (arena.take(t) for t in
+                                                 (weight.q, weight.scale, weight.offset))
+        weight.arena = arena
+    return weight
 
 
 AT_LOAD = ("int8", "int4")

@@ -41,12 +41,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from agentspec.engine import pages
 from agentspec.engine.quant.formats import QuantWeight, Unpacked
 from agentspec.engine.quant.model import (
     AT_LOAD,
     QuantEmbedding,
     QuantLinear,
-    gather,
+    keep,
     set_module,
 )
 
@@ -198,20 +199,20 @@ def quantize_model(model: Any, scheme: str) -> Any:
     del embed, head, linears  # each float weight goes once its module is replaced
     todo.reverse()
     shared: QuantWeight | None = None
+    arena = pages.Arena()  # each weight moved in as it is made (model.keep)
     with torch.inference_mode(False), torch.no_grad():
         while todo:
             name, module = todo.pop()
             if isinstance(module, torch.nn.Embedding):
-                shared = QuantWeight(quantize_weight(module.weight, scheme, f"{name}.weight"),
-                                     scheme)
+                shared = keep(QuantWeight(quantize_weight(module.weight, scheme,
+                                                          f"{name}.weight"), scheme), arena)
                 set_module(model, name, QuantEmbedding(shared))
                 continue
             if name == head_name and shared is not None:
                 weight = shared  # tied to the embedding: the one table, held once
             else:
-                weight = QuantWeight(quantize_weight(module.weight, scheme, f"{name}.weight"),
-                                     scheme)
+                weight = keep(QuantWeight(quantize_weight(module.weight, scheme,
+                                                          f"{name}.weight"), scheme), arena)
             bias = None if module.bias is None else module.bias.detach()
             set_module(model, name, QuantLinear(weight, bias))
-    gather(model)
     return model
