@@ -1,7 +1,8 @@
 """Host memory in transparent huge pages, for what a CPU forward streams whole every step.
 
-A forward over a model's quantized weights or over the KV pool reads tens to hundreds of MB:
-in 4 KiB pages that is tens of thousands of TLB misses a step, in 2 MiB pages a few dozen.
+A forward over a model's quantized weights reads tens to thousands of MB: in 4 KiB pages that
+is tens of thousands of TLB misses a step, in 2 MiB pages a few dozen. (The KV pool stays on
+torch's allocator: it grows often, and a huge page costs its whole 2 MiB to fault in.)
 Linux gives a private anonymous mapping huge pages where it is advised to (the ``madvise``
 setting, the usual default); elsewhere the mapping is plain pages and nothing else changes.
 """

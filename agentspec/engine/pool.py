@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from agentspec.engine import pages
 from agentspec.engine.trie import PrefixTrie
 
 BLOCK = 256
@@ -108,15 +107,9 @@ class KVPool:
         are always finite)."""
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        fresh: list[torch.Tensor] | None = None
-        if self.device.type == "cpu":  # in huge pages: a forward reads all of a sequence's KV
-            shapes = [((blocks, heads, BLOCK, dim), dtype)
-                      for heads, dim, dtype in self._shapes for _ in (0, 1)]
-            fresh = pages.carve(pages.huge_zeros(pages.carved_bytes(shapes)), shapes)
         for i, (heads, dim, dtype) in enumerate(self._shapes):
-            for j, (old, new) in enumerate(((self.keys, keys), (self.values, values))):
-                buf = (fresh[2 * i + j] if fresh is not None else
-                       torch.zeros((blocks, heads, BLOCK, dim), dtype=dtype, device=self.device))
+            for old, new in ((self.keys, keys), (self.values, values)):
+                buf = torch.zeros((blocks, heads, BLOCK, dim), dtype=dtype, device=self.device)
                 if i < len(old) and old[i].shape[0]:
                     buf[: old[i].shape[0]].copy_(old[i])
                 new.append(buf)
