@@ -29,6 +29,8 @@ struct Layer {
   QW q, k, v, o, gate, up, down;
   const float* norm_in;
   const float* norm_mlp;
+  const float* norm_q;  // Qwen3's RMSNorm over each query / key head (null: none)
+  const float* norm_k;
 };
 
 struct Model {
@@ -541,6 +543,13 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
     product(hq, rows, L.v, nullptr, qkv + qw + kw, stride, nthreads);
     free((void*)hq.q);
     LAP(2);
+    if (L.norm_q) {  // each head of a row alone, in place, as the model's norm does
+      for (int64_t r = 0; r < rows; r++) {
+        rmsnorm(qkv + r * stride, m->heads, m->dim, L.norm_q, m->eps, qkv + r * stride, 1);
+        rmsnorm(qkv + r * stride + qw, m->kv_heads, m->dim, L.norm_k, m->eps,
+                qkv + r * stride + qw, 1);
+      }
+    }
     rope(qkv, rows, stride, m->heads + m->kv_heads, m->dim, b->pos, m->cos, m->sin);
     write_kv(m, b, qkv, stride, b->keys[l], b->values[l]);
     LAP(3);

@@ -23,9 +23,10 @@ from agentspec.engine.quant import native
 from agentspec.engine.quant.formats import QuantWeight
 from agentspec.engine.quant.model import QuantEmbedding, QuantLinear
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 """The ``model_type`` values the native forward runs: Llama's layer (Qwen2's with its query,
-key and value biases)."""
+key and value biases, Qwen3's with an RMSNorm over each query and key head before the rotary
+embedding)."""
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -38,7 +39,7 @@ class _QW(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [*((name, _QW) for name in ("q", "k", "v", "o", "gate", "up", "down")),
-                ("norm_in", _ptr), ("norm_mlp", _ptr)]
+                ("norm_in", _ptr), ("norm_mlp", _ptr), ("norm_q", _ptr), ("norm_k", _ptr)]
 
 
 class _Model(ctypes.Structure):
@@ -67,7 +68,7 @@ def unsupported(model: Any) -> str | None:
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if window and (layer_types is None or "sliding_attention" in layer_types) and (
-            kind != "qwen2" or getattr(config, "use_sliding_window", False)):
+            kind not in ("qwen2", "qwen3") or getattr(config, "use_sliding_window", False)):
         return f"sliding-window attention (window {window})"
     base = compat.base_model(model)
     if not isinstance(base.embed_tokens, QuantEmbedding):
@@ -79,8 +80,10 @@ def unsupported(model: Any) -> str | None:
         products = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.gate_proj, f.up_proj, f.down_proj)
         if not all(isinstance(p, QuantLinear) for p in products):
             return "a product not held as stored"
-        if any(p.bias is not None for p in products[3:]) or hasattr(a, "q_norm"):
-            return "a bias or norm Llama's layer does not have"
+        if any(p.bias is not None for p in products[3:]):
+            return "a bias on the output or MLP products"
+        if hasattr(a, "q_norm") != (kind == "qwen3"):
+            return "a head norm where Qwen3's layer has none, or none where it has one"
     heads = int(config.num_attention_heads)
     if heads // int(getattr(config, "num_key_value_heads", None) or heads) > 16:
         return "more than 16 query heads a key/value head"
@@ -129,7 +132,10 @@ class NativeForward:
             layers.append(_Layer(*(_linear(p) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj,
                                                           f.gate_proj, f.up_proj, f.down_proj)),
                                  layer.input_layernorm.weight.data_ptr(),
-                                 layer.post_attention_layernorm.weight.data_ptr()))
+                                 layer.post_attention_layernorm.weight.data_ptr(),
+                                 *(n.weight.data_ptr() if n is not None else None
+                                   for n in (getattr(a, "q_norm", None),
+                                             getattr(a, "k_norm", None)))))
         self._layers = (_Layer * len(layers))(*layers)
         self._head = _linear(model.get_output_embeddings())
         self._embed = _qw(base.embed_tokens.qweight)
