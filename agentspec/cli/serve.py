@@ -8,6 +8,7 @@ options map one to one onto :class:`~agentspec.adapters.openai_server.ServerConf
 
 from __future__ import annotations
 
+import gc
 import socket
 import sys
 import time
@@ -159,6 +160,11 @@ def serve(ctx: typer.Context,
     print(f"memory: {len(indexes)} scope(s), {sum(indexes.values())} indexed rows",
           file=sys.stderr, flush=True)
     server = OpenAIServer(spec, config, service)
+    # Everything made so far (the model, the memory, the app) lives as long as the process: kept
+    # out of the cyclic collector's full passes, which would otherwise walk it all every few
+    # hundred allocations (a sixth of a step's time on the CPU, BENCHMARKS.md).
+    gc.collect()
+    gc.freeze()
     bound_host, bound_port = sock.getsockname()[:2]
     shown = f"[{bound_host}]" if ":" in bound_host else bound_host
     print(f"serving {config.models[0]} at http://{shown}:{bound_port}/v1", file=sys.stderr,
