@@ -12,6 +12,7 @@ forward the share of each part (``agentspec.engine.quant.native.PARTS``).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -55,6 +56,8 @@ def measure(model: str, modes: list[str], context: int, repeats: int) -> dict[st
     """The figures described in the module's docstring."""
     targets = {m: load_target(model, device="cpu", dtype=MODES[m]) for m in modes}
     scratch = {m: _Scratch(t, context) for m, t in targets.items()}
+    gc.collect()  # what start-up made, out of the collector's passes, as agentspec serve does
+    gc.freeze()
     times: dict[str, dict[int, list[float]]] = {m: {r: [] for r in ROWS} for m in modes}
     parts: dict[int, dict[str, float]] = {}
     for rows in ROWS:
