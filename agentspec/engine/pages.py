@@ -10,7 +10,6 @@ setting, the usual default); elsewhere the mapping is plain pages and nothing el
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -33,27 +32,6 @@ def huge_zeros(nbytes: int) -> torch.Tensor:
     flat = np.frombuffer(area, dtype=np.uint8)
     at = -flat.ctypes.data % HUGE
     return torch.from_numpy(flat[at : at + nbytes])
-
-
-def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    return int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-
-
-def carve(buffer: torch.Tensor,
-          shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    """Tensors of ``shapes`` (shape, dtype) laid one after the other in ``buffer`` (bytes), each
-    at a multiple of 64 bytes; ``buffer`` must hold :func:`carved_bytes` of them."""
-    out, at = [], 0
-    for shape, dtype in shapes:
-        n = _bytes(shape, dtype)
-        out.append(buffer[at : at + n].view(dtype).reshape(shape))
-        at += -(-n // 64) * 64
-    return out
-
-
-def carved_bytes(shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> int:
-    """Bytes :func:`carve` needs for ``shapes``."""
-    return sum(-(-_bytes(s, d) // 64) * 64 for s, d in shapes)
 
 
 class Arena:

@@ -1,10 +1,9 @@
-"""Host buffers in huge pages (agentspec.engine.pages) and the weights gathered into one.
+"""Host buffers in huge pages (agentspec.engine.pages) and the weights kept in one.
 
-* ``huge_zeros`` gives zeroed bytes at a 2 MiB boundary; ``carve`` lays tensors one after the
-  other at 64-byte boundaries, none overlapping, and a write to one changes no other.
+* ``huge_zeros`` gives zeroed bytes at a 2 MiB boundary.
 * An ``Arena`` copies each tensor in at a 64-byte boundary, opening a new mapping when one is
   full, and counts the bytes it holds.
-* ``gather`` moves a model's quantized weights into one buffer without changing a product's
+* ``keep`` moves a model's quantized weights into one arena without changing a product's
   bits, the tied head and the embedding still one table.
 """
 
@@ -16,7 +15,7 @@ from gguf import GGMLQuantizationType, quants
 
 from agentspec.engine import pages
 from agentspec.engine.quant.formats import QuantWeight, unpack
-from agentspec.engine.quant.model import QuantEmbedding, QuantLinear, gather
+from agentspec.engine.quant.model import QuantEmbedding, QuantLinear, keep
 
 
 def test_huge_zeros_are_zero_and_aligned():
@@ -24,19 +23,6 @@ def test_huge_zeros_are_zero_and_aligned():
     assert buf.dtype == torch.uint8 and buf.numel() == 5 << 20
     assert buf.data_ptr() % pages.HUGE == 0
     assert int(buf.sum()) == 0
-
-
-def test_carved_tensors_do_not_overlap():
-    shapes = [((3, 5), torch.float16), ((7,), torch.float32), ((2, 2, 3), torch.uint8)]
-    parts = pages.carve(pages.huge_zeros(pages.carved_bytes(shapes)), shapes)
-    assert [(tuple(t.shape), t.dtype) for t in parts] == shapes
-    assert all(t.data_ptr() % 64 == 0 for t in parts)
-    for i, t in enumerate(parts):
-        t.fill_(i + 1)
-    for i, t in enumerate(parts):
-        assert bool((t == i + 1).all()), i
-    ends = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parts)
-    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:], strict=False))
 
 
 def test_an_arena_takes_tensors_whole_across_its_mappings(monkeypatch):
@@ -56,7 +42,7 @@ def _weight(rng: np.random.Generator, n: int, k: int, kind: str) -> QuantWeight:
     return QuantWeight(unpack(kind, data, n, k), kind)
 
 
-def test_gather_keeps_every_products_bits_and_the_tied_table():
+def test_keep_keeps_every_products_bits_and_the_tied_table():
     rng = np.random.default_rng(3)
     table = _weight(rng, 96, 64, "Q8_0")
     model = torch.nn.Module()
@@ -65,7 +51,10 @@ def test_gather_keeps_every_products_bits_and_the_tied_table():
     model.head = QuantLinear(table)
     x = torch.randn(5, 64)
     before = [model.proj(x), model.head(x), model.embed(torch.tensor([0, 95]))]
-    held = gather(model)
+    arena = pages.Arena()
+    for weight in (table, model.proj.qweight):  # each once, as a loader keeps them
+        keep(weight, arena)
+    held = arena.nbytes
     assert held >= table.nbytes + model.proj.qweight.nbytes
     after = [model.proj(x), model.head(x), model.embed(torch.tensor([0, 95]))]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

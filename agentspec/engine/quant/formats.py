@@ -185,7 +185,6 @@ class QuantWeight:
         u = unpacked
         n, k = u.q.shape
         self.n, self.k, self.group, self.bits, self.kind = n, k, u.group, u.bits, kind
-        self.arena: object | None = None  # where its arrays live, once moved (model.keep)
         units, groups, gs = 2 * -(-n // TILE), k // u.group, u.group
         pad = units * 32 - n
         q = np.pad(u.q, ((0, pad), (0, 0))).astype(np.int8 if u.bits == 8 else np.uint8)

@@ -5,9 +5,10 @@ layers and embedding replaced by :class:`QuantLinear` and :class:`QuantEmbedding
 The model is built on the meta device from its config, its quantized tensors read from the
 GGUF (memory-mapped) straight into the native layout, then the few plain tensors (norms,
 biases) and the rotary tables are made on the CPU. The weights' values are bitwise gguf's own
-dequantisation of them, the values transformers' GGUF loader gives the float32 model; only the
-products' order of summation differs from the float32 path (one fma chain over the inputs in
-order, the same for every row and every row count).
+dequantisation of them, the values transformers' GGUF loader gives the float32 model; the
+products differ from the float32 path in their inputs, each row quantized alone to 16 bits a
+group, and their order of summation (the same for every row and every row count: ``qmm.cpp``).
+Each weight is moved into one arena of huge pages as it is read (:func:`keep`).
 
 A float checkpoint quantized at load (:mod:`~agentspec.engine.quant.quantize`) is held in the
 same modules, and so runs the same way.
@@ -218,27 +219,13 @@ def load_quantized(path: Path, config: Any) -> Any:
     return model.eval()
 
 
-def gather(model: Any, arena: pages.Arena | None = None) -> int:
-    """Moves every quantized weight of ``model`` not yet in ``arena`` (a new one by default)
-    into it, in the order of its modules (the order a forward reads them); returns the arena's
-    bytes. A forward streams all its weights: in a few 2 MiB pages, not thousands of 4 KiB ones
-    scattered over the heap, they cost far fewer TLB misses. The values are unchanged."""
-    arena = arena if arena is not None else pages.Arena()
-    seen: set[int] = set()
-    for m in model.modules():
-        w = getattr(m, "qweight", None)
-        if isinstance(w, QuantWeight) and id(w) not in seen:
-            seen.add(id(w))
-            keep(w, arena)
-    return arena.nbytes
-
-
 def keep(weight: QuantWeight, arena: pages.Arena) -> QuantWeight:
-    """``weight`` with its arrays moved into ``arena`` (once: a weight already there stays)."""
-    if weight.arena is not arena:
-        weight.q, weight.scale, weight.offset = (arena.take(t) for t in
-                                                 (weight.q, weight.scale, weight.offset))
-        weight.arena = arena
+    """``weight`` with its arrays moved into ``arena``, as it is made (a loader keeps each
+    weight once, in the order its forward reads them): a forward streams all its weights, and
+    in a few 2 MiB pages, not thousands of 4 KiB ones over the heap, they cost far fewer TLB
+    misses. The values are unchanged."""
+    weight.q, weight.scale, weight.offset = (arena.take(t) for t in
+                                             (weight.q, weight.scale, weight.offset))
     return weight
 
 
