@@ -102,11 +102,20 @@ static void rmsnorm(const float* x, int64_t rows, int64_t dim, const float* w, f
   }
 }
 
-// out = add + x @ w^T (+ bias), x the rows already quantized (qmm.cpp).
+// out = add + x @ w^T (+ bias), x the rows already quantized (qmm.cpp): rows several
+// products read are quantized once.
 static void product(const QX& x, int64_t rows, const QW& w, const float* add, float* out,
                     int64_t ldo, int nthreads) {
   as_qmm_q(x, rows, w.n, w.q, w.bits, w.gs, w.scale, w.offset, w.params, w.bias, add, out,
            ldo, nthreads);
+}
+
+// The same from float rows x[rows][w.k], quantized for this product alone.
+static void product(const float* x, int64_t rows, const QW& w, const float* add, float* out,
+                    int64_t ldo, int nthreads) {
+  QX q = quantize_rows(x, rows, w.k, w.k, nthreads);
+  product(q, rows, w, add, out, ldo, nthreads);
+  free((void*)q.q);
 }
 
 // Rotary embedding of heads [0, heads) of each row of x ([rows][stride], heads of dim at the
@@ -555,8 +564,7 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
     LAP(3);
     attention(m, b, qkv, stride, b->keys[l], b->values[l], att, nthreads);
     LAP(4);
-    as_qmm_into(att, rows, qw, qw, L.o.n, L.o.q, L.o.bits, L.o.gs, L.o.scale,
-                L.o.offset, L.o.params, L.o.bias, res, res, hid, nthreads);
+    product(att, rows, L.o, res, res, hid, nthreads);
     LAP(5);
     rmsnorm(res, rows, hid, L.norm_mlp, m->eps, h, nthreads);
     LAP(1);
@@ -567,9 +575,7 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
     LAP(6);
     silu_mul(gu, rows, m->inter, act, nthreads);
     LAP(7);
-    as_qmm_into(act, rows, m->inter, m->inter, L.down.n, L.down.q, L.down.bits, L.down.gs,
-                L.down.scale, L.down.offset, L.down.params, L.down.bias, res, res, hid,
-                nthreads);
+    product(act, rows, L.down, res, res, hid, nthreads);
     LAP(6);
   }
   if (b->logit_count) {
@@ -578,9 +584,7 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
       memcpy(kept + i * hid, res + b->logit_rows[i] * hid, hid * sizeof(float));
     float* normed = hidden_out ? hidden_out : h;
     rmsnorm(kept, b->logit_count, hid, m->norm, m->eps, normed, nthreads);
-    const QW& H = *m->head;
-    as_qmm_into(normed, b->logit_count, hid, hid, H.n, H.q, H.bits, H.gs, H.scale,
-                H.offset, H.params, H.bias, nullptr, logits, m->vocab, nthreads);
+    product(normed, b->logit_count, *m->head, nullptr, logits, m->vocab, nthreads);
     free(kept);
   }
   LAP(8);

@@ -58,7 +58,7 @@ static inline float half_to_float(uint16_t h) {
   return out;
 }
 
-// Where unit u's factored params start (params 2), and the bytes of one unit's.
+// Where unit u's factored params start (params 2).
 static inline const uint8_t* factored_at(const void* p, int64_t u, int64_t groups, int gs) {
   int64_t supers = groups * gs / 256;
   return (const uint8_t*)p + u * (supers * 64 + groups * 32);
@@ -110,22 +110,20 @@ struct QX {
 static void quantize_row(const float* x, int64_t K, int16_t* q, float* d, int32_t* sums) {
   for (int64_t g = 0; g < K / 32; g++) {
     const float* xg = x + g * 32;
-    float amax = 0.0f;
-    int h = 0;
 #ifdef AS_AVX512
     __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(xg)), a1 = _mm512_abs_ps(_mm512_loadu_ps(xg + 16));
-    amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
     float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
-    for (; h < 2; h++) {  // cvtps rounds to nearest even, as nearbyintf does
+    for (int h = 0; h < 2; h++) {  // cvtps rounds to nearest even, as nearbyintf does
       __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xg + 16 * h), _mm512_set1_ps(id)));
       _mm256_storeu_si256((__m256i*)(q + g * 32 + 16 * h), _mm512_cvtsepi32_epi16(v));
       sums[g * 2 + h] = _mm512_reduce_add_epi32(v);
     }
 #else
+    float amax = 0.0f;
     for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xg[i]));
     float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
-#endif
-    for (; h < 2; h++) {
+    for (int h = 0; h < 2; h++) {
       int32_t s = 0;
       for (int i = 16 * h; i < 16 * h + 16; i++) {
         int v = (int)nearbyintf(xg[i] * id);
@@ -134,6 +132,7 @@ static void quantize_row(const float* x, int64_t K, int16_t* q, float* d, int32_
       }
       sums[g * 2 + h] = s;
     }
+#endif
     d[g] = amax / 32767.0f;
   }
 }
@@ -302,20 +301,13 @@ void as_qmm_q(const QX& x, int64_t M, int64_t N, const uint8_t* q, int bits, int
   }
 }
 
-// The same from float rows x[M][K] (ldx apart): quantized here, then as above.
-void as_qmm_into(const float* x, int64_t M, int64_t K, int64_t ldx, int64_t N, const uint8_t* q,
-                 int bits, int gs, const void* scale, const void* offset, int params,
-                 const float* bias, const float* add, float* out, int64_t ldo, int nthreads) {
-  QX qx = quantize_rows(x, M, K, ldx, nthreads);
-  as_qmm_q(qx, M, N, q, bits, gs, scale, offset, params, bias, add, out, ldo, nthreads);
-  free((void*)qx.q);
-}
-
-// out[M][N] = x[M][K] @ W^T (+ bias[N] when given).
+// out[M][N] = x[M][K] @ W^T (+ bias[N] when given), x quantized here.
 extern "C" void as_qmm(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* q,
                        int bits, int gs, const void* scale, const void* offset, int params,
                        const float* bias, float* out, int nthreads) {
-  as_qmm_into(x, M, K, K, N, q, bits, gs, scale, offset, params, bias, nullptr, out, N, nthreads);
+  QX qx = quantize_rows(x, M, K, K, nthreads);
+  as_qmm_q(qx, M, N, q, bits, gs, scale, offset, params, bias, nullptr, out, N, nthreads);
+  free((void*)qx.q);
 }
 
 // Rows ids[i] of the weight (an embedding table held as above), dequantised as gguf does, into
