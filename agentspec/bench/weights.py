@@ -52,12 +52,14 @@ class _Scratch:
         return seconds
 
 
-def measure(model: str, modes: list[str], context: int, repeats: int) -> dict[str, Any]:
+def measure(model: str, modes: list[str], context: int, repeats: int,
+            freeze: bool = True) -> dict[str, Any]:
     """The figures described in the module's docstring."""
     targets = {m: load_target(model, device="cpu", dtype=MODES[m]) for m in modes}
     scratch = {m: _Scratch(t, context) for m, t in targets.items()}
-    gc.collect()  # what start-up made, out of the collector's passes, as agentspec serve does
-    gc.freeze()
+    if freeze:  # what start-up made, out of the collector's passes, as agentspec serve does
+        gc.collect()
+        gc.freeze()
     times: dict[str, dict[int, list[float]]] = {m: {r: [] for r in ROWS} for m in modes}
     parts: dict[int, dict[str, float]] = {}
     for rows in ROWS:
@@ -70,7 +72,7 @@ def measure(model: str, modes: list[str], context: int, repeats: int) -> dict[st
         if "gguf" in modes and targets["gguf"].forward.native is not None:
             parts[rows] = {k: round(1000 * v / repeats, 3) for k, v in native.spent().items()}
     file_bytes = gguf_file(model).stat().st_size
-    out: dict[str, Any] = {"model": model, "context": context, "repeats": repeats,
+    out: dict[str, Any] = {"model": model, "context": context, "repeats": repeats, "gc_frozen": freeze,
                            "file_bytes": file_bytes, "processor": _processor(), "modes": {}}
     first = modes[0]
     for m in modes:
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--no-freeze", action="store_true",
+                        help="leave start-up's objects to the garbage collector's passes")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -114,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.context < 64 or args.repeats < 1:
         parser.error(f"--context must be >= 64 and --repeats >= 1, got {args.context}, "
                      f"{args.repeats}")
-    result = measure(args.model, modes, args.context, args.repeats)
+    result = measure(args.model, modes, args.context, args.repeats, freeze=not args.no_freeze)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:

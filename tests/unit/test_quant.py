@@ -219,21 +219,13 @@ def test_its_logits_are_the_float32_models_within_summation_noise():
 
 
 @pytest.mark.slow
-def test_eight_bit_activations_fail_that_check(monkeypatch):
+def test_eight_bit_activations_fail_that_check():
     """The control: the same products with each row's inputs rounded to 8 bits a group of 32
     (llama.cpp's activations), summed over the dequantised weights in float64."""
-    dense: dict[int, torch.Tensor] = {}
+    from agentspec.bench.numerics import eight_bit_activations
 
-    def coarse(self: QuantLinear, x: torch.Tensor) -> torch.Tensor:
-        w = dense.setdefault(id(self), self.qweight.dequantized().double())
-        g = x.double().reshape(*x.shape[:-1], -1, 32)
-        step = g.abs().amax(-1, keepdim=True) / 127
-        xq = torch.where(step > 0, torch.round(g / torch.where(step > 0, step, 1)) * step, 0)
-        out = (xq.reshape(x.shape) @ w.T).float()
-        return out if self.bias is None else out + self.bias
-
-    monkeypatch.setattr(QuantLinear, "forward", coarse)
-    worst, same = _logits_gap()
+    with eight_bit_activations():
+        worst, same = _logits_gap()
     assert not (same and worst < 1e-2), (worst, same)
 
 
