@@ -12,6 +12,7 @@ from agentspec.engine.quant.model import weight_bytes
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test-long: test_quant holds each format's bytes in make test
 def test_held_bytes_per_type_add_up_to_the_models():
     out = held(gguf_file("smollm2-135m-instruct"))
     assert set(out) >= {"Q4_1", "Q8_0", "all quantized"}
