@@ -122,7 +122,7 @@ class Forward:
         shapes = compat.kv_shapes(model)
         if self.native is not None:
             shapes = [(heads, dim, self.native.kv_dtype) for heads, dim, _ in shapes]
-        pool.define_layers(shapes)
+        pool.define_layers(shapes, key_lanes=self.native.key_lanes if self.native else 0)
         # Mistral and Phi-3 slide every layer and take no dict of masks: one mask for all.
         self._every_layer_slides = compat.sliding_window(model)[1]
         self.supports_trees = self._trees()

@@ -1,6 +1,8 @@
 """The KV pool: one set of static buffers in blocks, shared by every sequence of one engine.
 
-Every layer's keys and values live in one buffer of ``[blocks, kv_heads, BLOCK, head_dim]``:
+Every layer's keys and values live in one buffer of ``[blocks, kv_heads, BLOCK, head_dim]``
+(the native forward's keys: ``[blocks, kv_heads, BLOCK // 16, head_dim, 16]``, each run of 16
+positions transposed, see :meth:`KVPool.define_layers`):
 a block holds :data:`BLOCK` consecutive positions of one sequence, the same number of keys the
 engine's attention reduces at a time (:mod:`agentspec.engine.kv`), so a sequence's key block
 ``i`` (positions ``i * BLOCK`` to ``i * BLOCK + BLOCK - 1``) is one block of the pool, and a run
@@ -30,6 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -75,6 +78,7 @@ class KVPool:
         self.values: list[torch.Tensor] = []
         self.generation = 0  # bumped when the buffers move (grown): captured graphs are stale
         self._shapes: list[tuple[int, int, torch.dtype]] = []  # per layer (kv_heads, dim, dtype)
+        self.key_lanes = 0  # 0: keys as rows; else positions a transposed run of keys holds
         self._refs: list[int] = []
         self._free: set[int] = set()
         self.trie = PrefixTrie(BLOCK)  # the sealed blocks (engine.trie)
@@ -87,14 +91,33 @@ class KVPool:
     def num_blocks(self) -> int:
         return len(self._refs)
 
-    def define_layers(self, shapes: Seq[tuple[int, int, torch.dtype]]) -> None:
-        """The layers' ``(kv_heads, head_dim, dtype)``, once (before the first write)."""
+    def define_layers(self, shapes: Seq[tuple[int, int, torch.dtype]], *,
+                      key_lanes: int = 0) -> None:
+        """The layers' ``(kv_heads, head_dim, dtype)``, once (before the first write).
+
+        ``key_lanes`` 0 keeps each position's keys as a row; 16 (the native forward's
+        attention) keeps each run of 16 positions of a block transposed, ``[head_dim, 16]``:
+        one key dimension of 16 consecutive keys is one vector, read as it lies. Values are
+        rows either way. :meth:`index` addresses a position in either layout."""
+        if key_lanes not in (0, 16):
+            raise ValueError(f"key_lanes must be 0 or 16, got {key_lanes!r}")
         if self._shapes:
-            if list(shapes) != self._shapes:
-                raise ValueError(f"the pool's layers are {self._shapes}, not {list(shapes)}")
+            if list(shapes) != self._shapes or key_lanes != self.key_lanes:
+                raise ValueError(f"the pool's layers are {self._shapes} (key_lanes "
+                                 f"{self.key_lanes}), not {list(shapes)} (key_lanes {key_lanes})")
             return
         self._shapes = list(shapes)
+        self.key_lanes = key_lanes
         self._allocate(self.num_blocks)
+
+    @staticmethod
+    def index(buf: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[Any, ...]:
+        """The index of positions ``offsets`` of pool blocks ``blocks`` in ``buf`` (a layer's
+        keys or values, either layout): ``buf[index]`` is ``[len(blocks), kv_heads, head_dim]``."""
+        if buf.dim() == 5:  # transposed runs of keys: [blocks, heads, BLOCK // lanes, dim, lanes]
+            lanes = buf.shape[-1]
+            return (blocks, slice(None), offsets // lanes, slice(None), offsets % lanes)
+        return (blocks, slice(None), offsets)
 
     @property
     def block_bytes(self) -> int:
@@ -109,7 +132,9 @@ class KVPool:
         values: list[torch.Tensor] = []
         for i, (heads, dim, dtype) in enumerate(self._shapes):
             for old, new in ((self.keys, keys), (self.values, values)):
-                buf = torch.zeros((blocks, heads, BLOCK, dim), dtype=dtype, device=self.device)
+                shape = ((blocks, heads, BLOCK // self.key_lanes, dim, self.key_lanes)
+                         if self.key_lanes and new is keys else (blocks, heads, BLOCK, dim))
+                buf = torch.zeros(shape, dtype=dtype, device=self.device)
                 if i < len(old) and old[i].shape[0]:
                     buf[: old[i].shape[0]].copy_(old[i])
                 new.append(buf)
@@ -229,7 +254,9 @@ class KVPool:
 
     def copy_rows(self, src: int, dst: int, rows: int) -> None:
         """Copy the first ``rows`` positions of block ``src`` into block ``dst``."""
+        at = torch.arange(rows, device=self.device)
+        s, d = torch.full_like(at, src), torch.full_like(at, dst)
         with torch.inference_mode():
             for buf in (*self.keys, *self.values):
-                buf[dst, :, :rows].copy_(buf[src, :, :rows])
+                buf[self.index(buf, d, at)] = buf[self.index(buf, s, at)]
 

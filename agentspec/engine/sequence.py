@@ -171,8 +171,8 @@ class Sequence:
         at = self.slots(torch.arange(count))
         blocks, offsets = (at // BLOCK).to(self.pool.device), (at % BLOCK).to(self.pool.device)
         keys, values = self.pool.keys[layer], self.pool.values[layer]
-        return (keys[blocks, :, offsets].transpose(0, 1).clone(),
-                values[blocks, :, offsets].transpose(0, 1).clone())
+        return (keys[self.pool.index(keys, blocks, offsets)].transpose(0, 1).clone(),
+                values[self.pool.index(values, blocks, offsets)].transpose(0, 1).clone())
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         """Copy the rows at positions ``src`` to positions ``dst`` (a tree's accepted path
@@ -184,4 +184,4 @@ class Sequence:
         db, do = (d // BLOCK).to(device), (d % BLOCK).to(device)
         with torch.inference_mode():
             for buf in (*self.pool.keys, *self.pool.values):
-                buf[db, :, do] = buf[sb, :, so]
+                buf[self.pool.index(buf, db, do)] = buf[self.pool.index(buf, sb, so)]

@@ -20,6 +20,7 @@ import torch
 
 from agentspec.engine.pool import BLOCK, KVPool, PoolStats
 from agentspec.engine.sequence import Sequence
+from agentspec.types import Verdict
 from tests.solo import commit_tokens
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -399,3 +400,80 @@ def test_stats_count_hits_reused_tokens_sealed_and_evicted_blocks() -> None:
     assert stats.sealed_blocks == 5 and stats.cached_blocks <= 3
     assert stats.evicted_blocks == 5 - stats.cached_blocks and stats.blocks == pool.num_blocks
     assert stats.cached_bytes == stats.cached_blocks * BLOCK_BYTES
+
+
+# -- keys in transposed runs of 16 (the native forward's layout) ------------------------------
+
+def _lanes_pools() -> tuple[KVPool, KVPool]:
+    """Two pools of one layer of 2 heads of 4 dims: keys as rows, and in runs of 16."""
+    rows, lanes = KVPool("cpu"), KVPool("cpu")
+    rows.define_layers([(2, 4, torch.float32)])
+    lanes.define_layers([(2, 4, torch.float32)], key_lanes=16)
+    return rows, lanes
+
+
+def _write(seq: Sequence, start: int, rows: torch.Tensor) -> None:
+    """Rows ``[n, 2 heads, 4]`` (values: their negatives) at positions from ``start``, through
+    the pool's own index (either layout)."""
+    seq.reserve(start + len(rows))
+    at = seq.slots(torch.arange(start, start + len(rows)))
+    for buf, sign in ((seq.pool.keys[0], 1), (seq.pool.values[0], -1)):
+        buf[seq.pool.index(buf, at // BLOCK, at % BLOCK)] = sign * rows
+
+
+def test_keys_in_runs_of_16_lie_transposed_and_values_as_rows() -> None:
+    _, pool = _lanes_pools()
+    seq = Sequence(pool, cached=False)
+    rows = torch.randn(40, 2, 4)
+    _write(seq, 0, rows)
+    keys, values = pool.keys[0], pool.values[0]
+    block = seq.table[0]
+    assert keys.shape == (pool.num_blocks, 2, BLOCK // 16, 4, 16)
+    assert values.shape == (pool.num_blocks, 2, BLOCK, 4)
+    for p in (0, 15, 16, 39):  # key dimension d of position p: run p // 16, lane p % 16
+        assert torch.equal(keys[block, :, p // 16, :, p % 16], rows[p])
+        assert torch.equal(values[block, :, p], -rows[p])
+    assert torch.equal(keys[block, 1, 2, 3, :8], rows[32:40, 1, 3])  # one vector: 16 keys' dim
+    got_keys, got_values = seq.read(0, 40)
+    assert torch.equal(got_keys, rows.transpose(0, 1)) and torch.equal(got_values, -got_keys)
+
+
+def test_copies_moves_and_growth_keep_the_same_rows_in_either_layout() -> None:
+    """The same writes, a tree commit (rows gathered into place), pool growth and a copy of a
+    shared block read back the same rows whether the keys lie as rows or in runs of 16."""
+    torch.manual_seed(0)
+    prompt = _ids(1000, BLOCK + 40)
+    prompt_rows = torch.randn(len(prompt), 2, 4)
+    tree_rows = torch.randn(5, 2, 4)
+    tail_rows = torch.randn(30, 2, 4)
+    reads = []
+    for pool in _lanes_pools():
+        a = Sequence(pool)
+        a.start(prompt)
+        _write(a, 0, prompt_rows)
+        commit_tokens(a, prompt)
+        _write(a, a.kv_len, tree_rows)  # a root and four drafted rows; the path takes 1 and 3
+        a.commit(7, Verdict((1, 3), (8, 9), 10))
+        b = Sequence(pool)  # the prompt's first block held by reference
+        assert b.start(prompt[: BLOCK + 20]) == BLOCK and b.table[0] == a.table[0]
+        _write(b, BLOCK, torch.cat([prompt_rows[BLOCK : BLOCK + 20], tail_rows]))
+        commit_tokens(b, [*prompt[BLOCK : BLOCK + 20], *_ids(5000, 30)])
+        pool._grow(3 * pool.num_blocks)  # the buffers made again, the rows carried over
+        tree = a.read(0, a.kv_len)
+        a.truncate(BLOCK - 10)  # into the shared, sealed first block: a copy of its rows
+        assert a.table[0] != b.table[0]
+        reads.append((tree, a.read(0, a.kv_len), b.read(0, b.kv_len)))
+    for want, got in zip(*reads, strict=True):
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    tree, copied, other = reads[0]
+    assert torch.equal(tree[0], torch.cat([prompt_rows, tree_rows[[0, 2, 4]]]).transpose(0, 1))
+    assert torch.equal(copied[0], prompt_rows[: BLOCK - 10].transpose(0, 1))
+    assert torch.equal(other[0][:, BLOCK + 20 :], tail_rows.transpose(0, 1))
+
+
+def test_a_pool_refuses_another_key_layout_or_a_bad_one() -> None:
+    rows, lanes = _lanes_pools()
+    with pytest.raises(ValueError, match="key_lanes 16"):
+        lanes.define_layers([(2, 4, torch.float32)])
+    with pytest.raises(ValueError, match="key_lanes must be 0 or 16, got 8"):
+        KVPool("cpu").define_layers([(2, 4, torch.float32)], key_lanes=8)

@@ -154,11 +154,15 @@ static void write_kv(const Model* m, const Batch* b, const float* qkv, int64_t s
       const float* k = qkv + r * stride + qw + h * m->dim;
       const float* v = qkv + r * stride + qw + kw + h * m->dim;
 #ifdef AS_AVX512
-      if (m->kv_half) {  // float16, rounded to nearest: half the bytes attention reads
-        uint16_t* kh = (uint16_t*)keys + at;
+      if (m->kv_half) {  // float16, rounded to nearest: half the bytes attention reads; a key
+        // in its run of 16 positions' keys transposed ([dim][16], the pool's key_lanes 16)
+        int64_t off = slot % m->block, run = at - (off - off / 16 * 16) * m->dim;
+        uint16_t* kh = (uint16_t*)keys + run + off % 16;
         uint16_t* vh = (uint16_t*)values + at;
         for (int64_t c = 0; c < m->dim; c += 16) {
-          _mm256_storeu_si256((__m256i*)(kh + c), _mm512_cvtps_ph(_mm512_loadu_ps(k + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          alignas(32) uint16_t kc[16];
+          _mm256_store_si256((__m256i*)kc, _mm512_cvtps_ph(_mm512_loadu_ps(k + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+          for (int l = 0; l < 16; l++) kh[(c + l) * 16] = kc[l];
           _mm256_storeu_si256((__m256i*)(vh + c), _mm512_cvtps_ph(_mm512_loadu_ps(v + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         }
         continue;
@@ -257,136 +261,157 @@ static inline __m512 exp_fixed16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-// Sixteen rows of sixteen floats transposed in registers.
-static inline void transpose16(__m512* r) {
-  __m512 t[16];
-  for (int i = 0; i < 8; i++) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; i++) {
-    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int i = 0; i < 4; i++) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
-  }
-  for (int i = 0; i < 8; i++) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
-  }
-}
-
-// Four queries' scores for sixteen keys (kt: the keys transposed, [dim][16]): per query four
-// fma chains over the dims (by dim modulo four), added in one order.
-static inline void scores4(const float* const* qg, const float* kt, int64_t dim, __m512* out) {
-  __m512 a[4][4];
-  for (int t = 0; t < 4; t++)
-    for (int c = 0; c < 4; c++) a[t][c] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < dim; d += 4)
-    for (int c = 0; c < 4; c++) {
-      __m512 k = _mm512_load_ps(kt + (d + c) * 16);
-      for (int t = 0; t < 4; t++) a[t][c] = _mm512_fmadd_ps(_mm512_set1_ps(qg[t][d + c]), k, a[t][c]);
+// T queries' scores for C runs of sixteen keys (kc[c]: a run as the pool keeps it, float16
+// [dim][16], lane = key): per (query, run) one fma chain over the head's dims in order, so a
+// query's score for a key is the same whatever T and C are.
+template <int T, int C>
+static inline void scores_tile(const float* const* qg, const uint16_t* const* kc, int64_t dim,
+                               __m512* out) {
+  __m512 a[T][C];
+  for (int t = 0; t < T; t++)
+    for (int c = 0; c < C; c++) a[t][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d++) {
+    __m512 k[C];
+    for (int c = 0; c < C; c++) k[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(kc[c] + d * 16)));
+    for (int t = 0; t < T; t++) {
+      __m512 q = _mm512_set1_ps(qg[t][d]);
+      for (int c = 0; c < C; c++) a[t][c] = _mm512_fmadd_ps(q, k[c], a[t][c]);
     }
-  for (int t = 0; t < 4; t++)
-    out[t] = _mm512_add_ps(_mm512_add_ps(a[t][0], a[t][1]), _mm512_add_ps(a[t][2], a[t][3]));
+  }
+  for (int t = 0; t < T; t++)
+    for (int c = 0; c < C; c++) out[t * C + c] = a[t][c];
 }
 
-// Attention with the keys in the lanes: each run of up to eight rows of one member and one
-// key/value head is a task; each chunk of sixteen keys is transposed once for the run's
-// queries (and its values widened once), a query's score for a key four fma chains over the
-// head's dims (by dim modulo four, added in one order; lane = key),
-// exp sixteen keys at a time, the weights' sum in sixteen partials by key modulo sixteen, the
-// values' products one fma chain per output in key order (a key a query does not see adds
-// nothing). What a query computes depends on its own keys only, not on the run it is in.
-template <int V, bool HALF>
+// T queries' outputs over the keys [0, len) (p: their weights, [T] rows of the score buffer;
+// values: the pool's float16 rows): per output element one fma chain in key order (a key a
+// query does not see has p = 0 and adds exactly nothing: fma(0, v, acc) is acc, v finite and
+// acc never -0), then divided by the query's total.
+template <int V, int T>
+static inline void values_tile(const float* const* p, const float* total, int64_t len,
+                               const uint16_t* values, const int64_t* table, int64_t kvh,
+                               int64_t kv_heads, int64_t B, float* const* o) {
+  const int64_t dim = V * 16;
+  __m512 a[T][V];
+  for (int t = 0; t < T; t++)
+    for (int c = 0; c < V; c++) a[t][c] = _mm512_setzero_ps();
+  for (int64_t j0 = 0; j0 < len; j0 += 16) {
+    const uint16_t* vr = values + ((table[j0 / B] * kv_heads + kvh) * B + j0 % B) * dim;
+    int64_t keys16 = len - j0 < 16 ? len - j0 : 16;
+    for (int64_t l = 0; l < keys16; l++) {
+      __m512 v[V];
+      for (int c = 0; c < V; c++) v[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(vr + l * dim + 16 * c)));
+      for (int t = 0; t < T; t++) {
+        __m512 w = _mm512_set1_ps(p[t][j0 + l]);
+        for (int c = 0; c < V; c++) a[t][c] = _mm512_fmadd_ps(w, v[c], a[t][c]);
+      }
+    }
+  }
+  for (int t = 0; t < T; t++) {
+    __m512 tv = _mm512_set1_ps(total[t]);
+    for (int c = 0; c < V; c++) _mm512_storeu_ps(o[t] + 16 * c, _mm512_div_ps(a[t][c], tv));
+  }
+}
+
+// Attention with the keys in the lanes, over the pool's float16 keys in transposed runs of 16
+// and float16 value rows: each run of up to eight rows of one member and one key/value head
+// (or a share of its query heads, when there are few such tasks) is a task. Its queries' scores
+// four queries and four runs of keys a tile (each key vector read once for four queries, each
+// query's q[d] once for 64 keys), exp sixteen keys at a time, the weights' sum in sixteen
+// partials by key modulo sixteen, the values four queries a tile. What a query computes
+// depends on its own keys only, not on the task it is in nor on the tiles.
+template <int V>
 static void attention_keys(const Model* m, const Batch* b, const float* qkv, int64_t stride,
                            const float* keys, const float* values, float* out, int nthreads) {
   const int64_t dim = V * 16, heads = m->heads, group = m->heads / m->kv_heads, B = m->block;
   int64_t* run = (int64_t*)malloc((size_t)(b->rows + 1) * sizeof(int64_t));
   int64_t runs = 0, most = 0;
-  for (int64_t r = 0; r < b->rows; r++) {
+  for (int64_t r = 0; r < b->rows; r++)
     if (r == 0 || b->member[r] != b->member[r - 1] || r - run[runs - 1] == 8) run[runs++] = r;
+  for (int64_t r = 0; r < b->rows; r++) {
     int64_t len = b->kv[b->member[r]] + b->nrows[b->member[r]];
     if (len > most) most = len;
   }
   run[runs] = b->rows;
-  most = (most + 15) / 16 * 16;
-  // Few tasks (a step of one or two rows): a key/value head's query heads split among tasks,
-  // so every thread has work (each part transposes the keys again).
+  most = (most + 63) / 64 * 64;
+  // Still few tasks (a step of one row): a key/value head's query heads split among tasks, so
+  // every thread has work (each part reads the keys again).
   int64_t parts = 1;
   while (runs * m->kv_heads * parts < 2 * nthreads && parts < group) parts++;
+  const uint16_t* kh = (const uint16_t*)keys;
+  const uint16_t* vh = (const uint16_t*)values;
 #pragma omp parallel num_threads(nthreads)
   {
-    float* kt = (float*)aligned_alloc(64, (size_t)dim * 16 * sizeof(float));
     float* score = (float*)aligned_alloc(64, (size_t)8 * group * most * sizeof(float));
-    float* vbuf = (float*)aligned_alloc(64, (size_t)16 * dim * sizeof(float));
-    float* accs = (float*)aligned_alloc(64, (size_t)8 * group * dim * sizeof(float));
     float total[8 * 16];
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < runs * m->kv_heads * parts; task++) {
       int64_t ru = task / (m->kv_heads * parts), kvh = task / parts % m->kv_heads;
       int64_t g0 = task % parts * group / parts, g1 = (task % parts + 1) * group / parts;
-      int64_t r0 = run[ru], count = run[ru + 1] - r0, queries = count * group;
+      int64_t r0 = run[ru], count = run[ru + 1] - r0, gn = g1 - g0, tq = count * gn;
       int64_t mem = b->member[r0], kv = b->kv[mem], n = b->nrows[mem], len = kv + n;
       const int64_t* table = b->tables + b->table_at[mem];
+      int64_t qis[8 * 16];
+      const float* qs[8 * 16];
+      for (int64_t t = 0; t < tq; t++) {
+        int64_t ri = t / gn, g = g0 + t % gn;
+        qis[t] = ri * group + g;
+        qs[t] = qkv + (r0 + ri) * stride + (kvh * group + g) * dim;
+      }
       __m512 top[8 * 16];
-      for (int64_t qi = 0; qi < queries; qi++) top[qi] = _mm512_set1_ps(-INFINITY);
-      for (int64_t j0 = 0; j0 < len; j0 += 16) {
-        int64_t kat = ((table[j0 / B] * m->kv_heads + kvh) * B + j0 % B) * dim;
-        for (int64_t c = 0; c < V; c++) {
-          __m512 rows[16];
-          for (int l = 0; l < 16; l++)
-            rows[l] = HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)keys + kat + l * dim + 16 * c)))
-                           : _mm512_loadu_ps(keys + kat + l * dim + 16 * c);
-          transpose16(rows);
-          for (int l = 0; l < 16; l++) _mm512_store_ps(kt + (16 * c + l) * 16, rows[l]);
+      for (int64_t t = 0; t < tq; t++) top[t] = _mm512_set1_ps(-INFINITY);
+      for (int64_t j0 = 0; j0 < len;) {
+        int64_t chunks = (len - j0 + 15) / 16 >= 4 ? 4 : 1;
+        const uint16_t* kc[4];
+        uint16_t seen[4][8];
+        for (int64_t c = 0; c < chunks; c++) {
+          int64_t j = j0 + 16 * c;
+          kc[c] = kh + ((table[j / B] * m->kv_heads + kvh) * B + j % B) * dim;
+          for (int64_t ri = 0; ri < count; ri++) {
+            const uint8_t* sees = b->anc + b->anc_at[mem] + b->index[r0 + ri] * n;
+            uint16_t bits = 0;
+            if (j + 16 <= kv) {
+              bits = 0xffff;
+            } else {
+              for (int l = 0; l < 16; l++)
+                if (j + l < len && (j + l < kv || sees[j + l - kv])) bits |= (uint16_t)(1u << l);
+            }
+            seen[c][ri] = bits;
+          }
         }
-        uint16_t seen[8];
-        for (int64_t ri = 0; ri < count; ri++) {
-          int64_t i = b->index[r0 + ri];
-          const uint8_t* sees = b->anc + b->anc_at[mem] + i * n;
-          seen[ri] = 0;
-          if (j0 + 16 <= kv) {
-            seen[ri] = 0xffff;
+        for (int64_t t0 = 0; t0 < tq; t0 += 4) {
+          int64_t tn = tq - t0 < 4 ? tq - t0 : 4;
+          __m512 sc[16];
+          const float* const* qg = qs + t0;
+          if (chunks == 4) {
+            switch (tn) {
+              case 1: scores_tile<1, 4>(qg, kc, dim, sc); break;
+              case 2: scores_tile<2, 4>(qg, kc, dim, sc); break;
+              case 3: scores_tile<3, 4>(qg, kc, dim, sc); break;
+              default: scores_tile<4, 4>(qg, kc, dim, sc);
+            }
           } else {
-            for (int l = 0; l < 16; l++) {
-              int64_t j = j0 + l;
-              if (j < len && (j < kv || sees[j - kv])) seen[ri] |= (uint16_t)(1u << l);
+            switch (tn) {
+              case 1: scores_tile<1, 1>(qg, kc, dim, sc); break;
+              case 2: scores_tile<2, 1>(qg, kc, dim, sc); break;
+              case 3: scores_tile<3, 1>(qg, kc, dim, sc); break;
+              default: scores_tile<4, 1>(qg, kc, dim, sc);
             }
           }
+          for (int64_t t = 0; t < tn; t++)
+            for (int64_t c = 0; c < chunks; c++) {
+              int64_t qi = qis[t0 + t];
+              __m512 s = _mm512_set1_ps(-INFINITY);
+              uint16_t sn = seen[c][qi / group];
+              if (sn) s = _mm512_mask_blend_ps(sn, s, _mm512_mul_ps(sc[t * chunks + c], _mm512_set1_ps(m->scale)));
+              _mm512_store_ps(score + qi * most + j0 + 16 * c, s);
+              top[t0 + t] = _mm512_max_ps(top[t0 + t], s);
+            }
         }
-        // The task's queries four at a time: a row of the transposed keys loaded once for four.
-        for (int64_t t0 = 0; t0 < count * (g1 - g0); t0 += 4) {
-          int64_t tn = count * (g1 - g0) - t0 < 4 ? count * (g1 - g0) - t0 : 4;
-          int64_t qis[4];
-          const float* qg[4];
-          for (int64_t t = 0; t < 4; t++) {
-            int64_t at = t0 + (t < tn ? t : 0), ri = at / (g1 - g0), g = g0 + at % (g1 - g0);
-            qis[t] = ri * group + g;
-            qg[t] = qkv + (r0 + ri) * stride + (kvh * group + g) * dim;
-          }
-          __m512 sc[4];
-          scores4(qg, kt, dim, sc);
-          for (int64_t t = 0; t < tn; t++) {
-            int64_t qi = qis[t];
-            __m512 s = _mm512_set1_ps(-INFINITY);
-            uint16_t sn = seen[qi / group];
-            if (sn) s = _mm512_mask_blend_ps(sn, s, _mm512_mul_ps(sc[t], _mm512_set1_ps(m->scale)));
-            _mm512_store_ps(score + qi * most + j0, s);
-            top[qi] = _mm512_max_ps(top[qi], s);
-          }
-        }
+        j0 += 16 * chunks;
       }
-      for (int64_t qi = 0; qi < queries; qi++) {
-        if (qi % group < g0 || qi % group >= g1) continue;
-        float* sq = score + qi * most;
-        __m512 tv = _mm512_set1_ps(_mm512_reduce_max_ps(top[qi])), sum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < tq; t++) {
+        float* sq = score + qis[t] * most;
+        __m512 tv = _mm512_set1_ps(_mm512_reduce_max_ps(top[t])), sum = _mm512_setzero_ps();
         for (int64_t j0 = 0; j0 < len; j0 += 16) {
           __m512 sv = _mm512_load_ps(sq + j0);
           __mmask16 live = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
@@ -398,66 +423,25 @@ static void attention_keys(const Model* m, const Batch* b, const float* qkv, int
         _mm512_storeu_ps(part, sum);
         for (int w = 8; w >= 1; w /= 2)
           for (int l = 0; l < w; l++) part[l] = part[l] + part[l + w];
-        total[qi] = part[0];
-        for (int64_t c = 0; c < dim; c++) accs[qi * dim + c] = 0.0f;
+        total[t] = part[0];
       }
-      // The values: each chunk of sixteen rows read (and widened) once for the task's queries;
-      // a query's output one fma chain per element in key order.
-      for (int64_t j0 = 0; j0 < len; j0 += 16) {
-        int64_t vat = ((table[j0 / B] * m->kv_heads + kvh) * B + j0 % B) * dim;
-        int64_t keys16 = len - j0 < 16 ? len - j0 : 16;
-        const float* vrows;
-        if (HALF) {
-          for (int64_t l = 0; l < keys16; l++)
-            for (int c = 0; c < V; c++)
-              _mm512_store_ps(vbuf + l * dim + 16 * c, _mm512_cvtph_ps(_mm256_loadu_si256(
-                  (const __m256i*)((const uint16_t*)values + vat + l * dim + 16 * c))));
-          vrows = vbuf;
-        } else {
-          vrows = values + vat;
+      for (int64_t t0 = 0; t0 < tq; t0 += 4) {
+        int64_t tn = tq - t0 < 4 ? tq - t0 : 4;
+        const float* p[4];
+        float* o[4];
+        for (int64_t t = 0; t < tn; t++) {
+          int64_t qi = qis[t0 + t], ri = qi / group, g = qi % group;
+          p[t] = score + qi * most;
+          o[t] = out + (r0 + ri) * heads * dim + (kvh * group + g) * dim;
         }
-        // Two queries at a time: a value row loaded once for both; a key a query does not see
-        // has p = 0 and adds exactly nothing (fma(0, v, acc) is acc: v is finite, acc never -0).
-        for (int64_t t0 = 0; t0 < count * (g1 - g0); t0 += 2) {
-          int64_t tn = count * (g1 - g0) - t0 < 2 ? count * (g1 - g0) - t0 : 2;
-          float* acc[2];
-          const float* sq[2];
-          for (int64_t t = 0; t < 2; t++) {
-            int64_t at = t0 + (t < tn ? t : 0), ri = at / (g1 - g0), g = g0 + at % (g1 - g0);
-            acc[t] = accs + (ri * group + g) * dim;
-            sq[t] = score + (ri * group + g) * most + j0;
-          }
-          __m512 a0[V], a1[V];
-          for (int c = 0; c < V; c++) {
-            a0[c] = _mm512_load_ps(acc[0] + 16 * c);
-            a1[c] = _mm512_load_ps(acc[1] + 16 * c);
-          }
-          for (int64_t l = 0; l < keys16; l++) {
-            __m512 p0 = _mm512_set1_ps(sq[0][l]), p1 = _mm512_set1_ps(sq[1][l]);
-            for (int c = 0; c < V; c++) {
-              __m512 v = _mm512_loadu_ps(vrows + l * dim + 16 * c);
-              a0[c] = _mm512_fmadd_ps(p0, v, a0[c]);
-              a1[c] = _mm512_fmadd_ps(p1, v, a1[c]);
-            }
-          }
-          for (int c = 0; c < V; c++) {
-            _mm512_store_ps(acc[0] + 16 * c, a0[c]);
-            if (tn == 2) _mm512_store_ps(acc[1] + 16 * c, a1[c]);
-          }
+        switch (tn) {
+          case 1: values_tile<V, 1>(p, total + t0, len, vh, table, kvh, m->kv_heads, B, o); break;
+          case 2: values_tile<V, 2>(p, total + t0, len, vh, table, kvh, m->kv_heads, B, o); break;
+          case 3: values_tile<V, 3>(p, total + t0, len, vh, table, kvh, m->kv_heads, B, o); break;
+          default: values_tile<V, 4>(p, total + t0, len, vh, table, kvh, m->kv_heads, B, o);
         }
-      }
-      for (int64_t qi = 0; qi < queries; qi++) {
-        if (qi % group < g0 || qi % group >= g1) continue;
-        int64_t ri = qi / group, g = qi % group;
-        float* o = out + (r0 + ri) * heads * dim + (kvh * group + g) * dim;
-        __m512 t = _mm512_set1_ps(total[qi]);
-        for (int c = 0; c < V; c++)
-          _mm512_storeu_ps(o + 16 * c, _mm512_div_ps(_mm512_load_ps(accs + qi * dim + 16 * c), t));
       }
     }
-    free(vbuf);
-    free(accs);
-    free(kt);
     free(score);
   }
   free(run);
@@ -465,17 +449,12 @@ static void attention_keys(const Model* m, const Batch* b, const float* qkv, int
 
 static void attention(const Model* m, const Batch* b, const float* qkv, int64_t stride,
                       const float* keys, const float* values, float* out, int nthreads) {
-  bool half = m->kv_half != 0;
-  switch (m->dim) {
-    case 64:
-      if (half) attention_keys<4, true>(m, b, qkv, stride, keys, values, out, nthreads);
-      else attention_keys<4, false>(m, b, qkv, stride, keys, values, out, nthreads);
-      return;
-    case 128:
-      if (half) attention_keys<8, true>(m, b, qkv, stride, keys, values, out, nthreads);
-      else attention_keys<8, false>(m, b, qkv, stride, keys, values, out, nthreads);
-      return;
-    default: attention_portable(m, b, qkv, stride, keys, values, out, nthreads);
+  if (m->kv_half && m->dim == 64) {
+    attention_keys<4>(m, b, qkv, stride, keys, values, out, nthreads);
+  } else if (m->kv_half && m->dim == 128) {
+    attention_keys<8>(m, b, qkv, stride, keys, values, out, nthreads);
+  } else {
+    attention_portable(m, b, qkv, stride, keys, values, out, nthreads);
   }
 }
 #else

@@ -5,7 +5,8 @@ held as the file stores them and its layers are Llama's (:func:`unsupported` say
 the modules' path runs every other model. The members' rows are not padded to a width: every
 operation computes a row alone (see ``forward.cpp``), so any number of rows gives a row the
 same bits, and the forward runs exactly its rows. The KV pool holds float16 keys and values
-where the build has the attention for them (:func:`kv_dtype`).
+where the build has the attention for them (:func:`kv_dtype`), the keys in transposed runs of
+16 positions (``KVPool.define_layers``' ``key_lanes``), as that attention reads them.
 """
 
 from __future__ import annotations
@@ -126,6 +127,8 @@ class NativeForward:
         self.vocab = int(model.get_output_embeddings().out_features)
         self.max_positions = int(getattr(config, "max_position_embeddings", 2048))
         self.kv_dtype = kv_dtype(model)
+        # The key-lane attention reads its keys as the pool keeps them: runs of 16 transposed.
+        self.key_lanes = 16 if self.kv_dtype == torch.float16 else 0
         layers = []
         for layer in base.layers:
             a, f = layer.self_attn, layer.mlp
