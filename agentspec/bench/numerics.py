@@ -6,7 +6,9 @@ activations would move them: the figures behind the products' 16-bit choice.
 workload's first prompts through both models' modules (the products alone: no KV pool), then
 the same with each quantized product's inputs rounded to 8 bits per group of 32 (llama.cpp's
 activations, emulated over the dequantised weights in float64, as ``tests/unit/test_quant.py``'s
-control does). For each: the largest logit difference over every position, the share of
+control does); and the model's weights in bfloat16 as ``dtype="bfloat16"`` holds them on the
+CPU (``bf16``: float32 activations) and as a bfloat16 torch model (``bf16-modules``:
+bfloat16 activations). For each: the largest logit difference over every position, the share of
 positions whose greedy choice is the float32 model's, and how many of the prompts' greedy
 continuations (``--new`` tokens, the modules' ``generate``) equal the float32 model's.
 
@@ -17,6 +19,7 @@ against its bytes in the file (no model is built: any architecture).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -77,10 +80,15 @@ def compare(model: str, count: int, new: int) -> dict[str, Any]:
 
     ref_logits, ref_outs = run(plain.model)
     out: dict[str, Any] = {"model": model, "prompts": len(ids), "new_tokens": new}
-    for name in ("16-bit", "8-bit"):
+    for name in ("16-bit", "8-bit", "bf16", "bf16-modules"):
         if name == "8-bit":
             with eight_bit_activations():
                 logits, outs = run(quant.model)
+        elif name == "bf16":  # load_target's bfloat16: bfloat16 weights, float32 activations
+            logits, outs = run(load_target(model, device="cpu", dtype="bfloat16").model)
+        elif name == "bf16-modules":  # a bfloat16 torch model: its activations bfloat16 too
+            logits, outs = run(copy.deepcopy(plain.model).to(torch.bfloat16))
+            logits = [a.float() for a in logits]
         else:
             logits, outs = run(quant.model)
         positions = sum(a.shape[0] for a in logits)

@@ -346,9 +346,29 @@ def _load(name_or_path: str, device: str, torch_dtype: Any,
         from agentspec.engine.quant.quantize import quantize_model
 
         quantize_model(model, quantize)
+    elif torch_dtype == torch.bfloat16 and device.startswith("cpu"):
+        _hold_bfloat16(model)
     if name_or_path in PACKAGED_MODELS:
         give_turn_format(PACKAGED_MODELS[name], model, tokenizer)
     return HFTarget(model, tokenizer, name=name, prefix_cache_bytes=prefix_cache_bytes)
+
+
+def _hold_bfloat16(model: Any) -> None:
+    """A bfloat16 model on the CPU whose layers the native forward runs: its weights held in
+    bfloat16 tables for it (:func:`~agentspec.engine.quant.quantize.hold_bfloat16`), the
+    native products reading bfloat16 weights. Any other model (or no C++ compiler to build
+    the kernels) stays on the modules, in bfloat16."""
+    from agentspec.engine.quant import native
+    from agentspec.engine.quant.quantize import hold_bfloat16
+    from agentspec.engine.quant.runner import unsupported
+
+    if unsupported(model, held=False) is not None:
+        return
+    try:
+        native.library()
+    except (native.KernelBuildError, OSError):
+        return
+    hold_bfloat16(model)
 
 
 def _gguf_meta(path: Path) -> tuple[Any, Any]:

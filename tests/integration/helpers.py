@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -83,6 +84,17 @@ def cached_target(name: str) -> HFTarget:
     """A packaged model loaded once per test session in fp32 (shared by the modules that need
     it)."""
     return load_target(name, dtype="float32")
+
+
+@functools.cache
+def modules_bf16_target(name: str = "smollm2-135m-instruct") -> HFTarget:
+    """A packaged model in bfloat16 on the modules' path (bfloat16 parameters, the engine's
+    widths and packed products): what a bfloat16 model the native forward does not run takes.
+    ``load_target(dtype="bfloat16")`` holds a native family's weights in bfloat16 tables for
+    the native forward instead; this is the same model's weights cast as that load would."""
+    fp32 = cached_target(name)
+    model = copy.deepcopy(fp32.model).to(torch.bfloat16)
+    return HFTarget(model, fp32.tokenizer, name=fp32.name)
 
 
 # Three levels, four leaves; siblings distinct; node order is not a path order.

@@ -49,7 +49,7 @@ from agentspec.memory.embedder import HashEmbedder
 from agentspec.stores import InMemoryStore
 from agentspec.text import encode_prompt
 from agentspec.types import Generation
-from tests.integration.helpers import cached_target
+from tests.integration.helpers import cached_target, modules_bf16_target
 from tests.integration.test_invariance import ShuffledTreeDrafter
 from tests.prompts import ALL_PROMPTS
 from tests.stores.faults import catching, fault_warnings
@@ -72,7 +72,9 @@ def _model(dtype_name: str) -> HFTarget:
         return cached_target("smollm2-135m-instruct")
     if dtype_name == "gguf":  # the file's own weights, as stored (agentspec.engine.quant)
         return load_target(dtype="gguf", device="cpu")
-    return load_target(dtype=torch.bfloat16, device="cpu")
+    if dtype_name == "bf16-native":  # bfloat16 weights on the native forward: load_target's
+        return load_target(dtype=torch.bfloat16, device="cpu")
+    return modules_bf16_target()  # bf16 on the modules: widths, packed products
 
 
 def _fresh(dtype_name: str = "fp32", **kw: Any) -> HFTarget:
@@ -204,7 +206,7 @@ def _all_blocks_free(target: HFTarget) -> bool:
 # fp32 is long (make test-long): bf16, where a rounding difference flips tokens, holds the
 # same check in make test at the ends, 1 and 16.
 @pytest.mark.parametrize("dtype_name", [pytest.param("fp32", marks=pytest.mark.long), "bf16",
-                                        "gguf"])
+                                        "gguf", "bf16-native"])
 def test_every_request_at_every_concurrency_equals_its_solo_run(dtype_name, monkeypatch):
     calls = _mixed_calls()
     target = _fresh(dtype_name)

@@ -37,12 +37,17 @@ from agentspec.text import conversation_key
 from agentspec.tree import merge_chains
 from agentspec.types import Draft, Verdict
 from tests.prompts import ALL_PROMPTS, prompt_of, workload_lines
+from tests.integration.helpers import modules_bf16_target
 from tests.solo import solo
 
 pytestmark = pytest.mark.slow
 
 MAX_NEW = 10
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "gguf": "gguf"}
+# bf16: the modules' path in bfloat16 (its widths and packed products: where a rounding
+# difference flips tokens); bf16-native: what load_target(dtype="bfloat16") runs SmolLM2 on,
+# the native forward over bfloat16-held weights.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "bf16-native": torch.bfloat16,
+          "gguf": "gguf"}
 
 
 def _bfcl_prompts(n: int) -> list:
@@ -59,7 +64,11 @@ PROMPTS = ALL_PROMPTS[:16] + _bfcl_prompts(2)
 
 @functools.cache
 def _model(dtype_name: str) -> HFTarget:
-    return load_target(dtype=DTYPES[dtype_name], device="cpu")
+    if dtype_name == "bf16":
+        return modules_bf16_target()
+    target = load_target(dtype=DTYPES[dtype_name], device="cpu")
+    assert (target.forward.native is not None) == (dtype_name in ("gguf", "bf16-native"))
+    return target
 
 
 def _fresh(dtype_name: str, **kw) -> HFTarget:
@@ -192,7 +201,8 @@ def _rows_alone_and_verified(target_kw: dict, dtype_name: str) -> tuple[torch.Te
 
 
 # fp32 in `make test-long`: bf16, whose products change kernels with the rows, is the stricter.
-@pytest.mark.parametrize("dtype_name", ["bf16", "gguf", pytest.param("fp32", marks=pytest.mark.long)])
+@pytest.mark.parametrize("dtype_name", ["bf16", "gguf", "bf16-native",
+                                        pytest.param("fp32", marks=pytest.mark.long)])
 def test_every_verified_row_equals_the_row_scored_alone(dtype_name):
     verified, alone = _rows_alone_and_verified({}, dtype_name)
     assert torch.equal(verified, alone)

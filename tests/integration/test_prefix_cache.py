@@ -26,6 +26,7 @@ from agentspec.engine.target import HFTarget
 from agentspec.tree import common_prefix_len
 from agentspec.types import Draft
 from tests.prompts import DATA, prompt_of, workload_lines
+from tests.integration.helpers import modules_bf16_target
 from tests.solo import solo
 
 pytestmark = pytest.mark.slow
@@ -36,6 +37,8 @@ PREFIX = 3 * BLOCK + 17  # tokens of each agent's system prompt kept (a tail off
 
 @functools.cache
 def _model(dtype: str) -> HFTarget:
+    if dtype == "bf16":  # the modules' path in bfloat16 (load_target's runs the native forward)
+        return modules_bf16_target()
     return load_target("smollm2-135m-instruct", device="cpu", dtype=DTYPES[dtype])
 
 

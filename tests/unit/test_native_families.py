@@ -1,5 +1,6 @@
 """The native forward over quantized weights for each family it runs (``quant/runner.py``'s
-``FAMILIES``), on a tiny random checkpoint quantized at load (int8, ``tests/families.py``):
+``FAMILIES``), on a tiny random checkpoint quantized at load (int8, ``tests/families.py``) and
+held in bfloat16 (what ``load_target(dtype="bfloat16")`` does on the CPU):
 
 * the engine takes the native forward;
 * its logits after a prompt are within 1e-2 of the model's own modules over the same products
@@ -17,7 +18,8 @@ import functools
 import pytest
 import torch
 
-from agentspec.engine.quant.quantize import quantize_model
+from agentspec.engine.quant.model import weights_mode
+from agentspec.engine.quant.quantize import hold_bfloat16, quantize_model
 from agentspec.engine.quant.runner import FAMILIES
 from agentspec.engine.target import HFTarget
 from agentspec.types import Draft
@@ -28,9 +30,13 @@ PROMPT = "Name three colours and a tool that paints with them."
 CHAIN = [11, 22, 33, 44, 55]
 
 
+HOLDS = ("int8", "bf16")
+
+
 @functools.cache
-def _target(name: str) -> HFTarget:
-    model = quantize_model(build(BY_NAME[name]), "int8")
+def _target(name: str, held: str = "int8") -> HFTarget:
+    model = build(BY_NAME[name])
+    model = quantize_model(model, "int8") if held == "int8" else hold_bfloat16(model)
     return HFTarget(model, tokenizer(), name=name)
 
 
@@ -45,16 +51,19 @@ def _gap(target: HFTarget) -> float:
     return float((native - modules).abs().max())
 
 
+@pytest.mark.parametrize("held", HOLDS)
 @pytest.mark.parametrize("name", FAMILIES)
-def test_a_family_runs_the_native_forward_close_to_its_modules(name):
-    target = _target(name)
+def test_a_family_runs_the_native_forward_close_to_its_modules(name, held):
+    target = _target(name, held)
     assert target.forward.native is not None
+    assert weights_mode(target.model) == ("int8" if held == "int8" else "bfloat16")
     assert _gap(target) < 1e-2
 
 
+@pytest.mark.parametrize("held", HOLDS)
 @pytest.mark.parametrize("name", FAMILIES)
-def test_a_verified_row_is_the_row_scored_alone(name):
-    target = _target(name)
+def test_a_verified_row_is_the_row_scored_alone(name, held):
+    target = _target(name, held)
     prompt = tokenizer()(PROMPT)["input_ids"]
     solo(target).start(prompt)
     verified = solo(target).score(prompt[-1], Draft.chain(CHAIN, "t")).clone()

@@ -8,6 +8,10 @@
 * The native product gives a row the same bits whatever rows share its call (1 to 20 rows, at
   any position, every format): the check fails on a product whose summation follows the row
   count (in this file).
+* A float weight held in bfloat16 (what ``dtype="bfloat16"`` holds on the CPU): its values
+  bitwise the weight rounded to bfloat16, its product bitwise the stated two fma chains per
+  output (even inputs, odd inputs, added at the end), computed here in numpy (a single chain,
+  the control, is not it), the same bits at any row count.
 * The packaged model loaded with ``dtype="gguf"``: its weights are bitwise the float32 model's
   (transformers' GGUF loader dequantises the same blocks), held in at most 1.2x the file's
   bytes, its logits within 1e-2 of the float32 model's, the same greedy tokens; 8-bit
@@ -118,6 +122,50 @@ def test_every_formats_product_is_the_stated_scheme_bitwise(kind):
     coarse = scheme_product(u, x.numpy(), levels=127)
     assert not np.array_equal(got, coarse)
     assert np.abs(coarse - exact).max() > 1e-3 * np.abs(exact).max()
+
+
+def bf16_scheme_product(w: np.ndarray, x: np.ndarray, chains: int = 2) -> np.ndarray:
+    """``x @ W.T`` over a bfloat16 weight as ``qmm.cpp`` states it: per (row, output) an fma
+    chain over the even inputs and one over the odd ones, in order, added at the end
+    (``chains=1``: one chain over every input, a control). Each fma rounds once: the product
+    and the sum are exact in x87's 64-bit significands here, then rounded to float32."""
+    x = x.astype(np.float32)
+    wide = np.longdouble
+    acc = [np.zeros((x.shape[0], w.shape[0]), np.float32) for _ in range(chains)]
+    for i in range(w.shape[1]):
+        c = i % chains
+        acc[c] = (wide(1) * x[:, i, None] * w[None, :, i] + acc[c]).astype(np.float32)
+    return acc[0] + acc[1] if chains == 2 else acc[0]
+
+
+def _bf16_weight() -> tuple[QuantWeight, np.ndarray]:
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(3))
+    return QuantWeight.bfloat16(w), w.to(torch.bfloat16).float().numpy()
+
+
+def test_a_bfloat16_weight_holds_its_values_and_its_product_is_the_stated_scheme_bitwise():
+    weight, ref = _bf16_weight()
+    assert np.longdouble(2) ** -60 + 1 != 1  # the scheme's fmas need x87's wide significands
+    assert weight.bits == 16 and weight.nbytes == -(-N // 64) * 64 * K * 2  # 2 bytes a weight
+    assert np.array_equal(weight.dequantized().numpy(), ref)
+    assert torch.equal(weight.rows(torch.tensor([N - 1, 0])), torch.from_numpy(ref[[N - 1, 0]]))
+    x = torch.randn(5, K)
+    got = weight.matmul(x).numpy()
+    assert np.array_equal(got, bf16_scheme_product(ref, x.numpy()))
+    exact = x.double().numpy() @ ref.T.astype(np.float64)
+    assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max()
+    # the control: the same products in one chain are not the stated scheme
+    assert not np.array_equal(got, bf16_scheme_product(ref, x.numpy(), chains=1))
+
+
+def test_a_bfloat16_rows_bits_do_not_depend_on_the_rows_beside_it():
+    weight, _ = _bf16_weight()
+    assert rows_depend_on_the_call(weight.matmul, K) == []
+
+
+def test_a_bfloat16_weight_with_odd_inputs_is_refused_naming_its_shape():
+    with pytest.raises(ValueError, match=r"even number of inputs, got shape \(4, 7\)"):
+        QuantWeight.bfloat16(torch.zeros(4, 7))
 
 
 def test_an_unheld_type_is_refused_by_name():

@@ -1,7 +1,7 @@
 """The native kernels built without AVX-512 (``AGENTSPEC_KERNEL_MARCH=x86-64-v3``: the
 portable products and attention, float32 KV), in a process of their own: the weights are still
-gguf's, the products bitwise the scheme the vector build computes (so both builds give the same
-bits) and a row's product the same at any row count (make test), and on the packaged model
+gguf's (and bfloat16 ones the weight rounded), the products bitwise the scheme the vector
+build computes (so both builds give the same bits) and a row's product the same at any row count (make test), and on the packaged model
 every verified row equals the row scored alone (make test-long: a model load in a process of
 its own)."""
 
@@ -25,7 +25,8 @@ from agentspec.engine.quant import native
 from agentspec.engine.load import load_target
 from agentspec.types import Draft
 from tests.solo import solo
-from tests.unit.test_quant import K, _unpacked, _weight, rows_depend_on_the_call, scheme_product
+from tests.unit.test_quant import (K, _bf16_weight, _unpacked, _weight, bf16_scheme_product,
+                                   rows_depend_on_the_call, scheme_product)
 assert native.library().as_kv_half(64) == 0  # the portable build keeps float32 KV
 for kind in ("Q4_1", "Q8_0", "Q6_K"):
     w, ref = _weight(kind)
@@ -33,6 +34,11 @@ for kind in ("Q4_1", "Q8_0", "Q6_K"):
     x = torch.randn(9, K)
     assert np.array_equal(w.matmul(x).numpy(), scheme_product(_unpacked(kind), x.numpy()))
     assert rows_depend_on_the_call(w.matmul, K) == []
+w, ref = _bf16_weight()  # bfloat16 weights: the same two fma chains a output
+assert np.array_equal(w.dequantized().numpy(), ref)
+x = torch.randn(9, K)
+assert np.array_equal(w.matmul(x).numpy(), bf16_scheme_product(ref, x.numpy()))
+assert rows_depend_on_the_call(w.matmul, K) == []
 if sys.argv[-1] != "forward":
     print("ok")
     raise SystemExit(0)

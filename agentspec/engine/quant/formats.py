@@ -217,6 +217,27 @@ class QuantWeight:
         if none:
             self.offset = self.offset.reshape(-1)[:0]
 
+    @classmethod
+    def bfloat16(cls, weight: torch.Tensor, kind: str = "bf16") -> QuantWeight:
+        """A float weight ``[N, K]`` (K even) held in bfloat16 (rounded to nearest even where
+        it is not bfloat16 already), in ``qmm.cpp``'s bits-16 layout: per unit of 32 rows and
+        block of 16, each pair of inputs a run of 16 32-bit lanes. No scales."""
+        w = weight.detach().to("cpu", torch.bfloat16).contiguous()
+        if w.dim() != 2 or w.shape[1] % 2 or not w.shape[1]:
+            raise ValueError(f"a bfloat16 weight takes a 2-D weight with an even number of "
+                             f"inputs, got shape {tuple(w.shape)}")
+        n, k = w.shape
+        units = 2 * -(-n // TILE)
+        halves = np.pad(w.view(torch.int16).numpy().view(np.uint16), ((0, units * 32 - n), (0, 0)))
+        # [units, blocks, 16 rows, pairs, 2] -> [units, blocks, pairs, 16 rows, 2]
+        q = halves.reshape(units, 2, 16, k // 2, 2).transpose(0, 1, 3, 2, 4)
+        out = cls.__new__(cls)
+        out.n, out.k, out.group, out.bits, out.kind, out.params = n, k, 2, 16, kind, 0
+        out.q = torch.from_numpy(np.ascontiguousarray(q).view(np.uint8).reshape(-1))
+        out.scale = torch.zeros(0, dtype=torch.float16)
+        out.offset = torch.zeros(0, dtype=torch.float16)
+        return out
+
     @property
     def offset_ptr(self) -> int | None:
         """The offsets' address, None where the weight has none (all +0)."""
@@ -239,7 +260,8 @@ class QuantWeight:
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x @ W.T (+ bias)`` in float32: ``x`` ``[..., k]`` -> ``[..., n]``, each row of
-        ``x`` quantized alone to 16 bits per group of 32 inputs and summed in integers (``qmm.cpp``)."""
+        ``x`` quantized alone to 16 bits per group of 32 inputs and summed in integers (a
+        bfloat16 weight's: two float32 fma chains per output, ``qmm.cpp``)."""
         rows = x.reshape(-1, self.k).float().contiguous()
         out = torch.empty((rows.shape[0], self.n), dtype=torch.float32)
         if rows.shape[0]:

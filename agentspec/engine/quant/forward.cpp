@@ -5,7 +5,8 @@
 // Row invariance: a row's bits depend on nothing but its own token, position and the keys it
 // sees. Each operation below computes a row (and a (row, head) of attention) alone, in a fixed
 // order: the products (qmm.cpp) quantize a row's inputs alone (16 bits a group of 32) and sum
-// each (row, output) in exact integers a group and in float32 over the groups in order; every
+// each (row, output) in exact integers a group and in float32 over the groups in order (over
+// bfloat16 weights: two fma chains per (row, output) over its float32 inputs); every
 // other reduction (a norm's sum of squares, a dot product over a head, attention's sums over
 // the keys) in sixteen partial sums by index modulo sixteen, added in one fixed order. A row
 // reads its keys in slot order, from slot 0: the committed positions, then the forward's rows
@@ -102,20 +103,43 @@ static void rmsnorm(const float* x, int64_t rows, int64_t dim, const float* w, f
   }
 }
 
-// out = add + x @ w^T (+ bias), x the rows already quantized (qmm.cpp): rows several
-// products read are quantized once.
-static void product(const QX& x, int64_t rows, const QW& w, const float* add, float* out,
-                    int64_t ldo, int nthreads) {
-  as_qmm_q(x, rows, w.n, w.q, w.bits, w.gs, w.scale, w.offset, w.params, w.bias, add, out,
-           ldo, nthreads);
+// A product's input rows, float32, quantized (qmm.cpp) at most once, when a product over
+// quantized weights first takes them: rows several products read are quantized once, and a
+// bfloat16 weight's products take them as they are.
+struct Rows {
+  const float* x;
+  int64_t rows, K;
+  int nthreads;
+  QX q;
+  bool made;
+  Rows(const float* x_, int64_t rows_, int64_t K_, int nthreads_)
+      : x(x_), rows(rows_), K(K_), nthreads(nthreads_), q(), made(false) {}
+  Rows(const Rows&) = delete;
+  Rows& operator=(const Rows&) = delete;
+  const QX& quantized() {
+    if (!made) q = quantize_rows(x, rows, K, K, nthreads), made = true;
+    return q;
+  }
+  ~Rows() {
+    if (made) free((void*)q.q);
+  }
+};
+
+// out = add + x @ w^T (+ bias), output rows ldo apart.
+static void product(Rows& x, const QW& w, const float* add, float* out, int64_t ldo) {
+  if (w.bits == 16) {
+    as_bmm(x.x, x.K, x.rows, x.K, w.n, w.q, w.bias, add, out, ldo, x.nthreads);
+    return;
+  }
+  as_qmm_q(x.quantized(), x.rows, w.n, w.q, w.bits, w.gs, w.scale, w.offset, w.params, w.bias,
+           add, out, ldo, x.nthreads);
 }
 
-// The same from float rows x[rows][w.k], quantized for this product alone.
+// The same from float rows x[rows][w.k] no other product reads.
 static void product(const float* x, int64_t rows, const QW& w, const float* add, float* out,
                     int64_t ldo, int nthreads) {
-  QX q = quantize_rows(x, rows, w.k, w.k, nthreads);
-  product(q, rows, w, add, out, ldo, nthreads);
-  free((void*)q.q);
+  Rows in(x, rows, w.k, nthreads);
+  product(in, w, add, out, ldo);
 }
 
 // Rotary embedding of heads [0, heads) of each row of x ([rows][stride], heads of dim at the
@@ -525,11 +549,12 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
     const Layer& L = m->layer[l];
     rmsnorm(res, rows, hid, L.norm_in, m->eps, h, nthreads);
     LAP(1);
-    QX hq = quantize_rows(h, rows, hid, hid, nthreads);
-    product(hq, rows, L.q, nullptr, qkv, stride, nthreads);
-    product(hq, rows, L.k, nullptr, qkv + qw, stride, nthreads);
-    product(hq, rows, L.v, nullptr, qkv + qw + kw, stride, nthreads);
-    free((void*)hq.q);
+    {
+      Rows in(h, rows, hid, nthreads);
+      product(in, L.q, nullptr, qkv, stride);
+      product(in, L.k, nullptr, qkv + qw, stride);
+      product(in, L.v, nullptr, qkv + qw + kw, stride);
+    }
     LAP(2);
     if (L.norm_q) {  // each head of a row alone, in place, as the model's norm does
       for (int64_t r = 0; r < rows; r++) {
@@ -547,10 +572,11 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
     LAP(5);
     rmsnorm(res, rows, hid, L.norm_mlp, m->eps, h, nthreads);
     LAP(1);
-    hq = quantize_rows(h, rows, hid, hid, nthreads);
-    product(hq, rows, L.gate, nullptr, gu, 2 * m->inter, nthreads);
-    product(hq, rows, L.up, nullptr, gu + m->inter, 2 * m->inter, nthreads);
-    free((void*)hq.q);
+    {
+      Rows in(h, rows, hid, nthreads);
+      product(in, L.gate, nullptr, gu, 2 * m->inter);
+      product(in, L.up, nullptr, gu + m->inter, 2 * m->inter);
+    }
     LAP(6);
     silu_mul(gu, rows, m->inter, act, nthreads);
     LAP(7);

@@ -242,12 +242,15 @@ def holds_quantized(model: Any) -> bool:
 
 def weights_mode(model: Any) -> str:
     """How ``model``'s weights are held: ``"int8"`` or ``"int4"`` (quantized at load, every
-    quantized weight by that scheme), ``"gguf"`` (as the file stores them), else its
-    parameters' dtype (``"float32"``, ``"bfloat16"``, ``"float16"``). Outputs are a function
-    of the request for one mode; the cost model and the bench's reports are kept per mode."""
+    quantized weight by that scheme), ``"bfloat16"`` (held in bfloat16 tables, or bfloat16
+    parameters), ``"gguf"`` (as the file stores them), else its parameters' dtype
+    (``"float32"``, ``"float16"``). Outputs are a function of the request for one mode; the
+    cost model and the bench's reports are kept per mode."""
     if holds_quantized(model):
         kinds = {w.kind for m in model.modules()
                  if isinstance(w := getattr(m, "qweight", None), QuantWeight)}
+        if kinds == {"bf16"}:
+            return "bfloat16"
         return kinds.pop() if len(kinds) == 1 and kinds <= set(AT_LOAD) else "gguf"
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 

@@ -13,6 +13,12 @@
 // sc of each group ([groups][32]): the scale is d * sc, exact in float32 (the offset alike).
 // A weight whose offsets are all +0 (Q8_0, Q6_K) holds none (a null pointer).
 //
+// bfloat16 weights (bits 16: a float checkpoint held in bfloat16, no scales): per unit and
+// block the K / 2 pairs of inputs in order, each a run of 16 32-bit lanes, lane c holding
+// output row c's inputs 2i (low half) and 2i + 1 (high half). Their products take the input
+// rows in float32 as they are: per (row, output) two fma chains, over the even inputs and the
+// odd ones in order (a lane's halves widen exactly: a shift, a mask), added at the end.
+//
 // Activations. A product's input rows are quantized first, each row alone: per group of 32
 // inputs d = amax / 32767 and x_q = round(x * (32767 / amax)), 16-bit, with the sums of x_q
 // per 16 inputs. Then per (row, output, group) the integer sum S = sum(q * x_q) is exact, and
@@ -275,6 +281,90 @@ static void unit_portable(const QX& x, int64_t m0, int64_t rows, const uint8_t* 
     }
 }
 
+static inline float bf16_to_float(uint16_t h) {
+  uint32_t bits = (uint32_t)h << 16;
+  float out;
+  memcpy(&out, &bits, 4);
+  return out;
+}
+
+// The bfloat16 weight of output row c (of unit u's 32) and input k.
+static inline float bf16_at(const uint8_t* q, int64_t K, int64_t u, int c, int64_t k) {
+  uint16_t h;
+  memcpy(&h, q + ((((u * 2 + c / 16) * (K / 2) + k / 2) * 16 + c % 16) * 4 + (k % 2) * 2), 2);
+  return bf16_to_float(h);
+}
+
+#ifdef AS_AVX512
+// Rows [m0, m0 + R) (x: float rows ldx apart) of a bfloat16 weight's unit u: per block and
+// row the even and odd inputs' fma chains in registers.
+template <int R>
+static void unit_bf16(const float* x, int64_t ldx, int64_t m0, const uint8_t* q, int64_t K,
+                      int64_t u, float* acc) {
+  const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+  for (int b = 0; b < 2; b++) {
+    const uint8_t* w = q + (u * 2 + b) * (K / 2) * 64;
+    __m512 e[R], o[R];
+    for (int r = 0; r < R; r++) e[r] = o[r] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < K / 2; i++) {
+      __m512i v = _mm512_loadu_si512((const void*)(w + i * 64));
+      __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+      for (int r = 0; r < R; r++) {
+        const float* xr = x + (m0 + r) * ldx + 2 * i;
+        e[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xr[0]), e[r]);
+        o[r] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xr[1]), o[r]);
+      }
+    }
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * 32 + b * 16, _mm512_add_ps(e[r], o[r]));
+  }
+}
+
+typedef void (*bf16_fn)(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*);
+static const bf16_fn UNITS16[9] = {nullptr, unit_bf16<1>, unit_bf16<2>, unit_bf16<3>, unit_bf16<4>,
+                                   unit_bf16<5>, unit_bf16<6>, unit_bf16<7>, unit_bf16<8>};
+#endif
+
+// The same, portably (the same fma chains, one output at a time).
+static void unit_bf16_portable(const float* x, int64_t ldx, int64_t m0, int64_t rows,
+                               const uint8_t* q, int64_t K, int64_t u, float* acc) {
+  for (int64_t r = 0; r < rows; r++)
+    for (int c = 0; c < 32; c++) {
+      const float* xr = x + (m0 + r) * ldx;
+      float e = 0.0f, o = 0.0f;
+      for (int64_t i = 0; i < K / 2; i++) {
+        e = fmaf(bf16_at(q, K, u, c, 2 * i), xr[2 * i], e);
+        o = fmaf(bf16_at(q, K, u, c, 2 * i + 1), xr[2 * i + 1], o);
+      }
+      acc[r * 32 + c] = e + o;
+    }
+}
+
+// out[m][n] = add[m][n] + (x @ W^T + bias)[m][n] for M float rows x (ldx apart) and a bfloat16
+// weight (bits 16), output rows ldo apart; threads share the units, never K.
+void as_bmm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t N, const uint8_t* q,
+            const float* bias, const float* add, float* out, int64_t ldo, int nthreads) {
+  int64_t units = 2 * ((N + 63) / 64);
+#pragma omp parallel num_threads(nthreads)
+  {
+    float acc[8 * 32];
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; u++) {
+      int64_t n0 = u * 32;
+      if (n0 >= N) continue;
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        int64_t rows = M - m0 < 8 ? M - m0 : 8;
+#ifdef AS_AVX512
+        UNITS16[rows](x, ldx, m0, q, K, u, acc);
+#else
+        unit_bf16_portable(x, ldx, m0, rows, q, K, u, acc);
+#endif
+        store(acc, rows, m0, N, n0, bias, add, out, ldo);
+      }
+    }
+  }
+}
+
 // out[m][n] = add[m][n] + (x @ W^T + bias)[m][n] for the M quantized rows x, output rows ldo
 // apart (bias, add optional; add may be out); nthreads threads share the units, never K.
 void as_qmm_q(const QX& x, int64_t M, int64_t N, const uint8_t* q, int bits, int gs,
@@ -301,20 +391,30 @@ void as_qmm_q(const QX& x, int64_t M, int64_t N, const uint8_t* q, int bits, int
   }
 }
 
-// out[M][N] = x[M][K] @ W^T (+ bias[N] when given), x quantized here.
+// out[M][N] = x[M][K] @ W^T (+ bias[N] when given), x quantized here (a bfloat16 weight's
+// products take x as it is).
 extern "C" void as_qmm(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* q,
                        int bits, int gs, const void* scale, const void* offset, int params,
                        const float* bias, float* out, int nthreads) {
+  if (bits == 16) {
+    as_bmm(x, K, M, K, N, q, bias, nullptr, out, N, nthreads);
+    return;
+  }
   QX qx = quantize_rows(x, M, K, K, nthreads);
   as_qmm_q(qx, M, N, q, bits, gs, scale, offset, params, bias, nullptr, out, N, nthreads);
   free((void*)qx.q);
 }
 
-// Rows ids[i] of the weight (an embedding table held as above), dequantised as gguf does, into
-// out[len(ids)][K].
+// Rows ids[i] of the weight (an embedding table held as above), dequantised as gguf does (a
+// bfloat16 one widened), into out[len(ids)][K].
 extern "C" void as_qrows(const int64_t* ids, int64_t count, int64_t K, const uint8_t* q,
                          int bits, int gs, const void* scale, const void* offset, int params,
                          float* out) {
+  if (bits == 16) {
+    for (int64_t i = 0; i < count; i++)
+      for (int64_t k = 0; k < K; k++) out[i * K + k] = bf16_at(q, K, ids[i] / 32, (int)(ids[i] % 32), k);
+    return;
+  }
   int64_t groups = K / gs;
   for (int64_t i = 0; i < count; i++) {
     int64_t u = ids[i] / 32;

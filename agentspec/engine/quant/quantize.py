@@ -197,6 +197,51 @@ def quantize_model(model: Any, scheme: str) -> Any:
     tied = plain_embed and head is not None and head.weight is embed.weight
     head_name = next((n for n, m in linears if m is head), None) if tied else None
     del embed, head, linears  # each float weight goes once its module is replaced
+    _replace(model, todo, head_name,
+             lambda w, name: QuantWeight(quantize_weight(w, scheme, name), scheme))
+    return model
+
+
+def hold_bfloat16(model: Any) -> Any:
+    """``model`` (a causal LM on the CPU, in bfloat16 or float32) with every ``nn.Linear`` and
+    its plain ``nn.Embedding`` held as bfloat16 :class:`QuantWeight` tables (qmm.cpp's bits
+    16: ``QuantWeight.bfloat16``; a tied head shares the embedding's one table), and every
+    other parameter and buffer (norms, biases) in float32: what ``dtype="bfloat16"`` loads on
+    the CPU where the native forward runs the model's layers. Its products read the bfloat16
+    weights and take their input rows in float32, two fma chains per output. Returns
+    ``model``.
+
+    Raises:
+        ValueError: a model off the CPU, or a weight whose inputs are odd (checked for every
+            weight before any is replaced).
+    """
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        raise ValueError(f"bfloat16 weights held for the native forward are on the CPU, got "
+                         f"{param.device}")
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    plain_embed = type(embed) is torch.nn.Embedding
+    todo = [(n, m) for n, m in model.named_modules() if m is embed] if plain_embed else []
+    todo += linears
+    for name, module in todo:
+        shape = tuple(module.weight.shape)
+        if len(shape) != 2 or shape[1] % 2:
+            raise ValueError(f"{name}.weight: shape {shape} cannot be held in bfloat16 pairs: "
+                             "its inputs are odd")
+    tied = plain_embed and head is not None and head.weight is embed.weight
+    head_name = next((n for n, m in linears if m is head), None) if tied else None
+    del embed, head, linears  # each float weight goes once its module is replaced
+    _replace(model, todo, head_name, lambda w, name: QuantWeight.bfloat16(w))
+    return model.float()  # the rest (norms, biases): float32, as the native forward reads them
+
+
+def _replace(model: Any, todo: list[tuple[str, Any]], head_name: str | None, make: Any) -> None:
+    """``todo``'s modules (the embedding first, where it is plain) replaced by
+    :class:`QuantEmbedding` / :class:`QuantLinear` over ``make(weight, name)``, each moved
+    into one arena of huge pages as it is made; the head ``head_name`` (tied to the embedding)
+    shares its table. Each float weight goes once its module is replaced."""
     todo.reverse()
     shared: QuantWeight | None = None
     arena = pages.Arena()  # each weight moved in as it is made (model.keep)
@@ -204,15 +249,12 @@ def quantize_model(model: Any, scheme: str) -> Any:
         while todo:
             name, module = todo.pop()
             if isinstance(module, torch.nn.Embedding):
-                shared = keep(QuantWeight(quantize_weight(module.weight, scheme,
-                                                          f"{name}.weight"), scheme), arena)
+                shared = keep(make(module.weight, f"{name}.weight"), arena)
                 set_module(model, name, QuantEmbedding(shared))
                 continue
             if name == head_name and shared is not None:
                 weight = shared  # tied to the embedding: the one table, held once
             else:
-                weight = keep(QuantWeight(quantize_weight(module.weight, scheme,
-                                                          f"{name}.weight"), scheme), arena)
+                weight = keep(make(module.weight, f"{name}.weight"), arena)
             bias = None if module.bias is None else module.bias.detach()
             set_module(model, name, QuantLinear(weight, bias))
-    return model

@@ -58,8 +58,9 @@ class _Batch(ctypes.Structure):
                 ("logit_rows", _ptr), ("keys", _ptr), ("values", _ptr)]
 
 
-def unsupported(model: Any) -> str | None:
-    """Why ``model`` cannot run the native forward, or None when it can."""
+def unsupported(model: Any, *, held: bool = True) -> str | None:
+    """Why ``model`` cannot run the native forward, or None when it can; with ``held`` False,
+    whether its layers could once its weights are held (quantized or bfloat16 tables)."""
     config = model.config
     kind = getattr(config, "model_type", None)
     if kind not in FAMILIES:
@@ -72,14 +73,16 @@ def unsupported(model: Any) -> str | None:
             kind not in ("qwen2", "qwen3") or getattr(config, "use_sliding_window", False)):
         return f"sliding-window attention (window {window})"
     base = compat.base_model(model)
-    if not isinstance(base.embed_tokens, QuantEmbedding):
+    if held and not isinstance(base.embed_tokens, QuantEmbedding):
         return "an embedding not held as stored"
-    if not isinstance(model.get_output_embeddings(), QuantLinear):
+    if held and not isinstance(model.get_output_embeddings(), QuantLinear):
         return "an output layer not held as stored"
+    if not held and type(base.embed_tokens) is not torch.nn.Embedding:
+        return "an embedding that is more than a lookup"
     for layer in base.layers:
         a, f = layer.self_attn, layer.mlp
         products = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.gate_proj, f.up_proj, f.down_proj)
-        if not all(isinstance(p, QuantLinear) for p in products):
+        if held and not all(isinstance(p, QuantLinear) for p in products):
             return "a product not held as stored"
         if any(p.bias is not None for p in products[3:]):
             return "a bias on the output or MLP products"
