@@ -36,8 +36,8 @@ from agentspec.stores import SQLStore
 from agentspec.text import conversation_key
 from agentspec.tree import merge_chains
 from agentspec.types import Draft, Verdict
-from tests.prompts import ALL_PROMPTS, prompt_of, workload_lines
 from tests.integration.helpers import modules_bf16_target
+from tests.prompts import ALL_PROMPTS, prompt_of, workload_lines
 from tests.solo import solo
 
 pytestmark = pytest.mark.slow

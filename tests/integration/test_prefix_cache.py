@@ -25,8 +25,8 @@ from agentspec.engine.pool import BLOCK, KVPool
 from agentspec.engine.target import HFTarget
 from agentspec.tree import common_prefix_len
 from agentspec.types import Draft
-from tests.prompts import DATA, prompt_of, workload_lines
 from tests.integration.helpers import modules_bf16_target
+from tests.prompts import DATA, prompt_of, workload_lines
 from tests.solo import solo
 
 pytestmark = pytest.mark.slow
