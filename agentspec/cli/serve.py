@@ -39,10 +39,12 @@ def serve(ctx: typer.Context,
               "--device", help="Where the model runs: cpu, cuda or cuda:N. Default: cuda when "
                                "torch sees a GPU, else cpu.")] = None,
           dtype: Annotated[str | None, typer.Option(
-              "--dtype", help="The model's weights: float32 (fp32), bfloat16 (bf16), float16 "
-                              "(fp16), or gguf: a GGUF model's weights as the file stores "
-                              "them (CPU). Default: bfloat16 on CUDA; on the CPU gguf for a "
-                              "GGUF that loads so (the packaged models), else float32.")] = None,
+              "--dtype", help="The model's weights: float32 (fp32), bfloat16 (bf16: on the "
+                              "CPU a Llama, Mistral or Qwen model's held in bf16 for the native "
+                              "forward), float16 (fp16), or gguf: a GGUF model's weights as the "
+                              "file stores them (CPU). Default: bfloat16 on CUDA; on the CPU "
+                              "gguf for a GGUF that loads so (the packaged models), else "
+                              "float32.")] = None,
           quantize: Annotated[str | None, typer.Option(
               "--quantize", help="Quantize a transformers model's weights at load: int8 or "
                                  "int4 (per 32 weights, as GGUF's Q8_0 and Q4_1), held and "

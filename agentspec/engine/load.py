@@ -262,7 +262,10 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = No
             Q5_0, Q5_1, Q8_0, Q4_K, Q6_K; no full-precision copy), its products on the CPU in
             float32 over them (:mod:`agentspec.engine.quant`). Default: bfloat16 on CUDA; on
             the CPU ``"gguf"`` for a GGUF model of Llama, Qwen2 or Qwen3 layers whose matrices
-            are all of those types (the packaged SmolLM2 included), else float32.
+            are all of those types (the packaged SmolLM2 included), else float32. bfloat16 on
+            the CPU holds a model of Llama, Mistral, Qwen2 or Qwen3 layers in bfloat16 tables
+            on the native forward (:func:`~agentspec.engine.quant.quantize.hold_bfloat16`: norms
+            and biases float32); other models run their modules in bfloat16.
         quantize: ``"int8"`` or ``"int4"``: a transformers checkpoint (a model folder or a hub
             id) loaded in float32 and its weights quantized at load, per group of 32 inputs
             as GGUF's Q8_0 and Q4_1 (:mod:`agentspec.engine.quant.quantize`), then held and
@@ -347,28 +350,12 @@ def _load(name_or_path: str, device: str, torch_dtype: Any,
 
         quantize_model(model, quantize)
     elif torch_dtype == torch.bfloat16 and device.startswith("cpu"):
-        _hold_bfloat16(model)
+        from agentspec.engine.quant.quantize import hold_bfloat16_where_native
+
+        hold_bfloat16_where_native(model)
     if name_or_path in PACKAGED_MODELS:
         give_turn_format(PACKAGED_MODELS[name], model, tokenizer)
     return HFTarget(model, tokenizer, name=name, prefix_cache_bytes=prefix_cache_bytes)
-
-
-def _hold_bfloat16(model: Any) -> None:
-    """A bfloat16 model on the CPU whose layers the native forward runs: its weights held in
-    bfloat16 tables for it (:func:`~agentspec.engine.quant.quantize.hold_bfloat16`), the
-    native products reading bfloat16 weights. Any other model (or no C++ compiler to build
-    the kernels) stays on the modules, in bfloat16."""
-    from agentspec.engine.quant import native
-    from agentspec.engine.quant.quantize import hold_bfloat16
-    from agentspec.engine.quant.runner import unsupported
-
-    if unsupported(model, held=False) is not None:
-        return
-    try:
-        native.library()
-    except (native.KernelBuildError, OSError):
-        return
-    hold_bfloat16(model)
 
 
 def _gguf_meta(path: Path) -> tuple[Any, Any]:

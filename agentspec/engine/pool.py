@@ -47,6 +47,16 @@ DEFAULT_CACHE_BYTES = 512 * 2**20
 ~46 KB of KV per token, so ~11,000 tokens: a dozen agents' tool docs)."""
 
 
+def index(buf: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[Any, ...]:
+    """The index of positions ``offsets`` of pool blocks ``blocks`` in ``buf`` (a layer's keys
+    or values, either layout, :meth:`KVPool.define_layers`): ``buf[index]`` is
+    ``[len(blocks), kv_heads, head_dim]``."""
+    if buf.dim() == 5:  # transposed runs of keys: [blocks, heads, BLOCK // lanes, dim, lanes]
+        lanes = buf.shape[-1]
+        return (blocks, slice(None), offsets // lanes, slice(None), offsets % lanes)
+    return (blocks, slice(None), offsets)
+
+
 @dataclass
 class PoolStats:
     """Counters since the pool was made: prompts that found rows here beyond those their
@@ -98,7 +108,7 @@ class KVPool:
         ``key_lanes`` 0 keeps each position's keys as a row; 16 (the native forward's
         attention) keeps each run of 16 positions of a block transposed, ``[head_dim, 16]``:
         one key dimension of 16 consecutive keys is one vector, read as it lies. Values are
-        rows either way. :meth:`index` addresses a position in either layout."""
+        rows either way. :func:`index` addresses a position in either layout."""
         if key_lanes not in (0, 16):
             raise ValueError(f"key_lanes must be 0 or 16, got {key_lanes!r}")
         if self._shapes:
@@ -109,15 +119,6 @@ class KVPool:
         self._shapes = list(shapes)
         self.key_lanes = key_lanes
         self._allocate(self.num_blocks)
-
-    @staticmethod
-    def index(buf: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> tuple[Any, ...]:
-        """The index of positions ``offsets`` of pool blocks ``blocks`` in ``buf`` (a layer's
-        keys or values, either layout): ``buf[index]`` is ``[len(blocks), kv_heads, head_dim]``."""
-        if buf.dim() == 5:  # transposed runs of keys: [blocks, heads, BLOCK // lanes, dim, lanes]
-            lanes = buf.shape[-1]
-            return (blocks, slice(None), offsets // lanes, slice(None), offsets % lanes)
-        return (blocks, slice(None), offsets)
 
     @property
     def block_bytes(self) -> int:
@@ -258,5 +259,5 @@ class KVPool:
         s, d = torch.full_like(at, src), torch.full_like(at, dst)
         with torch.inference_mode():
             for buf in (*self.keys, *self.values):
-                buf[self.index(buf, d, at)] = buf[self.index(buf, s, at)]
+                buf[index(buf, d, at)] = buf[index(buf, s, at)]
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from agentspec.engine.pool import BLOCK, KVPool
+from agentspec.engine.pool import index as pool_index
 from agentspec.tree import common_prefix_len
 from agentspec.types import Verdict
 
@@ -171,8 +172,8 @@ class Sequence:
         at = self.slots(torch.arange(count))
         blocks, offsets = (at // BLOCK).to(self.pool.device), (at % BLOCK).to(self.pool.device)
         keys, values = self.pool.keys[layer], self.pool.values[layer]
-        return (keys[self.pool.index(keys, blocks, offsets)].transpose(0, 1).clone(),
-                values[self.pool.index(values, blocks, offsets)].transpose(0, 1).clone())
+        return (keys[pool_index(keys, blocks, offsets)].transpose(0, 1).clone(),
+                values[pool_index(values, blocks, offsets)].transpose(0, 1).clone())
 
     def move_rows(self, src: list[int], dst: list[int]) -> None:
         """Copy the rows at positions ``src`` to positions ``dst`` (a tree's accepted path
@@ -184,4 +185,4 @@ class Sequence:
         db, do = (d // BLOCK).to(device), (d % BLOCK).to(device)
         with torch.inference_mode():
             for buf in (*self.pool.keys, *self.pool.values):
-                buf[self.pool.index(buf, db, do)] = buf[self.pool.index(buf, sb, so)]
+                buf[pool_index(buf, db, do)] = buf[pool_index(buf, sb, so)]

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from agentspec.engine.pool import BLOCK, KVPool, PoolStats
+from agentspec.engine.pool import index as pool_index
 from agentspec.engine.sequence import Sequence
 from agentspec.types import Verdict
 from tests.solo import commit_tokens
@@ -418,7 +419,7 @@ def _write(seq: Sequence, start: int, rows: torch.Tensor) -> None:
     seq.reserve(start + len(rows))
     at = seq.slots(torch.arange(start, start + len(rows)))
     for buf, sign in ((seq.pool.keys[0], 1), (seq.pool.values[0], -1)):
-        buf[seq.pool.index(buf, at // BLOCK, at % BLOCK)] = sign * rows
+        buf[pool_index(buf, at // BLOCK, at % BLOCK)] = sign * rows
 
 
 def test_keys_in_runs_of_16_lie_transposed_and_values_as_rows() -> None:

@@ -237,6 +237,23 @@ def hold_bfloat16(model: Any) -> Any:
     return model.float()  # the rest (norms, biases): float32, as the native forward reads them
 
 
+def hold_bfloat16_where_native(model: Any) -> bool:
+    """A bfloat16 model on the CPU whose layers the native forward runs, its weights held in
+    bfloat16 tables for it (:func:`hold_bfloat16`); any other model (or no C++ compiler to
+    build the kernels) stays on its modules, in bfloat16. Whether it was held."""
+    from agentspec.engine.quant import native
+    from agentspec.engine.quant.runner import unsupported
+
+    if unsupported(model, held=False) is not None:
+        return False
+    try:
+        native.library()
+    except (native.KernelBuildError, OSError):
+        return False
+    hold_bfloat16(model)
+    return True
+
+
 def _replace(model: Any, todo: list[tuple[str, Any]], head_name: str | None, make: Any) -> None:
     """``todo``'s modules (the embedding first, where it is plain) replaced by
     :class:`QuantEmbedding` / :class:`QuantLinear` over ``make(weight, name)``, each moved
