@@ -2,11 +2,14 @@
 
 ``python -m agentspec.bench.weights [--model NAME] [--modes gguf,fp32] [--context 1024]``
 loads the model once per mode (``gguf``: the file's weights as stored, on the native forward;
-``fp32``: dequantised, on the modules; ``bf16``), then measures one verification forward of
+``fp32``: dequantised, on the modules; ``bf16``: held in bfloat16, on the native forward
+where the model's layers are Llama's), then measures one verification forward of
 1, 8 and 64 rows over ``context`` tokens of KV, the modes taking turns forward by forward, and
 prints (and with ``--out`` writes) a JSON object: per mode the median ms at each row count,
-the ratio to the first mode, the weights held against the file's bytes, and for the native
-forward the share of each part (``agentspec.engine.quant.native.PARTS``).
+the ratio to the first mode, the weights held against the file's bytes, and for each mode on
+the native forward (gguf; bf16 for a Llama, Mistral or Qwen model) the ms of each part
+(``agentspec.engine.quant.native.PARTS``), from forwards of that mode alone after the timed
+ones.
 """
 
 from __future__ import annotations
@@ -61,16 +64,20 @@ def measure(model: str, modes: list[str], context: int, repeats: int,
         gc.collect()
         gc.freeze()
     times: dict[str, dict[int, list[float]]] = {m: {r: [] for r in ROWS} for m in modes}
-    parts: dict[int, dict[str, float]] = {}
+    parts: dict[str, dict[int, dict[str, float]]] = {}
     for rows in ROWS:
         for m in modes:  # warm-up
             scratch[m].forward(rows)
-        native.spent(reset=True)
         for _ in range(repeats):
             for m in modes:
                 times[m][rows].append(scratch[m].forward(rows))
-        if "gguf" in modes and targets["gguf"].forward.native is not None:
-            parts[rows] = {k: round(1000 * v / repeats, 3) for k, v in native.spent().items()}
+        for m in modes:  # each native mode's parts alone (the counters are the process's)
+            if targets[m].forward.native is not None:
+                native.spent(reset=True)
+                for _ in range(repeats):
+                    scratch[m].forward(rows)
+                parts.setdefault(m, {})[rows] = {k: round(1000 * v / repeats, 3)
+                                                 for k, v in native.spent().items()}
     file_bytes = gguf_file(model).stat().st_size
     out: dict[str, Any] = {"model": model, "context": context, "repeats": repeats, "gc_frozen": freeze,
                            "file_bytes": file_bytes, "processor": _processor(), "modes": {}}
