@@ -110,6 +110,7 @@ def _check_bfcl_agent(out: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test's time: the run at the example's own budget below, long too
 def test_bfcl_agent(tmp_path: Path) -> None:
     """The agent's tool calls go through the grammar: on this task's first turn, the call it
     makes (``cat``) parses and runs, cold and warm, and no reply is a malformed call. The task

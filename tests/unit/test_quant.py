@@ -267,6 +267,7 @@ def test_its_logits_are_the_float32_models_within_summation_noise():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # make test's time; `python -m agentspec.bench.numerics` reports the same gap
 def test_eight_bit_activations_fail_that_check():
     """The control: the same products with each row's inputs rounded to 8 bits a group of 32
     (llama.cpp's activations), summed over the dequantised weights in float64."""
