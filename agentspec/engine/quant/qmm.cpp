@@ -340,10 +340,12 @@ static void unit_bf16_portable(const float* x, int64_t ldx, int64_t m0, int64_t 
     }
 }
 
-// out[m][n] = add[m][n] + (x @ W^T + bias)[m][n] for M float rows x (ldx apart) and a bfloat16
-// weight (bits 16), output rows ldo apart; threads share the units, never K.
-void as_bmm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t N, const uint8_t* q,
-            const float* bias, const float* add, float* out, int64_t ldo, int nthreads) {
+// out[m][n] = add[m][n] + (x @ W^T + bias)[m][n], output rows ldo apart (bias, add optional;
+// add may be out), each unit of 32 outputs (units: 2 * ceil(N / 64)) eight rows at a time by
+// `unit(u, m0, rows, acc)` into acc [rows][32]; nthreads threads share the units, never K.
+template <typename Unit>
+static void each_unit(int64_t M, int64_t N, const float* bias, const float* add, float* out,
+                      int64_t ldo, int nthreads, Unit unit) {
   int64_t units = 2 * ((N + 63) / 64);
 #pragma omp parallel num_threads(nthreads)
   {
@@ -354,41 +356,40 @@ void as_bmm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t N, const 
       if (n0 >= N) continue;
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         int64_t rows = M - m0 < 8 ? M - m0 : 8;
-#ifdef AS_AVX512
-        UNITS16[rows](x, ldx, m0, q, K, u, acc);
-#else
-        unit_bf16_portable(x, ldx, m0, rows, q, K, u, acc);
-#endif
+        unit(u, m0, rows, acc);
         store(acc, rows, m0, N, n0, bias, add, out, ldo);
       }
     }
   }
 }
 
-// out[m][n] = add[m][n] + (x @ W^T + bias)[m][n] for the M quantized rows x, output rows ldo
-// apart (bias, add optional; add may be out); nthreads threads share the units, never K.
+// The product of M float rows x (ldx apart) and a bfloat16 weight (bits 16), as each_unit's.
+void as_bmm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t N, const uint8_t* q,
+            const float* bias, const float* add, float* out, int64_t ldo, int nthreads) {
+  each_unit(M, N, bias, add, out, ldo, nthreads,
+            [&](int64_t u, int64_t m0, int64_t rows, float* acc) {
+#ifdef AS_AVX512
+              UNITS16[rows](x, ldx, m0, q, K, u, acc);
+#else
+              unit_bf16_portable(x, ldx, m0, rows, q, K, u, acc);
+#endif
+            });
+}
+
+// The product of the M quantized rows x and a quantized weight, as each_unit's.
 void as_qmm_q(const QX& x, int64_t M, int64_t N, const uint8_t* q, int bits, int gs,
               const void* scale, const void* offset, int params, const float* bias,
               const float* add, float* out, int64_t ldo, int nthreads) {
-  int64_t groups = x.K / gs, units = 2 * ((N + 63) / 64);
-#pragma omp parallel num_threads(nthreads)
-  {
-    float acc[8 * 32];
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < units; u++) {
-      int64_t n0 = u * 32;
-      if (n0 >= N) continue;
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        int64_t rows = M - m0 < 8 ? M - m0 : 8;
+  int64_t groups = x.K / gs;
+  each_unit(M, N, bias, add, out, ldo, nthreads,
+            [&](int64_t u, int64_t m0, int64_t rows, float* acc) {
 #ifdef AS_VNNI
-        (bits == 4 ? UNITS4 : UNITS8)[rows](x, m0, q, gs, groups, u, scale, offset, params, acc);
+              (bits == 4 ? UNITS4 : UNITS8)[rows](x, m0, q, gs, groups, u, scale, offset, params,
+                                                  acc);
 #else
-        unit_portable(x, m0, rows, q, bits, gs, groups, u, scale, offset, params, acc);
+              unit_portable(x, m0, rows, q, bits, gs, groups, u, scale, offset, params, acc);
 #endif
-        store(acc, rows, m0, N, n0, bias, add, out, ldo);
-      }
-    }
-  }
+            });
 }
 
 // out[M][N] = x[M][K] @ W^T (+ bias[N] when given), x quantized here (a bfloat16 weight's

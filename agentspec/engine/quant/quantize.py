@@ -183,20 +183,8 @@ def quantize_model(model: Any, scheme: str) -> Any:
     if param.device.type != "cpu" or param.dtype != torch.float32:
         raise ValueError(f"quantize={scheme!r} takes a float32 model on the CPU, got "
                          f"{str(param.dtype).removeprefix('torch.')} on {param.device}")
-    embed = model.get_input_embeddings()
-    head = model.get_output_embeddings()
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    plain_embed = type(embed) is torch.nn.Embedding
-    todo = [(n, m) for n, m in model.named_modules() if m is embed] if plain_embed else []
-    todo += linears
-    for name, module in todo:
-        shape = tuple(module.weight.shape)
-        if len(shape) != 2 or shape[1] % GROUP:
-            raise ValueError(f"{name}.weight: shape {shape} cannot be quantized to {scheme}: "
-                             f"its inputs are not a multiple of {GROUP}")
-    tied = plain_embed and head is not None and head.weight is embed.weight
-    head_name = next((n for n, m in linears if m is head), None) if tied else None
-    del embed, head, linears  # each float weight goes once its module is replaced
+    todo, head_name = _weights(model, GROUP, f"cannot be quantized to {scheme}: its inputs "
+                                             f"are not a multiple of {GROUP}")
     _replace(model, todo, head_name,
              lambda w, name: QuantWeight(quantize_weight(w, scheme, name), scheme))
     return model
@@ -219,20 +207,7 @@ def hold_bfloat16(model: Any) -> Any:
     if param.device.type != "cpu":
         raise ValueError(f"bfloat16 weights held for the native forward are on the CPU, got "
                          f"{param.device}")
-    embed = model.get_input_embeddings()
-    head = model.get_output_embeddings()
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    plain_embed = type(embed) is torch.nn.Embedding
-    todo = [(n, m) for n, m in model.named_modules() if m is embed] if plain_embed else []
-    todo += linears
-    for name, module in todo:
-        shape = tuple(module.weight.shape)
-        if len(shape) != 2 or shape[1] % 2:
-            raise ValueError(f"{name}.weight: shape {shape} cannot be held in bfloat16 pairs: "
-                             "its inputs are odd")
-    tied = plain_embed and head is not None and head.weight is embed.weight
-    head_name = next((n for n, m in linears if m is head), None) if tied else None
-    del embed, head, linears  # each float weight goes once its module is replaced
+    todo, head_name = _weights(model, 2, "cannot be held in bfloat16 pairs: its inputs are odd")
     _replace(model, todo, head_name, lambda w, name: QuantWeight.bfloat16(w))
     return model.float()  # the rest (norms, biases): float32, as the native forward reads them
 
@@ -252,6 +227,25 @@ def hold_bfloat16_where_native(model: Any) -> bool:
         return False
     hold_bfloat16(model)
     return True
+
+
+def _weights(model: Any, multiple: int, refusal: str) -> tuple[list[tuple[str, Any]], str | None]:
+    """The modules whose weights are to be held: the embedding first where it is a plain
+    ``nn.Embedding``, then every ``nn.Linear``; and the name of a head tied to that embedding
+    (None where there is none). Every weight's shape is checked first: a ValueError naming it,
+    its shape and ``refusal`` where it is not 2-D with inputs a multiple of ``multiple``."""
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    plain_embed = type(embed) is torch.nn.Embedding
+    todo = [(n, m) for n, m in model.named_modules() if m is embed] if plain_embed else []
+    todo += linears
+    for name, module in todo:
+        shape = tuple(module.weight.shape)
+        if len(shape) != 2 or shape[1] % multiple:
+            raise ValueError(f"{name}.weight: shape {shape} {refusal}")
+    tied = plain_embed and head is not None and head.weight is embed.weight
+    return todo, next((n for n, m in linears if m is head), None) if tied else None
 
 
 def _replace(model: Any, todo: list[tuple[str, Any]], head_name: str | None, make: Any) -> None:
