@@ -76,3 +76,18 @@ def commit_tokens(seq: Any, ids: list[int]) -> None:
     them (their rows written by the caller)."""
     if ids:
         seq.commit(ids[0], Verdict.chain(ids[1:]))
+
+
+def verified_and_alone(target: Any, prompt: list[int],
+                       chain: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``chain`` verified in one forward after ``prompt``, and each of those rows
+    scored alone (the prompt and the chain up to it started, its last token scored with no
+    draft; the KV keeps what matches of the last start): ``[len(chain) + 1, vocab]`` each."""
+    solo(target).start(prompt)
+    verified = solo(target).score(prompt[-1], Draft.chain(chain, "ref")).clone()
+    alone = []
+    for i in range(len(chain) + 1):
+        ids = prompt + chain[:i]
+        solo(target).start(ids)
+        alone.append(solo(target).score(ids[-1], Draft())[0].clone())
+    return verified, torch.stack(alone)

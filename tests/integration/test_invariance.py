@@ -38,7 +38,7 @@ from agentspec.tree import merge_chains
 from agentspec.types import Draft, Verdict
 from tests.integration.helpers import modules_bf16_target
 from tests.prompts import ALL_PROMPTS, prompt_of, workload_lines
-from tests.solo import solo
+from tests.solo import solo, verified_and_alone
 
 pytestmark = pytest.mark.slow
 
@@ -190,14 +190,7 @@ def _rows_alone_and_verified(target_kw: dict, dtype_name: str) -> tuple[torch.Te
     chain = [*_plain_output(dtype_name, 0), *prompt][:CHAIN]
     target = _fresh(dtype_name, **target_kw)
     target.forward.probed = True
-    solo(target).start(prompt)
-    verified = solo(target).score(prompt[-1], Draft.chain(chain, "ref")).clone()  # [CHAIN + 1, vocab_size]
-    alone = []
-    for i in range(len(chain) + 1):
-        ids = prompt + chain[:i]
-        solo(target).start(ids)  # prefix reuse: the KV keeps what the last start left that matches
-        alone.append(solo(target).score(ids[-1], Draft())[0].clone())
-    return verified, torch.stack(alone)
+    return verified_and_alone(target, prompt, chain)  # [CHAIN + 1, vocab_size] each
 
 
 # fp32 in `make test-long`: bf16, whose products change kernels with the rows, is the stricter.

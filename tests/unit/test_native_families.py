@@ -24,7 +24,7 @@ from agentspec.engine.quant.runner import FAMILIES
 from agentspec.engine.target import HFTarget
 from agentspec.types import Draft
 from tests.families import BY_NAME, build, tokenizer
-from tests.solo import solo
+from tests.solo import solo, verified_and_alone
 
 PROMPT = "Name three colours and a tool that paints with them."
 CHAIN = [11, 22, 33, 44, 55]
@@ -64,13 +64,8 @@ def test_a_family_runs_the_native_forward_close_to_its_modules(name, held):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_verified_row_is_the_row_scored_alone(name, held):
     target = _target(name, held)
-    prompt = tokenizer()(PROMPT)["input_ids"]
-    solo(target).start(prompt)
-    verified = solo(target).score(prompt[-1], Draft.chain(CHAIN, "t")).clone()
-    for i in range(len(CHAIN) + 1):
-        ids = prompt + CHAIN[:i]
-        solo(target).start(ids)
-        assert torch.equal(solo(target).score(ids[-1], Draft())[0], verified[i]), i
+    verified, alone = verified_and_alone(target, tokenizer()(PROMPT)["input_ids"], CHAIN)
+    assert torch.equal(verified, alone)
 
 
 def test_qwen3_without_its_head_norms_misses_that_check():

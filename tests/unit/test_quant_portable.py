@@ -23,8 +23,7 @@ import sys
 import numpy as np, torch
 from agentspec.engine.quant import native
 from agentspec.engine.load import load_target
-from agentspec.types import Draft
-from tests.solo import solo
+from tests.solo import verified_and_alone
 from tests.unit.test_quant import (K, _bf16_weight, _unpacked, _weight, bf16_scheme_product,
                                    rows_depend_on_the_call, scheme_product)
 assert native.library().as_kv_half(64) == 0  # the portable build keeps float32 KV
@@ -45,13 +44,8 @@ if sys.argv[-1] != "forward":
 target = load_target(device="cpu", dtype="gguf")
 assert target.forward.native is not None
 prompt = target.tokenizer.encode("Name three colours and a tool.")
-chain = [11, 22, 33, 44, 55, 66]
-solo(target).start(prompt)
-verified = solo(target).score(prompt[-1], Draft.chain(chain, "t")).clone()
-for i in range(len(chain) + 1):
-    ids = prompt + chain[:i]
-    solo(target).start(ids)
-    assert torch.equal(solo(target).score(ids[-1], Draft())[0], verified[i]), i
+verified, alone = verified_and_alone(target, prompt, [11, 22, 33, 44, 55, 66])
+assert torch.equal(verified, alone)
 print("ok")
 """
 

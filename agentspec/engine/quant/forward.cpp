@@ -103,36 +103,9 @@ static void rmsnorm(const float* x, int64_t rows, int64_t dim, const float* w, f
   }
 }
 
-// A product's input rows, float32, quantized (qmm.cpp) at most once, when a product over
-// quantized weights first takes them: rows several products read are quantized once, and a
-// bfloat16 weight's products take them as they are.
-struct Rows {
-  const float* x;
-  int64_t rows, K;
-  int nthreads;
-  QX q;
-  bool made;
-  Rows(const float* x_, int64_t rows_, int64_t K_, int nthreads_)
-      : x(x_), rows(rows_), K(K_), nthreads(nthreads_), q(), made(false) {}
-  Rows(const Rows&) = delete;
-  Rows& operator=(const Rows&) = delete;
-  const QX& quantized() {
-    if (!made) q = quantize_rows(x, rows, K, K, nthreads), made = true;
-    return q;
-  }
-  ~Rows() {
-    if (made) free((void*)q.q);
-  }
-};
-
-// out = add + x @ w^T (+ bias), output rows ldo apart.
+// out = add + x @ w^T (+ bias), output rows ldo apart (x: qmm.cpp's Rows).
 static void product(Rows& x, const QW& w, const float* add, float* out, int64_t ldo) {
-  if (w.bits == 16) {
-    as_bmm(x.x, x.K, x.rows, x.K, w.n, w.q, w.bias, add, out, ldo, x.nthreads);
-    return;
-  }
-  as_qmm_q(x.quantized(), x.rows, w.n, w.q, w.bits, w.gs, w.scale, w.offset, w.params, w.bias,
-           add, out, ldo, x.nthreads);
+  rows_product(x, w.n, w.q, w.bits, w.gs, w.scale, w.offset, w.params, w.bias, add, out, ldo);
 }
 
 // The same from float rows x[rows][w.k] no other product reads.
@@ -180,8 +153,8 @@ static void write_kv(const Model* m, const Batch* b, const float* qkv, int64_t s
 #ifdef AS_AVX512
       if (m->kv_half) {  // float16, rounded to nearest: half the bytes attention reads; a key
         // in its run of 16 positions' keys transposed ([dim][16], the pool's key_lanes 16)
-        int64_t off = slot % m->block, run = at - (off - off / 16 * 16) * m->dim;
-        uint16_t* kh = (uint16_t*)keys + run + off % 16;
+        int64_t lane = slot % 16;  // blocks hold whole runs: the run starts lane rows back
+        uint16_t* kh = (uint16_t*)keys + at - lane * m->dim + lane;
         uint16_t* vh = (uint16_t*)values + at;
         for (int64_t c = 0; c < m->dim; c += 16) {
           alignas(32) uint16_t kc[16];
@@ -306,6 +279,18 @@ static inline void scores_tile(const float* const* qg, const uint16_t* const* kc
     for (int c = 0; c < C; c++) out[t * C + c] = a[t][c];
 }
 
+// scores_tile for tn (1 to 4) queries.
+template <int C>
+static inline void scores_tiles(int64_t tn, const float* const* qg, const uint16_t* const* kc,
+                                int64_t dim, __m512* out) {
+  switch (tn) {
+    case 1: scores_tile<1, C>(qg, kc, dim, out); break;
+    case 2: scores_tile<2, C>(qg, kc, dim, out); break;
+    case 3: scores_tile<3, C>(qg, kc, dim, out); break;
+    default: scores_tile<4, C>(qg, kc, dim, out);
+  }
+}
+
 // T queries' outputs over the keys [0, len) (p: their weights, [T] rows of the score buffer;
 // values: the pool's float16 rows): per output element one fma chain in key order (a key a
 // query does not see has p = 0 and adds exactly nothing: fma(0, v, acc) is acc, v finite and
@@ -349,14 +334,13 @@ static void attention_keys(const Model* m, const Batch* b, const float* qkv, int
   const int64_t dim = V * 16, heads = m->heads, group = m->heads / m->kv_heads, B = m->block;
   int64_t* run = (int64_t*)malloc((size_t)(b->rows + 1) * sizeof(int64_t));
   int64_t runs = 0, most = 0;
-  for (int64_t r = 0; r < b->rows; r++)
-    if (r == 0 || b->member[r] != b->member[r - 1] || r - run[runs - 1] == 8) run[runs++] = r;
   for (int64_t r = 0; r < b->rows; r++) {
+    if (r == 0 || b->member[r] != b->member[r - 1] || r - run[runs - 1] == 8) run[runs++] = r;
     int64_t len = b->kv[b->member[r]] + b->nrows[b->member[r]];
     if (len > most) most = len;
   }
   run[runs] = b->rows;
-  most = (most + 63) / 64 * 64;
+  most = (most + 15) / 16 * 16;
   // Still few tasks (a step of one row): a key/value head's query heads split among tasks, so
   // every thread has work (each part reads the keys again).
   int64_t parts = 1;
@@ -405,22 +389,8 @@ static void attention_keys(const Model* m, const Batch* b, const float* qkv, int
         for (int64_t t0 = 0; t0 < tq; t0 += 4) {
           int64_t tn = tq - t0 < 4 ? tq - t0 : 4;
           __m512 sc[16];
-          const float* const* qg = qs + t0;
-          if (chunks == 4) {
-            switch (tn) {
-              case 1: scores_tile<1, 4>(qg, kc, dim, sc); break;
-              case 2: scores_tile<2, 4>(qg, kc, dim, sc); break;
-              case 3: scores_tile<3, 4>(qg, kc, dim, sc); break;
-              default: scores_tile<4, 4>(qg, kc, dim, sc);
-            }
-          } else {
-            switch (tn) {
-              case 1: scores_tile<1, 1>(qg, kc, dim, sc); break;
-              case 2: scores_tile<2, 1>(qg, kc, dim, sc); break;
-              case 3: scores_tile<3, 1>(qg, kc, dim, sc); break;
-              default: scores_tile<4, 1>(qg, kc, dim, sc);
-            }
-          }
+          if (chunks == 4) scores_tiles<4>(tn, qs + t0, kc, dim, sc);
+          else scores_tiles<1>(tn, qs + t0, kc, dim, sc);
           for (int64_t t = 0; t < tn; t++)
             for (int64_t c = 0; c < chunks; c++) {
               int64_t qi = qis[t0 + t];

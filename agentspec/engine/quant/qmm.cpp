@@ -392,18 +392,48 @@ void as_qmm_q(const QX& x, int64_t M, int64_t N, const uint8_t* q, int bits, int
             });
 }
 
-// out[M][N] = x[M][K] @ W^T (+ bias[N] when given), x quantized here (a bfloat16 weight's
-// products take x as it is).
+// A product's input rows (M rows of K floats, K apart), quantized at most once, when a product
+// over quantized weights first takes them: rows several products read are quantized once, and
+// a bfloat16 weight's products take them as they are.
+struct Rows {
+  const float* x;
+  int64_t rows, K;
+  int nthreads;
+  QX q;
+  bool made;
+  Rows(const float* x_, int64_t rows_, int64_t K_, int nthreads_)
+      : x(x_), rows(rows_), K(K_), nthreads(nthreads_), q(), made(false) {}
+  Rows(const Rows&) = delete;
+  Rows& operator=(const Rows&) = delete;
+  const QX& quantized() {
+    if (!made) q = quantize_rows(x, rows, K, K, nthreads), made = true;
+    return q;
+  }
+  ~Rows() {
+    if (made) free((void*)q.q);
+  }
+};
+
+// out[m][n] = add[m][n] + (x @ W^T + bias)[m][n] for a weight of N outputs held as above (bits
+// 16: bfloat16, over the rows as they are; else quantized, over the rows quantized), output
+// rows ldo apart.
+static void rows_product(Rows& x, int64_t N, const uint8_t* q, int bits, int gs,
+                         const void* scale, const void* offset, int params, const float* bias,
+                         const float* add, float* out, int64_t ldo) {
+  if (bits == 16) {
+    as_bmm(x.x, x.K, x.rows, x.K, N, q, bias, add, out, ldo, x.nthreads);
+    return;
+  }
+  as_qmm_q(x.quantized(), x.rows, N, q, bits, gs, scale, offset, params, bias, add, out, ldo,
+           x.nthreads);
+}
+
+// out[M][N] = x[M][K] @ W^T (+ bias[N] when given).
 extern "C" void as_qmm(const float* x, int64_t M, int64_t K, int64_t N, const uint8_t* q,
                        int bits, int gs, const void* scale, const void* offset, int params,
                        const float* bias, float* out, int nthreads) {
-  if (bits == 16) {
-    as_bmm(x, K, M, K, N, q, bias, nullptr, out, N, nthreads);
-    return;
-  }
-  QX qx = quantize_rows(x, M, K, K, nthreads);
-  as_qmm_q(qx, M, N, q, bits, gs, scale, offset, params, bias, nullptr, out, N, nthreads);
-  free((void*)qx.q);
+  Rows in(x, M, K, nthreads);
+  rows_product(in, N, q, bits, gs, scale, offset, params, bias, nullptr, out, N);
 }
 
 // Rows ids[i] of the weight (an embedding table held as above), dequantised as gguf does (a
