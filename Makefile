@@ -67,6 +67,8 @@ llama-cpp: $(STAMP)
 
 # The README's llama.cpp column: the build, then agentspec serve against llama-server on the
 # packaged SmolLM2 Q4_1 file, bfcl-live at 1 and 8 clients (about 25 minutes on 2 cores).
+# AGENTSPEC_KERNEL_MARCH=x86-64-v3 make compare: both systems built for AVX2 without AVX-512
+# (what most x86 processors users run have), llama.cpp into <version>-x86-64-v3.
 compare: llama-cpp
 	$(VENV)/bin/agentspec bench --against llama.cpp --workload bfcl-live --concurrency 1,8 \
 		--out out/compare.json --report out/compare.md --plot out/compare.png

@@ -9,7 +9,10 @@ The sources are the ones vendored in the ``llama-cpp-python`` sdist of a pinned 
 machines reach), and built with cmake: ``-DGGML_NATIVE=ON`` (the processor's own instruction
 set) less AMX (:data:`NO_AMX`), no HTTPS client, no web UI download, static libraries. About 8 minutes on 2 cores. The
 binaries live under ``$AGENTSPEC_HOME/llama.cpp/<version>/bin``; a finished build is not
-redone.
+redone. Where ``AGENTSPEC_KERNEL_MARCH`` names another instruction set for agentspec's own
+kernels (``x86-64-v3``: AVX2, what a processor without AVX-512 runs), llama.cpp is built for
+the same one (:data:`MARCHES`), under ``<version>-<march>``, so both systems of the comparison
+run that processor's instructions.
 
 ``python -m agentspec.bench.llama_cpp build`` (``make llama-cpp``) builds them;
 ``python -m agentspec.bench.llama_cpp where`` prints the folder.
@@ -28,6 +31,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from agentspec.engine.quant.native import ARCH
 from agentspec.errors import NotFoundError
 from agentspec.home import agentspec_home
 
@@ -39,10 +43,29 @@ TARGETS = ("llama-server", "llama-bench")
 # explicit -mno-* flags win over -march=native's defaults whatever their order; on processors
 # without AMX they change nothing.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF",
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}")
+MARCHES = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "x86-64-v3": ("-DGGML_NATIVE=OFF", "-DGGML_SSE42=ON", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+                  "-DGGML_BMI2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON"),
+}
+"""The instruction sets llama.cpp is built for here (the value of ``AGENTSPEC_KERNEL_MARCH``)
+and their cmake flags: x86-64-v3's are its features (AVX2, FMA, F16C, BMI2), no AVX-512."""
+
+
+def cmake_flags(march: str = ARCH) -> tuple[str, ...]:
+    """The build's cmake flags for ``march``.
+
+    Raises:
+        BuildError: ``march`` is not one of :data:`MARCHES`.
+    """
+    if march not in MARCHES:
+        raise BuildError(f"AGENTSPEC_KERNEL_MARCH={march!r}: llama.cpp is built here for "
+                         f"{' or '.join(map(repr, MARCHES))} only")
+    return (*CMAKE_FLAGS, *MARCHES[march])
 _PERCENT = re.compile(rb"^\[\s*(\d+)%\]")
 
 
@@ -50,9 +73,9 @@ class BuildError(RuntimeError):
     """The build could not start or failed; the message says what to do."""
 
 
-def install_dir(version: str = VERSION) -> Path:
-    """Where a build of ``version`` keeps its binaries (``bin/``) and its log."""
-    return agentspec_home() / "llama.cpp" / version
+def install_dir(version: str = VERSION, march: str = ARCH) -> Path:
+    """Where a build of ``version`` for ``march`` keeps its binaries (``bin/``) and its log."""
+    return agentspec_home() / "llama.cpp" / (version if march == "native" else f"{version}-{march}")
 
 
 def binary(name: str, version: str = VERSION) -> Path:
@@ -127,6 +150,7 @@ def build(version: str = VERSION, *, jobs: int | None = None,
     bin_dir = home / "bin"
     if not force and all((bin_dir / t).is_file() for t in TARGETS):
         return bin_dir
+    flags = cmake_flags()
     missing = missing_tools()
     if missing:
         raise BuildError(f"building llama.cpp needs {', '.join(missing)}; on Debian or Ubuntu: "
@@ -137,7 +161,7 @@ def build(version: str = VERSION, *, jobs: int | None = None,
     with tempfile.TemporaryDirectory(prefix="llama-cpp-", dir=home) as tmp:
         src = fetch_sources(version, Path(tmp), log)
         build_dir = Path(tmp) / "build"
-        _run(["cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS], log)
+        _run(["cmake", "-S", str(src), "-B", str(build_dir), *flags], log)
         _run(["cmake", "--build", str(build_dir), "-j", str(jobs or os.cpu_count() or 2),
               "--target", *TARGETS], log, on_percent)
         bin_dir.mkdir(exist_ok=True)
@@ -146,7 +170,7 @@ def build(version: str = VERSION, *, jobs: int | None = None,
             if not built.is_file():
                 raise BuildError(f"the build finished without {built} (log: {log})")
             shutil.copy2(built, bin_dir / target)
-    (home / "flags.txt").write_text(" ".join(CMAKE_FLAGS) + "\n")
+    (home / "flags.txt").write_text(" ".join(flags) + "\n")
     return bin_dir
 
 

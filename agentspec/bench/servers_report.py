@@ -2,7 +2,8 @@
 
 The summary is plain JSON (written by ``--out`` as :func:`agentspec.bench.report.write_json`
 writes the other benches'): per system and level a row, the ratios to llama.cpp at each level,
-the systems' agreement with each other at level 1, and why any system failed.
+the systems' agreement with each other at level 1, why any system failed, the processor, and
+the instruction set both systems were built for (``kernels``: ``AGENTSPEC_KERNEL_MARCH``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from agentspec.bench.load import percentile
 from agentspec.bench.workload import WorkloadItem
+from agentspec.engine.quant.native import ARCH
 
 BASELINE = "llama.cpp"
 """The server every level's ratios are taken against."""
@@ -107,6 +109,7 @@ def summarize(passes: Sequence[Any], failed: Mapping[str, str],
                     sum(solo[a][k] == solo[b][k] for k in shared) / len(shared), 4)
     return {"rows": rows, "versus_llama_cpp": versus, "agreement_at_1": agreement,
             "failed": dict(failed), "tools": tools, "processor": processor(),
+            "kernels": ARCH,
             "answers": {f"{p.system}@{p.concurrency}": {c.id: c.answer.output() for c in p.calls}
                         for p in passes}}
 
@@ -137,7 +140,8 @@ def title(summary: Mapping[str, Any]) -> str:
     return (f"{Path(str(summary.get('workload', ''))).stem}: {summary.get('requests', '?')} "
             f"requests{' with tools' if summary.get('tools') else ''}, "
             f"{summary.get('gguf_name', '')}, {summary.get('threads', '?')} threads, "
-            f"{summary.get('processor', '')}")
+            f"{summary.get('processor', '')}"
+            f"{'' if summary.get('kernels', 'native') == 'native' else ', built for ' + summary['kernels']}")
 
 
 def rich_table(summary: Mapping[str, Any]) -> Any:

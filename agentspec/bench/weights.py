@@ -9,7 +9,8 @@ prints (and with ``--out`` writes) a JSON object: per mode the median ms at each
 the ratio to the first mode, the weights held against the file's bytes, and for each mode on
 the native forward (gguf; bf16 for a Llama, Mistral or Qwen model) the ms of each part
 (``agentspec.engine.quant.native.PARTS``), from forwards of that mode alone after the timed
-ones.
+ones; ``kernels`` names the native kernels' build (``AGENTSPEC_KERNEL_MARCH=x86-64-v3`` measures
+the AVX2 build a processor without AVX-512 runs) and its vector lanes.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def measure(model: str, modes: list[str], context: int, repeats: int,
                                                  for k, v in native.spent().items()}
     file_bytes = gguf_file(model).stat().st_size
     out: dict[str, Any] = {"model": model, "context": context, "repeats": repeats, "gc_frozen": freeze,
-                           "file_bytes": file_bytes, "processor": _processor(), "modes": {}}
+                           "file_bytes": file_bytes, "processor": _processor(),
+                           "kernels": {"march": native.ARCH, "lanes": native.lanes()}, "modes": {}}
     first = modes[0]
     for m in modes:
         ms = {r: round(1000 * statistics.median(times[m][r]), 3) for r in ROWS}

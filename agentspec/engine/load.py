@@ -291,10 +291,7 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = No
         return for_device(torch.device(device), _load, name_or_path, device, torch.float32,
                           prefix_cache_bytes, scheme)
     if dtype is None and device.startswith("cpu") and _held_as_stored(name_or_path):
-        from agentspec.engine.quant import native
-
-        if native.available():  # else (no C++ compiler) the dequantised model, with a warning
-            dtype = QUANTIZED[0]
+        dtype = QUANTIZED[0]  # else (no compiler, no vectors) the dequantised model, with a warning
     if quantized(dtype):
         if not device.startswith("cpu"):
             raise ValueError(f"dtype {dtype!r} (the file's own quantization) runs on the CPU; "
@@ -375,14 +372,14 @@ def _gguf_meta(path: Path) -> tuple[Any, Any]:
 
 def _held_as_stored(name_or_path: str) -> bool:
     """Whether ``name_or_path`` is a GGUF model (packaged, or a ``.gguf`` file) whose weights
-    load as stored (:func:`~agentspec.engine.quant.model.loads_as_stored`): the CPU's default
-    for it."""
-    from agentspec.engine.quant.model import loads_as_stored
+    load as stored by default on this CPU
+    (:func:`~agentspec.engine.quant.model.default_as_stored`)."""
+    from agentspec.engine.quant.model import default_as_stored
 
     if name_or_path not in PACKAGED_MODELS and not str(name_or_path).endswith(".gguf"):
         return False
     try:
-        return loads_as_stored(gguf_file(name_or_path))
+        return default_as_stored(gguf_file(name_or_path))
     except (ValueError, OSError, ModelNotAvailableError):
         return False  # not installed, not a file: the usual load says why
 

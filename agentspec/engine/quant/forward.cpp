@@ -150,17 +150,17 @@ static void write_kv(const Model* m, const Batch* b, const float* qkv, int64_t s
       int64_t at = slot_at(m, b, mem, slot, h);
       const float* k = qkv + r * stride + qw + h * m->dim;
       const float* v = qkv + r * stride + qw + kw + h * m->dim;
-#ifdef AS_AVX512
+#ifdef AS_VEC
       if (m->kv_half) {  // float16, rounded to nearest: half the bytes attention reads; a key
         // in its run of 16 positions' keys transposed ([dim][16], the pool's key_lanes 16)
         int64_t lane = slot % 16;  // blocks hold whole runs: the run starts lane rows back
         uint16_t* kh = (uint16_t*)keys + at - lane * m->dim + lane;
         uint16_t* vh = (uint16_t*)values + at;
-        for (int64_t c = 0; c < m->dim; c += 16) {
-          alignas(32) uint16_t kc[16];
-          _mm256_store_si256((__m256i*)kc, _mm512_cvtps_ph(_mm512_loadu_ps(k + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-          for (int l = 0; l < 16; l++) kh[(c + l) * 16] = kc[l];
-          _mm256_storeu_si256((__m256i*)(vh + c), _mm512_cvtps_ph(_mm512_loadu_ps(v + c), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        for (int64_t c = 0; c < m->dim; c += LANES) {
+          uint16_t kc[LANES];
+          vf_store_half(kc, vf_load(k + c));
+          for (int l = 0; l < LANES; l++) kh[(c + l) * 16] = kc[l];
+          vf_store_half(vh + c, vf_load(v + c));
         }
         continue;
       }
@@ -240,49 +240,39 @@ static void attention_portable(const Model* m, const Batch* b, const float* qkv,
   }
 }
 
-#ifdef AS_AVX512
-static inline __m512 exp_fixed16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.3888889e-03f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3333333e-03f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1666668e-02f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666667e-01f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
+#ifdef AS_VEC
+// Vectors a run of 16 keys takes; runs of keys a score tile covers and queries a value tile
+// takes (its accumulators within the registers: 16 of 32 at 16 lanes, 8 of 16 at 8).
+static const int RUN = 16 / LANES;
+static const int TILE_RUNS = LANES == 16 ? 4 : 1;
+static const int VALUE_QUERIES = LANES == 16 ? 4 : 2;
+static const int VALUE_VECS = 4;  // a value tile's dims: 4 * LANES
 
 // T queries' scores for C runs of sixteen keys (kc[c]: a run as the pool keeps it, float16
-// [dim][16], lane = key): per (query, run) one fma chain over the head's dims in order, so a
-// query's score for a key is the same whatever T and C are.
+// [dim][16], lane = key): per (query, key) one fma chain over the head's dims in order, so a
+// query's score for a key is the same whatever T, C and LANES are.
 template <int T, int C>
 static inline void scores_tile(const float* const* qg, const uint16_t* const* kc, int64_t dim,
-                               __m512* out) {
-  __m512 a[T][C];
+                               vf* out) {
+  vf a[T][C * RUN];
   for (int t = 0; t < T; t++)
-    for (int c = 0; c < C; c++) a[t][c] = _mm512_setzero_ps();
+    for (int i = 0; i < C * RUN; i++) a[t][i] = vf_zero();
   for (int64_t d = 0; d < dim; d++) {
-    __m512 k[C];
-    for (int c = 0; c < C; c++) k[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(kc[c] + d * 16)));
+    vf k[C * RUN];
+    for (int i = 0; i < C * RUN; i++) k[i] = vf_half(kc[i / RUN] + d * 16 + (i % RUN) * LANES);
     for (int t = 0; t < T; t++) {
-      __m512 q = _mm512_set1_ps(qg[t][d]);
-      for (int c = 0; c < C; c++) a[t][c] = _mm512_fmadd_ps(q, k[c], a[t][c]);
+      vf q = vf_set(qg[t][d]);
+      for (int i = 0; i < C * RUN; i++) a[t][i] = vf_fma(q, k[i], a[t][i]);
     }
   }
   for (int t = 0; t < T; t++)
-    for (int c = 0; c < C; c++) out[t * C + c] = a[t][c];
+    for (int i = 0; i < C * RUN; i++) out[t * C * RUN + i] = a[t][i];
 }
 
 // scores_tile for tn (1 to 4) queries.
 template <int C>
 static inline void scores_tiles(int64_t tn, const float* const* qg, const uint16_t* const* kc,
-                                int64_t dim, __m512* out) {
+                                int64_t dim, vf* out) {
   switch (tn) {
     case 1: scores_tile<1, C>(qg, kc, dim, out); break;
     case 2: scores_tile<2, C>(qg, kc, dim, out); break;
@@ -291,47 +281,48 @@ static inline void scores_tiles(int64_t tn, const float* const* qg, const uint16
   }
 }
 
-// T queries' outputs over the keys [0, len) (p: their weights, [T] rows of the score buffer;
-// values: the pool's float16 rows): per output element one fma chain in key order (a key a
-// query does not see has p = 0 and adds exactly nothing: fma(0, v, acc) is acc, v finite and
-// acc never -0), then divided by the query's total.
-template <int V, int T>
+// T queries' outputs, dims [d0, d0 + VALUE_VECS * LANES), over the keys [0, len) (p: their
+// weights, [T] rows of the score buffer; values: the pool's float16 rows): per output element
+// one fma chain in key order (a key a query does not see has p = 0 and adds exactly nothing:
+// fma(0, v, acc) is acc, v finite and acc never -0), then divided by the query's total.
+template <int DIM, int T>
 static inline void values_tile(const float* const* p, const float* total, int64_t len,
                                const uint16_t* values, const int64_t* table, int64_t kvh,
-                               int64_t kv_heads, int64_t B, float* const* o) {
-  const int64_t dim = V * 16;
-  __m512 a[T][V];
+                               int64_t kv_heads, int64_t B, int64_t d0, float* const* o) {
+  const int64_t dim = DIM;
+  vf a[T][VALUE_VECS];
   for (int t = 0; t < T; t++)
-    for (int c = 0; c < V; c++) a[t][c] = _mm512_setzero_ps();
+    for (int c = 0; c < VALUE_VECS; c++) a[t][c] = vf_zero();
   for (int64_t j0 = 0; j0 < len; j0 += 16) {
-    const uint16_t* vr = values + ((table[j0 / B] * kv_heads + kvh) * B + j0 % B) * dim;
+    const uint16_t* vr = values + ((table[j0 / B] * kv_heads + kvh) * B + j0 % B) * dim + d0;
     int64_t keys16 = len - j0 < 16 ? len - j0 : 16;
     for (int64_t l = 0; l < keys16; l++) {
-      __m512 v[V];
-      for (int c = 0; c < V; c++) v[c] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(vr + l * dim + 16 * c)));
+      vf v[VALUE_VECS];
+      for (int c = 0; c < VALUE_VECS; c++) v[c] = vf_half(vr + l * dim + c * LANES);
       for (int t = 0; t < T; t++) {
-        __m512 w = _mm512_set1_ps(p[t][j0 + l]);
-        for (int c = 0; c < V; c++) a[t][c] = _mm512_fmadd_ps(w, v[c], a[t][c]);
+        vf w = vf_set(p[t][j0 + l]);
+        for (int c = 0; c < VALUE_VECS; c++) a[t][c] = vf_fma(w, v[c], a[t][c]);
       }
     }
   }
   for (int t = 0; t < T; t++) {
-    __m512 tv = _mm512_set1_ps(total[t]);
-    for (int c = 0; c < V; c++) _mm512_storeu_ps(o[t] + 16 * c, _mm512_div_ps(a[t][c], tv));
+    vf tv = vf_set(total[t]);
+    for (int c = 0; c < VALUE_VECS; c++) vf_store(o[t] + d0 + c * LANES, vf_div(a[t][c], tv));
   }
 }
 
 // Attention with the keys in the lanes, over the pool's float16 keys in transposed runs of 16
 // and float16 value rows: each run of up to eight rows of one member and one key/value head
 // (or a share of its query heads, when there are few such tasks) is a task. Its queries' scores
-// four queries and four runs of keys a tile (each key vector read once for four queries, each
-// query's q[d] once for 64 keys), exp sixteen keys at a time, the weights' sum in sixteen
-// partials by key modulo sixteen, the values four queries a tile. What a query computes
-// depends on its own keys only, not on the task it is in nor on the tiles.
-template <int V>
+// four queries and TILE_RUNS runs of keys a tile (each key vector read once for four queries,
+// each query's q[d] once for the tile's keys), exp a vector of keys at a time, the weights' sum
+// in sixteen partials by key modulo sixteen, the values VALUE_QUERIES queries and 4 * LANES
+// dims a tile. What a query computes depends on its own keys only, not on the task it is in,
+// the tiles or the lanes. DIM: the head's dims (64 or 128).
+template <int DIM>
 static void attention_keys(const Model* m, const Batch* b, const float* qkv, int64_t stride,
                            const float* keys, const float* values, float* out, int nthreads) {
-  const int64_t dim = V * 16, heads = m->heads, group = m->heads / m->kv_heads, B = m->block;
+  const int64_t dim = DIM, heads = m->heads, group = m->heads / m->kv_heads, B = m->block;
   int64_t* run = (int64_t*)malloc((size_t)(b->rows + 1) * sizeof(int64_t));
   int64_t runs = 0, most = 0;
   for (int64_t r = 0; r < b->rows; r++) {
@@ -365,12 +356,12 @@ static void attention_keys(const Model* m, const Batch* b, const float* qkv, int
         qis[t] = ri * group + g;
         qs[t] = qkv + (r0 + ri) * stride + (kvh * group + g) * dim;
       }
-      __m512 top[8 * 16];
-      for (int64_t t = 0; t < tq; t++) top[t] = _mm512_set1_ps(-INFINITY);
+      vf top[8 * 16];
+      for (int64_t t = 0; t < tq; t++) top[t] = vf_set(-INFINITY);
       for (int64_t j0 = 0; j0 < len;) {
-        int64_t chunks = (len - j0 + 15) / 16 >= 4 ? 4 : 1;
-        const uint16_t* kc[4];
-        uint16_t seen[4][8];
+        int64_t chunks = (len - j0 + 15) / 16 >= TILE_RUNS ? TILE_RUNS : 1;
+        const uint16_t* kc[TILE_RUNS];
+        uint16_t seen[TILE_RUNS][8];
         for (int64_t c = 0; c < chunks; c++) {
           int64_t j = j0 + 16 * c;
           kc[c] = kh + ((table[j / B] * m->kv_heads + kvh) * B + j % B) * dim;
@@ -388,75 +379,72 @@ static void attention_keys(const Model* m, const Batch* b, const float* qkv, int
         }
         for (int64_t t0 = 0; t0 < tq; t0 += 4) {
           int64_t tn = tq - t0 < 4 ? tq - t0 : 4;
-          __m512 sc[16];
-          if (chunks == 4) scores_tiles<4>(tn, qs + t0, kc, dim, sc);
+          vf sc[4 * TILE_RUNS * RUN];
+          if (chunks == TILE_RUNS) scores_tiles<TILE_RUNS>(tn, qs + t0, kc, dim, sc);
           else scores_tiles<1>(tn, qs + t0, kc, dim, sc);
           for (int64_t t = 0; t < tn; t++)
-            for (int64_t c = 0; c < chunks; c++) {
+            for (int64_t i = 0; i < chunks * RUN; i++) {
               int64_t qi = qis[t0 + t];
-              __m512 s = _mm512_set1_ps(-INFINITY);
-              uint16_t sn = seen[c][qi / group];
-              if (sn) s = _mm512_mask_blend_ps(sn, s, _mm512_mul_ps(sc[t * chunks + c], _mm512_set1_ps(m->scale)));
-              _mm512_store_ps(score + qi * most + j0 + 16 * c, s);
-              top[t0 + t] = _mm512_max_ps(top[t0 + t], s);
+              unsigned bits = (seen[i / RUN][qi / group] >> ((i % RUN) * LANES)) & ((1u << LANES) - 1);
+              vf s = vf_set(-INFINITY);
+              if (bits) s = vf_pick(bits, vf_mul(sc[t * chunks * RUN + i], vf_set(m->scale)), s);
+              vf_store(score + qi * most + j0 + i * LANES, s);
+              top[t0 + t] = vf_max(top[t0 + t], s);
             }
         }
         j0 += 16 * chunks;
       }
+      int64_t len16 = (len + 15) / 16 * 16;
       for (int64_t t = 0; t < tq; t++) {
         float* sq = score + qis[t] * most;
-        __m512 tv = _mm512_set1_ps(_mm512_reduce_max_ps(top[t])), sum = _mm512_setzero_ps();
-        for (int64_t j0 = 0; j0 < len; j0 += 16) {
-          __m512 sv = _mm512_load_ps(sq + j0);
-          __mmask16 live = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-          __m512 p = _mm512_maskz_mov_ps(live, exp_fixed16(_mm512_sub_ps(sv, tv)));
-          _mm512_store_ps(sq + j0, p);
-          sum = _mm512_add_ps(sum, p);
+        vf tv = vf_set(vf_max_all(top[t])), sum[RUN];
+        for (int i = 0; i < RUN; i++) sum[i] = vf_zero();
+        for (int64_t j0 = 0; j0 < len16; j0 += LANES) {
+          vf sv = vf_load(sq + j0);
+          vf p = vf_unless_neg_inf(sv, vf_exp(vf_sub(sv, tv)));
+          vf_store(sq + j0, p);
+          sum[(j0 / LANES) % RUN] = vf_add(sum[(j0 / LANES) % RUN], p);
         }
         float part[16];
-        _mm512_storeu_ps(part, sum);
+        for (int i = 0; i < RUN; i++) vf_store(part + i * LANES, sum[i]);
         for (int w = 8; w >= 1; w /= 2)
           for (int l = 0; l < w; l++) part[l] = part[l] + part[l + w];
         total[t] = part[0];
       }
-      for (int64_t t0 = 0; t0 < tq; t0 += 4) {
-        int64_t tn = tq - t0 < 4 ? tq - t0 : 4;
-        const float* p[4];
-        float* o[4];
-        for (int64_t t = 0; t < tn; t++) {
-          int64_t qi = qis[t0 + t], ri = qi / group, g = qi % group;
-          p[t] = score + qi * most;
-          o[t] = out + (r0 + ri) * heads * dim + (kvh * group + g) * dim;
+      for (int64_t d0 = 0; d0 < dim; d0 += VALUE_VECS * LANES)
+        for (int64_t t0 = 0; t0 < tq; t0 += VALUE_QUERIES) {
+          int64_t tn = tq - t0 < VALUE_QUERIES ? tq - t0 : VALUE_QUERIES;
+          const float* p[4];
+          float* o[4];
+          for (int64_t t = 0; t < tn; t++) {
+            int64_t qi = qis[t0 + t], ri = qi / group, g = qi % group;
+            p[t] = score + qi * most;
+            o[t] = out + (r0 + ri) * heads * dim + (kvh * group + g) * dim;
+          }
+          switch (tn) {
+            case 1: values_tile<DIM, 1>(p, total + t0, len, vh, table, kvh, m->kv_heads, B, d0, o); break;
+            case 2: values_tile<DIM, 2>(p, total + t0, len, vh, table, kvh, m->kv_heads, B, d0, o); break;
+            case 3: values_tile<DIM, 3>(p, total + t0, len, vh, table, kvh, m->kv_heads, B, d0, o); break;
+            default: values_tile<DIM, 4>(p, total + t0, len, vh, table, kvh, m->kv_heads, B, d0, o);
+          }
         }
-        switch (tn) {
-          case 1: values_tile<V, 1>(p, total + t0, len, vh, table, kvh, m->kv_heads, B, o); break;
-          case 2: values_tile<V, 2>(p, total + t0, len, vh, table, kvh, m->kv_heads, B, o); break;
-          case 3: values_tile<V, 3>(p, total + t0, len, vh, table, kvh, m->kv_heads, B, o); break;
-          default: values_tile<V, 4>(p, total + t0, len, vh, table, kvh, m->kv_heads, B, o);
-        }
-      }
     }
     free(score);
   }
   free(run);
 }
+#endif
 
 static void attention(const Model* m, const Batch* b, const float* qkv, int64_t stride,
                       const float* keys, const float* values, float* out, int nthreads) {
-  if (m->kv_half && m->dim == 64) {
-    attention_keys<4>(m, b, qkv, stride, keys, values, out, nthreads);
-  } else if (m->kv_half && m->dim == 128) {
-    attention_keys<8>(m, b, qkv, stride, keys, values, out, nthreads);
-  } else {
-    attention_portable(m, b, qkv, stride, keys, values, out, nthreads);
-  }
-}
-#else
-static void attention(const Model* m, const Batch* b, const float* qkv, int64_t stride,
-                      const float* keys, const float* values, float* out, int nthreads) {
+#ifdef AS_VEC
+  if (m->kv_half && m->dim == 64)
+    return attention_keys<64>(m, b, qkv, stride, keys, values, out, nthreads);
+  if (m->kv_half && m->dim == 128)
+    return attention_keys<128>(m, b, qkv, stride, keys, values, out, nthreads);
+#endif
   attention_portable(m, b, qkv, stride, keys, values, out, nthreads);
 }
-#endif
 
 // act[r][i] = silu(gate) * up, gate_up [rows][2 * inter] (gate first).
 static void silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* act,
@@ -466,12 +454,11 @@ static void silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* a
     const float* g = gate_up + r * 2 * inter;
     const float* u = g + inter;
     int64_t i = 0;
-#ifdef AS_AVX512
-    for (; i + 16 <= inter; i += 16) {
-      __m512 gv = _mm512_loadu_ps(g + i);
-      __m512 e = exp_fixed16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-      __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-      _mm512_storeu_ps(act + r * inter + i, _mm512_mul_ps(silu, _mm512_loadu_ps(u + i)));
+#ifdef AS_VEC
+    for (; i + LANES <= inter; i += LANES) {
+      vf gv = vf_load(g + i);
+      vf silu = vf_div(gv, vf_add(vf_set(1.0f), vf_exp(vf_sub(vf_zero(), gv))));
+      vf_store(act + r * inter + i, vf_mul(silu, vf_load(u + i)));
     }
 #endif
     for (; i < inter; i++) act[r * inter + i] = g[i] / (1.0f + exp_fixed(-g[i])) * u[i];
@@ -479,12 +466,21 @@ static void silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* a
 }
 
 // Whether this build keeps a model of head_dim ``dim``'s KV in float16 (the key-lane attention
-// of an AVX-512 build); else float32.
+// of a vector build, AVX-512 or AVX2); else float32.
 extern "C" int as_kv_half(int64_t dim) {
-#ifdef AS_AVX512
+#ifdef AS_VEC
   return dim == 64 || dim == 128;
 #else
   (void)dim;
+  return 0;
+#endif
+}
+
+// The lanes of this build's vectors (vec.h: 16 AVX-512, 8 AVX2), 0 without (portable loops).
+extern "C" int as_lanes() {
+#ifdef AS_VEC
+  return LANES;
+#else
   return 0;
 #endif
 }

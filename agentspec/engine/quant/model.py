@@ -99,6 +99,45 @@ def loads_as_stored(path: Path) -> bool:
         t.tensor_type.name in FORMATS for t in file.tensors.values() if len(t.shape) > 1)
 
 
+def default_as_stored(path: Path) -> bool:
+    """Whether the GGUF file ``path`` loads as stored when no dtype is named (on the CPU): where
+    it can (:func:`loads_as_stored`) and the native kernels build here with vectors (AVX-512 or
+    AVX2, ``native.lanes``). Without vectors the file's weights run many times slower than the
+    dequantised model's modules, so there the default is the float32 model, unless its copy
+    would take more than half the memory available (then the weights as stored: slow, but
+    loaded); either way a warning says so once."""
+    from agentspec.engine.quant import native
+    from agentspec.errors import warn_once
+
+    if not loads_as_stored(path) or not native.available():
+        return False
+    if native.lanes():
+        return True
+    need = 4 * sum(int(t.n_elements) for t in _File(path).tensors.values())
+    free = _available_memory()
+    if free is not None and need > free / 2:
+        warn_once(f"{path.name}: the native kernels have no vectors on this processor (neither "
+                  f"AVX-512 nor AVX2), so its weights as stored run slowly; dequantised they "
+                  f"would take {need / 2**30:.1f} GiB of {free / 2**30:.1f} GiB available, so "
+                  "they load as stored")
+        return True
+    warn_once(f"{path.name}: the native kernels have no vectors on this processor (neither "
+              "AVX-512 nor AVX2), so it loads dequantised to float32, which runs faster here; "
+              "dtype='gguf' holds the file's own bytes instead")
+    return False
+
+
+def _available_memory() -> int | None:
+    """The bytes the kernel says are available (Linux's MemAvailable), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 class _File:
     """A GGUF file's tensors by name (memory-mapped)."""
 

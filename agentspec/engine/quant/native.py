@@ -2,7 +2,8 @@
 whole forward): compiled once per machine with the
 system's C++ compiler and loaded with ctypes.
 
-Compiled for the machine it runs on (``-march=native``: AVX-512 where the CPU has it) and
+Compiled for the machine it runs on (``-march=native``: 16-lane vectors where the CPU has
+AVX-512, 8-lane ones where it has AVX2 with FMA and F16C, ``vec.h``) and
 kept under ``$AGENTSPEC_HOME/kernels``, keyed by the source, the compiler and the CPU's
 feature flags; a second process finds it there. OpenMP is libgomp, the runtime torch's CPU
 wheels load, so the kernels run on the torch thread's own team (``torch_thread``).
@@ -26,10 +27,11 @@ import torch
 from agentspec.home import agentspec_home
 
 SOURCE = Path(__file__).with_name("forward.cpp")  # includes qmm.cpp
-SOURCES = (SOURCE, Path(__file__).with_name("qmm.cpp"))
+SOURCES = (SOURCE, Path(__file__).with_name("qmm.cpp"), Path(__file__).with_name("vec.h"))
 ARCH = os.environ.get("AGENTSPEC_KERNEL_MARCH", "native")
 """The instruction set the kernels are built for: the machine's own unless
-``AGENTSPEC_KERNEL_MARCH`` names another (``x86-64-v3``: AVX2, the portable paths)."""
+``AGENTSPEC_KERNEL_MARCH`` names another (``x86-64-v3``: AVX2's 8-lane vectors; ``x86-64``:
+no vectors, the portable loops)."""
 FLAGS = ("-O3", f"-march={ARCH}", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off",
          "-fno-fast-math")
 
@@ -102,6 +104,8 @@ def library() -> ctypes.CDLL:
             lib.as_forward.restype = None
             lib.as_kv_half.argtypes = [i64]
             lib.as_kv_half.restype = i32
+            lib.as_lanes.argtypes = []
+            lib.as_lanes.restype = i32
             lib.as_spent.argtypes = [ptr, i32]
             lib.as_spent.restype = None
             _LIB = lib
@@ -119,6 +123,12 @@ def available() -> bool:
                   "it dequantised to float32")
         return False
     return True
+
+
+def lanes() -> int:
+    """The float32 lanes of the build's vectors: 16 (AVX-512), 8 (AVX2), or 0 (none: the
+    portable loops, float32 KV)."""
+    return int(library().as_lanes())
 
 
 def threads() -> int:

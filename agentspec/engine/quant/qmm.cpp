@@ -27,20 +27,14 @@
 // summation noise of the dequantised weights' (8-bit activations, llama.cpp's, would not on
 // the packaged model). So a row's bits depend on its own inputs only, whatever M is, whichever
 // row of the call it is and whichever thread computes its unit (threads split units, never K);
-// and the vector path (AVX-512 VNNI) and the portable one give the same bits: integer sums are
-// exact and the float operations the same, in the same order.
+// and the vector paths (vec.h: 16 lanes on AVX-512, 8 on AVX2) and the portable one give the
+// same bits: integer sums are exact and the float operations the same, in the same order.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define AS_AVX512 1
-#endif
-#if defined(AS_AVX512) && defined(__AVX512VNNI__)
-#define AS_VNNI 1
-#endif
+#include "vec.h"
 
 static inline float half_to_float(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -181,72 +175,80 @@ static inline int32_t group_sum(const QX& x, int64_t m, int gs, int64_t g) {
   return gs == 16 ? s[g] : s[2 * g] + s[2 * g + 1];
 }
 
-#ifdef AS_VNNI
-// The scales (or offsets) of unit u's block b (16 output rows), group g.
-static inline __m512 params16(const void* p, int params, int64_t u, int b, int64_t g,
-                              int64_t groups, int gs) {
-  if (!p) return _mm512_setzero_ps();  // no offsets: all +0
+#ifdef AS_VEC
+// The scales (or offsets) of unit u's output rows [lane0, lane0 + LANES), group g.
+static inline vf params_v(const void* p, int params, int64_t u, int lane0, int64_t g,
+                          int64_t groups, int gs) {
+  if (!p) return vf_zero();  // no offsets: all +0
   if (params == 2) {
     const uint8_t* base = factored_at(p, u, groups, gs);
     int64_t supers = groups * gs / 256;
-    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(base + (g * gs / 256) * 64 + b * 32)));
-    __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-        _mm_loadu_si128((const __m128i*)(base + supers * 64 + g * 32 + b * 16))));
-    return _mm512_mul_ps(d, sc);
+    vf d = vf_half((const uint16_t*)(base + (g * gs / 256) * 64) + lane0);
+    return vf_mul(d, vi_float(vi_int8((const int8_t*)base + supers * 64 + g * 32 + lane0)));
   }
-  int64_t at = (u * groups + g) * 32 + b * 16;
-  if (params) return _mm512_loadu_ps((const float*)p + at);
-  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)p + at)));
+  int64_t at = (u * groups + g) * 32 + lane0;
+  if (params) return vf_load((const float*)p + at);
+  return vf_half((const uint16_t*)p + at);
 }
 
-// The inputs 2i, 2i + 1 of a quantized row as one 32-bit lane, in all sixteen.
-static inline __m512i pair(const int16_t* x, int64_t i) {
-  int32_t v;
-  memcpy(&v, x + 2 * i, 4);
-  return _mm512_set1_epi32(v);
+// Rows [m0, m0 + R) of unit u, output rows [lane0, lane0 + LANES): per group the R rows'
+// integer sums in registers (pairwise products of the widened chunks, exact), then the
+// group's float step.
+template <int R, int BITS>
+static void lanes_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_t groups,
+                       int64_t u, int lane0, const void* scale, const void* offset, int params,
+                       float* acc) {
+  vf a[R];
+  for (int r = 0; r < R; r++) a[r] = vf_zero();
+  for (int64_t g = 0; g < groups; g++) {
+    // lane c's two bytes of a 32-byte chunk are at 2 * (c % 16)
+    const uint8_t* w = block_at(q, BITS, gs, groups, u, lane0 / 16, g) + (lane0 % 16) * 2;
+    vi s[R];
+    for (int r = 0; r < R; r++) s[r] = vi_zero();
+    const int16_t* xg = x.q + m0 * x.K + g * gs;
+    if (BITS == 4) {
+      for (int j = 0; j < gs / 4; j++) {
+        vi lo, hi;
+        vi_nibbles(w + 32 * j, lo, hi);
+        for (int r = 0; r < R; r++) {
+          s[r] = vi_dot(s[r], lo, vi_pair(xg + r * x.K, 2 * j));
+          s[r] = vi_dot(s[r], hi, vi_pair(xg + r * x.K, 2 * j + 1));
+        }
+      }
+    } else {
+      for (int j = 0; j < gs / 2; j++) {
+        vi v = vi_bytes(w + 32 * j);
+        for (int r = 0; r < R; r++) s[r] = vi_dot(s[r], v, vi_pair(xg + r * x.K, j));
+      }
+    }
+    vf sc = params_v(scale, params, u, lane0, g, groups, gs);
+    vf of = params_v(offset, params, u, lane0, g, groups, gs);
+    for (int r = 0; r < R; r++) {
+      float xs = (float)group_sum(x, m0 + r, gs, g);
+      vf v = vf_mul(sc, vi_float(s[r]));
+      v = vf_add(v, vf_mul(of, vf_set(xs)));
+      v = vf_mul(v, vf_set(x.d[(m0 + r) * (x.K / 32) + (g * gs) / 32]));
+      a[r] = vf_add(a[r], v);
+    }
+  }
+  for (int r = 0; r < R; r++) vf_store(acc + r * 32 + lane0, a[r]);
 }
 
-// Rows [m0, m0 + R) of unit u, 16 output rows at a time: per group the R rows' integer sums in
-// registers (vpdpwssd on the widened chunks), then the group's float step.
+// Rows a pass keeps in registers: eight at 16 lanes (32 registers), four at 8 (16).
+static const int PASS_ROWS = LANES == 16 ? 8 : 4;
+
+// Rows [m0, m0 + R) of unit u, LANES output rows and PASS_ROWS rows a pass.
 template <int R, int BITS>
 static void unit_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_t groups,
                       int64_t u, const void* scale, const void* offset, int params, float* acc) {
-  for (int b = 0; b < 2; b++) {
-    __m512 a[R];
-    for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-      const uint8_t* w = block_at(q, BITS, gs, groups, u, b, g);
-      __m512i s[R];
-      for (int r = 0; r < R; r++) s[r] = _mm512_setzero_si512();
-      const int16_t* xg = x.q + m0 * x.K + g * gs;
-      if (BITS == 4) {
-        for (int j = 0; j < gs / 4; j++) {
-          __m256i v = _mm256_loadu_si256((const __m256i*)(w + 32 * j));
-          __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(v, _mm256_set1_epi8(0x0f)));
-          __m512i hi = _mm512_cvtepu8_epi16(
-              _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0f)));
-          for (int r = 0; r < R; r++) {
-            s[r] = _mm512_dpwssd_epi32(s[r], lo, pair(xg + r * x.K, 2 * j));
-            s[r] = _mm512_dpwssd_epi32(s[r], hi, pair(xg + r * x.K, 2 * j + 1));
-          }
-        }
-      } else {
-        for (int j = 0; j < gs / 2; j++) {
-          __m512i v = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + 32 * j)));
-          for (int r = 0; r < R; r++) s[r] = _mm512_dpwssd_epi32(s[r], v, pair(xg + r * x.K, j));
-        }
-      }
-      __m512 sc = params16(scale, params, u, b, g, groups, gs);
-      __m512 of = params16(offset, params, u, b, g, groups, gs);
-      for (int r = 0; r < R; r++) {
-        float xs = (float)group_sum(x, m0 + r, gs, g);
-        __m512 v = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(s[r]));
-        v = _mm512_add_ps(v, _mm512_mul_ps(of, _mm512_set1_ps(xs)));
-        v = _mm512_mul_ps(v, _mm512_set1_ps(x.d[(m0 + r) * (x.K / 32) + (g * gs) / 32]));
-        a[r] = _mm512_add_ps(a[r], v);
-      }
-    }
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * 32 + b * 16, a[r]);
+  for (int lane0 = 0; lane0 < 32; lane0 += LANES) {
+    int r = 0;
+    for (; r + PASS_ROWS <= R; r += PASS_ROWS)
+      lanes_rows<PASS_ROWS, BITS>(x, m0 + r, q, gs, groups, u, lane0, scale, offset, params,
+                                  acc + r * 32);
+    if constexpr (R % PASS_ROWS != 0)
+      lanes_rows<R % PASS_ROWS, BITS>(x, m0 + r, q, gs, groups, u, lane0, scale, offset,
+                                      params, acc + r * 32);
   }
 }
 
@@ -295,28 +297,39 @@ static inline float bf16_at(const uint8_t* q, int64_t K, int64_t u, int c, int64
   return bf16_to_float(h);
 }
 
-#ifdef AS_AVX512
-// Rows [m0, m0 + R) (x: float rows ldx apart) of a bfloat16 weight's unit u: per block and
-// row the even and odd inputs' fma chains in registers.
+#ifdef AS_VEC
+// Rows [m0, m0 + R) (x: float rows ldx apart) of a bfloat16 weight's unit u, output rows
+// [lane0, lane0 + LANES): per row the even and odd inputs' fma chains in registers.
+template <int R>
+static void lanes_bf16(const float* x, int64_t ldx, int64_t m0, const uint8_t* q, int64_t K,
+                       int64_t u, int lane0, float* acc) {
+  const vi high = vi_set((int32_t)0xffff0000u);
+  // lane c's 4 bytes of a 64-byte run are at 4 * (c % 16)
+  const uint8_t* w = q + (u * 2 + lane0 / 16) * (K / 2) * 64 + (lane0 % 16) * 4;
+  vf e[R], o[R];
+  for (int r = 0; r < R; r++) e[r] = o[r] = vf_zero();
+  for (int64_t i = 0; i < K / 2; i++) {
+    vi v = vi_load(w + i * 64);
+    vf lo = vf_bits(vi_shl(v, 16)), hi = vf_bits(vi_and(v, high));
+    for (int r = 0; r < R; r++) {
+      const float* xr = x + (m0 + r) * ldx + 2 * i;
+      e[r] = vf_fma(lo, vf_set(xr[0]), e[r]);
+      o[r] = vf_fma(hi, vf_set(xr[1]), o[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) vf_store(acc + r * 32 + lane0, vf_add(e[r], o[r]));
+}
+
+// Rows [m0, m0 + R) of a bfloat16 weight's unit u, PASS_ROWS rows a pass.
 template <int R>
 static void unit_bf16(const float* x, int64_t ldx, int64_t m0, const uint8_t* q, int64_t K,
                       int64_t u, float* acc) {
-  const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-  for (int b = 0; b < 2; b++) {
-    const uint8_t* w = q + (u * 2 + b) * (K / 2) * 64;
-    __m512 e[R], o[R];
-    for (int r = 0; r < R; r++) e[r] = o[r] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < K / 2; i++) {
-      __m512i v = _mm512_loadu_si512((const void*)(w + i * 64));
-      __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-      __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, high));
-      for (int r = 0; r < R; r++) {
-        const float* xr = x + (m0 + r) * ldx + 2 * i;
-        e[r] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xr[0]), e[r]);
-        o[r] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xr[1]), o[r]);
-      }
-    }
-    for (int r = 0; r < R; r++) _mm512_storeu_ps(acc + r * 32 + b * 16, _mm512_add_ps(e[r], o[r]));
+  for (int lane0 = 0; lane0 < 32; lane0 += LANES) {
+    int r = 0;
+    for (; r + PASS_ROWS <= R; r += PASS_ROWS)
+      lanes_bf16<PASS_ROWS>(x, ldx, m0 + r, q, K, u, lane0, acc + r * 32);
+    if constexpr (R % PASS_ROWS != 0)
+      lanes_bf16<R % PASS_ROWS>(x, ldx, m0 + r, q, K, u, lane0, acc + r * 32);
   }
 }
 
@@ -368,7 +381,7 @@ void as_bmm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t N, const 
             const float* bias, const float* add, float* out, int64_t ldo, int nthreads) {
   each_unit(M, N, bias, add, out, ldo, nthreads,
             [&](int64_t u, int64_t m0, int64_t rows, float* acc) {
-#ifdef AS_AVX512
+#ifdef AS_VEC
               UNITS16[rows](x, ldx, m0, q, K, u, acc);
 #else
               unit_bf16_portable(x, ldx, m0, rows, q, K, u, acc);
@@ -383,7 +396,7 @@ void as_qmm_q(const QX& x, int64_t M, int64_t N, const uint8_t* q, int bits, int
   int64_t groups = x.K / gs;
   each_unit(M, N, bias, add, out, ldo, nthreads,
             [&](int64_t u, int64_t m0, int64_t rows, float* acc) {
-#ifdef AS_VNNI
+#ifdef AS_VEC
               (bits == 4 ? UNITS4 : UNITS8)[rows](x, m0, q, gs, groups, u, scale, offset, params,
                                                   acc);
 #else
