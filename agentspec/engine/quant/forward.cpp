@@ -241,12 +241,10 @@ static void attention_portable(const Model* m, const Batch* b, const float* qkv,
 }
 
 #ifdef AS_VEC
-// Vectors a run of 16 keys takes; runs of keys a score tile covers and queries a value tile
-// takes (its accumulators within the registers: 16 of 32 at 16 lanes, 8 of 16 at 8).
+// Vectors a run of 16 keys takes, and a value tile's dims (4 * LANES); vec.h says how many
+// runs a score tile covers (TILE_RUNS) and how many queries a value tile takes.
 static const int RUN = 16 / LANES;
-static const int TILE_RUNS = LANES == 16 ? 4 : 1;
-static const int VALUE_QUERIES = LANES == 16 ? 4 : 2;
-static const int VALUE_VECS = 4;  // a value tile's dims: 4 * LANES
+static const int VALUE_VECS = 4;
 
 // T queries' scores for C runs of sixteen keys (kc[c]: a run as the pool keeps it, float16
 // [dim][16], lane = key): per (query, key) one fma chain over the head's dims in order, so a
@@ -466,7 +464,7 @@ static void silu_mul(const float* gate_up, int64_t rows, int64_t inter, float* a
 }
 
 // Whether this build keeps a model of head_dim ``dim``'s KV in float16 (the key-lane attention
-// of a vector build, AVX-512 or AVX2); else float32.
+// of a vector build: AVX-512, AVX2 or NEON); else float32.
 extern "C" int as_kv_half(int64_t dim) {
 #ifdef AS_VEC
   return dim == 64 || dim == 128;
@@ -476,7 +474,8 @@ extern "C" int as_kv_half(int64_t dim) {
 #endif
 }
 
-// The lanes of this build's vectors (vec.h: 16 AVX-512, 8 AVX2), 0 without (portable loops).
+// The lanes of this build's vectors (vec.h: 16 AVX-512, 8 AVX2, 4 NEON), 0 without (portable
+// loops).
 extern "C" int as_lanes() {
 #ifdef AS_VEC
   return LANES;

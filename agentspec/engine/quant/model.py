@@ -101,8 +101,8 @@ def loads_as_stored(path: Path) -> bool:
 
 def default_as_stored(path: Path) -> bool:
     """Whether the GGUF file ``path`` loads as stored when no dtype is named (on the CPU): where
-    it can (:func:`loads_as_stored`) and the native kernels build here with vectors (AVX-512 or
-    AVX2, ``native.lanes``). Without vectors the file's weights run many times slower than the
+    it can (:func:`loads_as_stored`) and the native kernels build here with vectors (AVX-512,
+    AVX2 or ARM's NEON, ``native.lanes``). Without vectors the file's weights run many times slower than the
     dequantised model's modules, so there the default is the float32 model, unless its copy
     would take more than half the memory available (then the weights as stored: slow, but
     loaded); either way a warning says so once."""
@@ -116,13 +116,13 @@ def default_as_stored(path: Path) -> bool:
     need = 4 * sum(int(t.n_elements) for t in _File(path).tensors.values())
     free = _available_memory()
     if free is not None and need > free / 2:
-        warn_once(f"{path.name}: the native kernels have no vectors on this processor (neither "
-                  f"AVX-512 nor AVX2), so its weights as stored run slowly; dequantised they "
+        warn_once(f"{path.name}: the native kernels have no vectors on this processor (no "
+                  f"AVX-512, AVX2 or NEON), so its weights as stored run slowly; dequantised they "
                   f"would take {need / 2**30:.1f} GiB of {free / 2**30:.1f} GiB available, so "
                   "they load as stored")
         return True
-    warn_once(f"{path.name}: the native kernels have no vectors on this processor (neither "
-              "AVX-512 nor AVX2), so it loads dequantised to float32, which runs faster here; "
+    warn_once(f"{path.name}: the native kernels have no vectors on this processor (no "
+              "AVX-512, AVX2 or NEON), so it loads dequantised to float32, which runs faster here; "
               "dtype='gguf' holds the file's own bytes instead")
     return False
 

@@ -3,7 +3,8 @@ whole forward): compiled once per machine with the
 system's C++ compiler and loaded with ctypes.
 
 Compiled for the machine it runs on (``-march=native``: 16-lane vectors where the CPU has
-AVX-512, 8-lane ones where it has AVX2 with FMA and F16C, ``vec.h``) and
+AVX-512, 8-lane ones where it has AVX2 with FMA and F16C, 4-lane ones on ARMv8's NEON,
+``vec.h``) and
 kept under ``$AGENTSPEC_HOME/kernels``, keyed by the source, the compiler and the CPU's
 feature flags; a second process finds it there. OpenMP is libgomp, the runtime torch's CPU
 wheels load, so the kernels run on the torch thread's own team (``torch_thread``).
@@ -126,8 +127,8 @@ def available() -> bool:
 
 
 def lanes() -> int:
-    """The float32 lanes of the build's vectors: 16 (AVX-512), 8 (AVX2), or 0 (none: the
-    portable loops, float32 KV)."""
+    """The float32 lanes of the build's vectors: 16 (AVX-512), 8 (AVX2), 4 (NEON), or 0 (none:
+    the portable loops, float32 KV)."""
     return int(library().as_lanes())
 
 

@@ -234,9 +234,6 @@ static void lanes_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_
   for (int r = 0; r < R; r++) vf_store(acc + r * 32 + lane0, a[r]);
 }
 
-// Rows a pass keeps in registers: eight at 16 lanes (32 registers), four at 8 (16).
-static const int PASS_ROWS = LANES == 16 ? 8 : 4;
-
 // Rows [m0, m0 + R) of unit u, LANES output rows and PASS_ROWS rows a pass.
 template <int R, int BITS>
 static void unit_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_t groups,

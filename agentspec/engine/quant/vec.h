@@ -1,11 +1,18 @@
 // The vector layer under agentspec's native kernels: one set of operations on LANES float32
-// (vf) or int32 (vi) lanes, 16 on AVX-512 (one zmm), 8 on AVX2 with FMA and F16C (one ymm).
-// The kernels are written once over it. Every operation is lane-wise and rounds as its scalar
-// statement does (an fma rounded once, float16 and bfloat16 widened exactly, float16 narrowed
-// to nearest even, integer sums exact), so a kernel's bits do not depend on LANES: a build for
-// either instruction set gives the same bits. Without either (AS_VEC undefined) the kernels'
-// portable loops compute the same statements one element at a time.
+// (vf) or int32 (vi) lanes, 16 on AVX-512 (one zmm), 8 on AVX2 with FMA and F16C (one ymm), 4
+// on ARMv8's NEON (one q register). The kernels are written once over it. Every operation is
+// lane-wise and rounds as its scalar statement does (an fma rounded once, float16 and bfloat16
+// widened exactly, float16 narrowed to nearest even, integer sums exact), so a kernel's bits do
+// not depend on LANES: a build for any of these instruction sets gives the same bits. Without
+// one (AS_VEC undefined) the kernels' portable loops compute the same products one element at
+// a time.
+//
+// Each set also says how large the kernels' register tiles are (its register file: 32 zmm, 16
+// ymm, 32 q): PASS_ROWS, the input rows a product keeps in registers; TILE_RUNS, the runs of 16
+// keys one attention score tile covers (for four queries); VALUE_QUERIES, the queries a value
+// tile of 4 * LANES dims takes. Tiles change no bits: every sum runs in the same order.
 #pragma once
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -16,10 +23,14 @@
 #include <immintrin.h>
 #define AS_AVX2 1
 #define AS_VEC 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define AS_NEON 1
+#define AS_VEC 1
 #endif
 
 #ifdef AS_AVX512
-static const int LANES = 16;
+static const int LANES = 16, PASS_ROWS = 8, TILE_RUNS = 4, VALUE_QUERIES = 4;
 typedef __m512 vf;
 typedef __m512i vi;
 static inline vf vf_zero() { return _mm512_setzero_ps(); }
@@ -77,7 +88,7 @@ static inline vi vi_dot(vi s, vi w, vi x) {  // s + w.lo * x.lo + w.hi * x.hi pe
 #endif
 }
 #elif defined(AS_AVX2)
-static const int LANES = 8;
+static const int LANES = 8, PASS_ROWS = 4, TILE_RUNS = 1, VALUE_QUERIES = 2;
 typedef __m256 vf;
 typedef __m256i vi;
 static inline vf vf_zero() { return _mm256_setzero_ps(); }
@@ -135,6 +146,64 @@ static inline vi vi_int8(const int8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p));
 }
 static inline vi vi_dot(vi s, vi w, vi x) { return _mm256_add_epi32(s, _mm256_madd_epi16(w, x)); }
+#elif defined(AS_NEON)
+static const int LANES = 4, PASS_ROWS = 8, TILE_RUNS = 1, VALUE_QUERIES = 4;
+typedef float32x4_t vf;
+typedef int32x4_t vi;
+static inline vf vf_zero() { return vdupq_n_f32(0.0f); }
+static inline vf vf_set(float x) { return vdupq_n_f32(x); }
+static inline vf vf_load(const float* p) { return vld1q_f32(p); }
+static inline void vf_store(float* p, vf v) { vst1q_f32(p, v); }
+static inline vf vf_add(vf a, vf b) { return vaddq_f32(a, b); }
+static inline vf vf_sub(vf a, vf b) { return vsubq_f32(a, b); }
+static inline vf vf_mul(vf a, vf b) { return vmulq_f32(a, b); }
+static inline vf vf_div(vf a, vf b) { return vdivq_f32(a, b); }
+static inline vf vf_min(vf a, vf b) { return vminq_f32(a, b); }
+static inline vf vf_max(vf a, vf b) { return vmaxq_f32(a, b); }
+static inline vf vf_fma(vf a, vf b, vf c) { return vfmaq_f32(c, a, b); }
+static inline vf vf_round(vf x) { return vrndnq_f32(x); }
+static inline vi vf_int(vf x) { return vcvtnq_s32_f32(x); }
+static inline vf vf_bits(vi x) { return vreinterpretq_f32_s32(x); }
+static inline vf vf_half(const uint16_t* p) {
+  return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+}
+static inline void vf_store_half(uint16_t* p, vf v) {  // FPCR's rounding: nearest even
+  vst1_u16(p, vreinterpret_u16_f16(vcvt_f16_f32(v)));
+}
+static inline vf vf_pick(unsigned bits, vf yes, vf no) {
+  const uint32_t lane[4] = {1, 2, 4, 8};
+  return vbslq_f32(vtstq_u32(vdupq_n_u32(bits), vld1q_u32(lane)), yes, no);
+}
+static inline vf vf_unless_neg_inf(vf x, vf v) {
+  uint32x4_t inf = vceqq_f32(x, vdupq_n_f32(-INFINITY));
+  return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(v), inf));
+}
+static inline float vf_max_all(vf v) { return vmaxvq_f32(v); }
+static inline vi vi_zero() { return vdupq_n_s32(0); }
+static inline vi vi_load(const void* p) { return vld1q_s32((const int32_t*)p); }
+static inline vi vi_set(int32_t x) { return vdupq_n_s32(x); }
+static inline vi vi_shl(vi x, int n) { return vshlq_s32(x, vdupq_n_s32(n)); }
+static inline vi vi_and(vi a, vi b) { return vandq_s32(a, b); }
+static inline vi vi_add(vi a, vi b) { return vaddq_s32(a, b); }
+static inline vf vi_float(vi x) { return vcvtq_f32_s32(x); }
+static inline vi vi_bytes(const uint8_t* p) {
+  return vreinterpretq_s32_s16(vmovl_s8(vld1_s8((const int8_t*)p)));
+}
+static inline void vi_nibbles(const uint8_t* p, vi& lo, vi& hi) {
+  uint8x8_t v = vld1_u8(p);
+  lo = vreinterpretq_s32_u16(vmovl_u8(vand_u8(v, vdup_n_u8(0x0f))));
+  hi = vreinterpretq_s32_u16(vmovl_u8(vshr_n_u8(v, 4)));
+}
+static inline vi vi_int8(const int8_t* p) {  // four bytes, no further
+  int32_t w;
+  memcpy(&w, p, 4);
+  return vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)))));
+}
+static inline vi vi_dot(vi s, vi w, vi x) {  // each lane's two 16-bit products, added
+  int16x8_t a = vreinterpretq_s16_s32(w), b = vreinterpretq_s16_s32(x);
+  int32x4_t lo = vmull_s16(vget_low_s16(a), vget_low_s16(b)), hi = vmull_high_s16(a, b);
+  return vaddq_s32(s, vpaddq_s32(lo, hi));
+}
 #endif
 
 #ifdef AS_VEC
