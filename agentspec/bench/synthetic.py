@@ -84,9 +84,12 @@ BLOCKS: dict[str, tuple[int, int, float]] = {
     "Q4_0": (18, 32, math.sqrt((16**2 - 1) / 12)),  # nibbles less 8
     # d * sc * q - dmin * m with sc, m in 0..63, q in 0..15 and dmin = 7.5 d (mean zero).
     "Q4_K": (144, 256, 263.0),
+    # The same with q in 0..31 and dmin = 15.5 d.
+    "Q5_K": (176, 256, 527.0),
 }
 QTYPES = tuple(BLOCKS)
-_FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K": 15}  # llama.cpp's general.file_type (Q4_K_M)
+# llama.cpp's general.file_type (Q4_K_M, Q5_K_M)
+_FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_K": 15, "Q5_K": 17}
 _UNUSED = 5  # tokenizer.ggml.token_type of a reserved token (llama.cpp's UNUSED)
 
 
@@ -148,9 +151,10 @@ def random_blocks(qtype: str, rows: int, inputs: int, rng: np.random.Generator) 
     data = np.frombuffer(rng.bytes(count * size), dtype=np.uint8).reshape(count, size).copy()
     table = _scale_table(qtype, inputs)
     data[:, 0:2] = table[rng.integers(0, 256, count, dtype=np.uint8)]
-    if qtype == "Q4_K":  # dmin: 7.5 d, so the offsets cancel the values' mean
+    if qtype in ("Q4_K", "Q5_K"):  # dmin: the values' mean times d, so the offsets cancel it
         d = data[:, 0:2].copy().view("<f2").astype(np.float32)
-        data[:, 2:4] = (d * np.float32(7.5)).astype("<f2").view(np.uint8)
+        mean = np.float32(7.5 if qtype == "Q4_K" else 15.5)
+        data[:, 2:4] = (d * mean).astype("<f2").view(np.uint8)
     return data.reshape(rows, -1)
 
 

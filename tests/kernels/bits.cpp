@@ -3,7 +3,7 @@
 // (AVX-512, AVX2, ARM's NEON under qemu, none). It needs no Python, so a build for another
 // processor runs it under an emulator.
 //
-// Products: every weight format the kernels hold (4 and 8 bits with float16, float32 and
+// Products: every weight format the kernels hold (4, 5, 6 and 8 bits with float16, float32 and
 // K-quant factored params, offsets or none, bfloat16) at 1, 3, 8 and 11 rows. Forwards: a tiny
 // Llama-shaped model (two layers, head_dim from argv: 64 or 128; a vocabulary of 96, not a
 // whole tile) over a pool of 32-position blocks: two prefills, then one forward of both
@@ -93,8 +93,9 @@ static void put(FILE* out, const float* x, int64_t n) { fwrite(x, sizeof(float),
 static void products(FILE* out) {
   const int64_t K = 512, N = 80;
   struct Case { int bits, gs, params; bool offsets; };
-  const Case cases[] = {{4, 32, 0, true}, {8, 32, 0, false}, {4, 32, 1, true},
-                        {4, 32, 2, true}, {8, 16, 2, false}, {16, 0, 0, false}};
+  const Case cases[] = {{4, 32, 0, true},  {8, 32, 0, false}, {4, 32, 1, true},
+                        {4, 32, 2, true},  {8, 16, 2, false}, {16, 0, 0, false},
+                        {5, 32, 0, true},  {5, 32, 2, true},  {6, 16, 2, false}};
   for (const Case& c : cases) {
     Weight w(N, K, c.bits, c.gs, c.params, c.offsets);
     std::vector<float> bias = randoms(N, 0.1f);
@@ -121,9 +122,10 @@ static void forwards(FILE* out, int64_t dim) {
                                   {kv_heads * dim, hidden}, {hidden, heads * dim},
                                   {inter, hidden}, {inter, hidden}, {hidden, inter}};
     QW* slots[7] = {&L.q, &L.k, &L.v, &L.o, &L.gate, &L.up, &L.down};
+    const int bits[7] = {4, 8, 5, 4, 6, 5, 8};  // q, k, v, o, gate, up, down
     for (int i = 0; i < 7; i++) {
-      bool four = i % 2 == 0;
-      weights.emplace_back(shapes[i][0], shapes[i][1], four ? 4 : 8, 32, 0, four);
+      weights.emplace_back(shapes[i][0], shapes[i][1], bits[i], bits[i] == 6 ? 16 : 32, 0,
+                           bits[i] == 4 || bits[i] == 5);
       *slots[i] = weights.back().w;
     }
     norms.push_back(randoms(hidden, 0.2f, 1.0f));

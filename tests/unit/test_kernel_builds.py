@@ -25,8 +25,8 @@ from agentspec.engine.quant import native
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "tests" / "kernels" / "bits.cpp"
 DIMS = (64, 128)
-PRODUCTS = 6 * (1 + 3 + 8 + 11) * 80 * 4
-"""The bytes of the products' part of a file (bits.cpp: six formats, four row counts, 80
+PRODUCTS = 9 * (1 + 3 + 8 + 11) * 80 * 4
+"""The bytes of the products' part of a file (bits.cpp: nine formats, four row counts, 80
 outputs)."""
 ARM = ("aarch64-linux-gnu-g++", "qemu-aarch64")
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),

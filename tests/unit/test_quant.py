@@ -40,10 +40,10 @@ def _blocks(kind: str, rng: np.random.Generator) -> np.ndarray:
     qtype = GGMLQuantizationType[kind]
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         return quants.quantize(rng.standard_normal((N, K)).astype(np.float32), qtype)
-    block, size = {"Q4_K": (256, 144), "Q6_K": (256, 210)}[kind]
+    block, size = {"Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}[kind]
     raw = rng.integers(0, 256, size=(N, K // block, size), dtype=np.uint8)
     scales = rng.uniform(1e-3, 2e-2, size=(N, K // block, 2)).astype(np.float16).view(np.uint8)
-    if kind == "Q4_K":  # d, dmin first
+    if kind in ("Q4_K", "Q5_K"):  # d, dmin first
         raw[..., 0:4] = scales.reshape(N, K // block, 4)
     else:  # d last
         raw[..., 208:210] = scales.reshape(N, K // block, 4)[..., :2]
@@ -95,10 +95,10 @@ def test_every_format_holds_ggufs_own_weights(kind):
     assert torch.equal(weight.rows(ids), torch.from_numpy(ref[[0, N - 1, 7, 7]]))
 
 
-# Bits a weight held against the file's (rows padded to whole tiles aside): the 4-bit types and
-# Q8_0 about their file's; Q5_x and Q6_K in a byte a value.
-HELD_OVER_FILE = {"Q4_0": 1.12, "Q4_1": 1.0, "Q4_K": 1.03, "Q8_0": 1.0, "Q5_0": 1.64,
-                  "Q5_1": 1.5, "Q6_K": 1.31}
+# Bits a weight held against the file's (rows padded to whole tiles aside): about the file's
+# (Q4_0 and Q5_0 store no offsets, held as float16 ones; a K-quant's factors in 8 bits).
+HELD_OVER_FILE = {"Q4_0": 1.12, "Q4_1": 1.0, "Q4_K": 1.03, "Q8_0": 1.0, "Q5_0": 1.1,
+                  "Q5_1": 1.0, "Q5_K": 1.03, "Q6_K": 1.0}
 
 
 @pytest.mark.parametrize("kind", FORMATS)

@@ -11,14 +11,17 @@ format  group       q                                      scale, offset
 ======  ==========  =====================================  ================================
 Q4_0    32          0..15                                  d, -8d
 Q4_1    32          0..15                                  d, m
-Q5_0    32          0..31 (held in a byte)                 d, -16d
-Q5_1    32          0..31 (held in a byte)                 d, m
+Q5_0    32          0..31                                  d, -16d
+Q5_1    32          0..31                                  d, m
 Q8_0    32          -128..127                              d, 0
 Q4_K    32 (of 256) 0..15                                  d * sc, -(dmin * m)
-Q6_K    16 (of 256) -32..31 (held in a byte)               d * sc, 0
+Q5_K    32 (of 256) 0..31                                  d * sc, -(dmin * m)
+Q6_K    16 (of 256) -32..31                                d * sc, 0
 ======  ==========  =====================================  ================================
 
-The scales and offsets are held as float16 where every one of a tensor's is a float16 value
+The values are held in their bits: 4 and 8 as they are; 5 and 6 (Q5_x, Q5_K; Q6_K, held as
+q + 32) as 4-bit low nibbles laid out as the 4-bit formats' and one or two planes of their high
+bits. The scales and offsets are held as float16 where every one of a tensor's is a float16 value
 (the file's own: Q4_0, Q4_1, Q5_x, Q8_0); a K-quant's as the file's factors, a float16 scale per
 256 inputs and a small integer per group, whose product is its scale exactly; else float32.
 """
@@ -36,8 +39,8 @@ TILE = 64
 """Output rows per tile: a tile is computed whole by one thread."""
 
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
-EIGHT_BIT = ("Q8_0", "Q5_0", "Q5_1", "Q6_K")
-FORMATS = (*FOUR_BIT, *EIGHT_BIT)
+WIDER = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
+FORMATS = (*FOUR_BIT, *WIDER)
 """The GGUF quantization types held as stored."""
 
 
@@ -79,8 +82,8 @@ def unpack(kind: str, data: np.ndarray, n: int, k: int) -> Unpacked:
     rows = np.ascontiguousarray(data, dtype=np.uint8).reshape(n, -1)
     if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         return _simple(kind, rows, n, k)
-    if kind == "Q4_K":
-        return _q4_k(rows, n, k)
+    if kind in ("Q4_K", "Q5_K"):
+        return _q45_k(kind, rows, n, k)
     if kind == "Q6_K":
         return _q6_k(rows, n, k)
     raise ValueError(f"GGUF type {kind} is not held as stored (held: {', '.join(FORMATS)}); "
@@ -109,11 +112,14 @@ def _simple(kind: str, rows: np.ndarray, n: int, k: int) -> Unpacked:
         bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
         q = q | (bits << 4)
     offset = m if m is not None else d * np.float32(-8.0 if high is None else -16.0)
-    return Unpacked(q.reshape(n, k), d, offset, 32, 4 if high is None else 8)
+    return Unpacked(q.reshape(n, k), d, offset, 32, 4 if high is None else 5)
 
 
-def _q4_k(rows: np.ndarray, n: int, k: int) -> Unpacked:
-    b = rows.reshape(n, k // 256, 144)
+def _q45_k(kind: str, rows: np.ndarray, n: int, k: int) -> Unpacked:
+    """Q4_K (144 bytes per 256 inputs: d, dmin, the 6-bit scales and mins, 4-bit values) and
+    Q5_K (176: the same, then a fifth bit of each value in 32 bytes before the low nibbles)."""
+    five = kind == "Q5_K"
+    b = rows.reshape(n, k // 256, 176 if five else 144)
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])  # [n, supers, 1]
     s = b[..., 4:16].astype(np.uint8)
     sc = np.empty((*s.shape[:2], 8), dtype=np.uint8)
@@ -121,13 +127,18 @@ def _q4_k(rows: np.ndarray, n: int, k: int) -> Unpacked:
     sc[..., :4], mn[..., :4] = s[..., 0:4] & 63, s[..., 4:8] & 63
     sc[..., 4:] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
     mn[..., 4:] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
-    qs = b[..., 16:].reshape(n, k // 256, 4, 32)  # 64 inputs a chunk: low nibbles, then high
-    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)
+    at = 48 if five else 16
+    qs = b[..., at:].reshape(n, k // 256, 4, 32)  # 64 inputs a chunk: low nibbles, then high
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k // 256, 8, 32)
+    if five:  # group g's fifth bits: bit g of the 32 bytes
+        high = b[..., 16:48].reshape(n, k // 256, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+        q = q | ((high & 1) << 4)
     scale = (d * sc.astype(np.float32)).reshape(n, k // 32)
     offset = (-dmin * mn.astype(np.float32)).reshape(n, k // 32)
     factors = (d.reshape(n, -1), sc.reshape(n, k // 32), -dmin.reshape(n, -1),
                mn.reshape(n, k // 32))
-    return Unpacked(q.astype(np.uint8), scale, offset, 32, 4, factors)
+    return Unpacked(q.reshape(n, k).astype(np.uint8), scale, offset, 32, 5 if five else 4,
+                    factors)
 
 
 def _q6_k(rows: np.ndarray, n: int, k: int) -> Unpacked:
@@ -144,7 +155,7 @@ def _q6_k(rows: np.ndarray, n: int, k: int) -> Unpacked:
     zeros = np.zeros_like(d.reshape(n, -1))
     factors = (d.reshape(n, -1), sc.reshape(n, k // 16).astype(np.int8), zeros,
                np.zeros((n, k // 16), dtype=np.int8))
-    return Unpacked(q.reshape(n, k).astype(np.int8), scale, np.zeros_like(scale), 16, 8, factors)
+    return Unpacked(q.reshape(n, k).astype(np.int8), scale, np.zeros_like(scale), 16, 6, factors)
 
 
 def _factored(u: Unpacked, units: int, pad: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -176,6 +187,30 @@ def _factored(u: Unpacked, units: int, pad: int) -> tuple[np.ndarray, np.ndarray
     return out[0], out[1]
 
 
+def _values(q: np.ndarray, bits: int, units: int, pad: int, groups: int, gs: int) -> np.ndarray:
+    """A weight's values ``[n, k]`` in ``qmm.cpp``'s layout, as bytes: per unit of 32 rows,
+    block of 16, group and chunk, the chunk's inputs of the block's rows, each row's two inputs
+    in one 32-bit lane as the products widen them. 8 bits: chunk j inputs 2j, 2j + 1. 4 bits:
+    chunk j inputs 4j, 4j + 1 in low nibbles, 4j + 2, 4j + 3 in high ones. 5 and 6 bits (6
+    holds q + 32): the 4-bit chunk of the values' low nibbles, then per high bit an 8-byte plane,
+    bit 2r + i of its first 4 bytes that bit of row r's input 4j + i, of the next 4 of 4j + 2 + i."""
+    q = np.pad(q, ((0, pad), (0, 0)))
+    if bits == 8:  # [units, blocks, 16 rows, groups, chunks, 2 inputs] -> rows inside chunks
+        q = q.astype(np.int8).reshape(units, 2, 16, groups, gs // 2, 2)
+        return np.ascontiguousarray(q.transpose(0, 1, 3, 4, 2, 5)).view(np.uint8).reshape(-1)
+    v = (q.astype(np.int16) + (32 if bits == 6 else 0)).astype(np.uint8)
+    v = v.reshape(units, 2, 16, groups, gs // 4, 2, 2)  # pair (low / high nibble), input
+    low = v & 0x0F
+    nibbles = (low[..., 0, :] | (low[..., 1, :] << 4)).transpose(0, 1, 3, 4, 2, 5)
+    chunk = [np.ascontiguousarray(nibbles).reshape(units, 2, groups, gs // 4, 32)]
+    for plane in range(bits - 4):
+        bit = (v >> (4 + plane)) & 1  # -> [units, blocks, groups, chunks, pair, 16 rows, 2]
+        bit = np.ascontiguousarray(bit.transpose(0, 1, 3, 4, 5, 2, 6))
+        chunk.append(np.packbits(bit.reshape(units, 2, groups, gs // 4, 2, 32), axis=-1,
+                                 bitorder="little").reshape(units, 2, groups, gs // 4, 8))
+    return np.ascontiguousarray(np.concatenate(chunk, axis=-1)).reshape(-1)
+
+
 class QuantWeight:
     """A weight of ``n`` output rows and ``k`` inputs, held quantized in units of 32 output
     rows (tiles of :data:`TILE`, see ``qmm.cpp``): :meth:`matmul` and :meth:`rows` run on it,
@@ -187,18 +222,9 @@ class QuantWeight:
         self.n, self.k, self.group, self.bits, self.kind = n, k, u.group, u.bits, kind
         units, groups, gs = 2 * -(-n // TILE), k // u.group, u.group
         pad = units * 32 - n
-        q = np.pad(u.q, ((0, pad), (0, 0))).astype(np.int8 if u.bits == 8 else np.uint8)
+        self.q = torch.from_numpy(_values(u.q, u.bits, units, pad, groups, gs))
         scale = np.pad(u.scale, ((0, pad), (0, 0)))
         offset = np.pad(u.offset, ((0, pad), (0, 0)))
-        # [units, blocks, 16 rows, groups, chunks, 2 inputs] -> [units, blocks, groups, chunks,
-        # 16 rows, 2 inputs]: a chunk widens to a row's two inputs in each 32-bit lane
-        if u.bits == 4:  # chunk j: inputs 4j, 4j + 1 low nibbles, 4j + 2, 4j + 3 high ones
-            q = q.reshape(units, 2, 16, groups, gs // 4, 2, 2)
-            q = q[..., 0, :] | (q[..., 1, :] << 4)
-        else:
-            q = q.reshape(units, 2, 16, groups, gs // 2, 2)
-        q = q.transpose(0, 1, 3, 4, 2, 5)
-        self.q = torch.from_numpy(np.ascontiguousarray(q).view(np.uint8).reshape(-1))
         # No offsets at all where every one is +0 (Q8_0, Q6_K): the products add none.
         none = np.array_equal(u.offset, np.zeros_like(u.offset)) and not np.signbit(u.offset).any()
         factored = _factored(u, units, pad)

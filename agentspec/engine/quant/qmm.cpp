@@ -8,7 +8,10 @@
 // the lanes of the dot-product instruction: lane c holds two consecutive inputs of output row c.
 // 8-bit formats (q signed, in a byte): chunk j holds inputs 2j, 2j + 1. 4-bit formats (q
 // 0..15): chunk j holds inputs 4j, 4j + 1 in its low nibbles and 4j + 2, 4j + 3 in its high
-// ones. The scales and offsets (params: 0 float16, 1 float32) are [unit][group][32]; a
+// ones. 5- and 6-bit formats (Q5_x, Q5_K: 0..31; Q6_K: -32..31, held as q + 32): the 4-bit
+// chunk of the values' low nibbles, then per high bit an 8-byte plane, bit 2c + i of its first
+// four bytes that bit of row c's input 4j + i, of the next four of input 4j + 2 + i; the
+// products widen the nibbles and OR the planes' bits in (less 32). The scales and offsets (params: 0 float16, 1 float32) are [unit][group][32]; a
 // K-quant's (params 2) per unit the float16 d of each 256 inputs ([supers][32]), then the int8
 // sc of each group ([groups][32]): the scale is d * sc, exact in float32 (the offset alike).
 // A weight whose offsets are all +0 (Q8_0, Q6_K) holds none (a null pointer).
@@ -79,8 +82,12 @@ static inline float param_at(const void* p, int params, int64_t u, int64_t g, in
   return params ? ((const float*)p)[at] : half_to_float(((const uint16_t*)p)[at]);
 }
 
-// Bytes of one block's group of values (16 output rows).
-static inline int64_t block_bytes(int bits, int gs) { return bits == 4 ? 8 * gs : 16 * gs; }
+// Bytes of one block's chunk of four inputs (bits 4 to 6: 32 of low nibbles, 8 a high bit's
+// plane), and of one block's group of values (16 output rows).
+static inline int64_t chunk_bytes(int bits) { return 32 + 8 * (bits - 4); }
+static inline int64_t block_bytes(int bits, int gs) {
+  return bits == 8 ? 16 * gs : chunk_bytes(bits) * (gs / 4);
+}
 
 // The values of unit u's block b (16 output rows), group g.
 static inline const uint8_t* block_at(const uint8_t* q, int bits, int gs, int64_t groups,
@@ -92,11 +99,13 @@ static inline const uint8_t* block_at(const uint8_t* q, int bits, int gs, int64_
 static inline int stored_at(const uint8_t* q, int bits, int gs, int64_t groups, int64_t u,
                             int64_t g, int k, int c) {
   const uint8_t* block = block_at(q, bits, gs, groups, u, c / 16, g);
-  if (bits == 4) {
-    uint8_t v = block[(k / 4) * 32 + (c % 16) * 2 + k % 2];
-    return (k % 4) < 2 ? v & 0x0f : v >> 4;
-  }
-  return (int8_t)block[(k / 2) * 32 + (c % 16) * 2 + k % 2];
+  if (bits == 8) return (int8_t)block[(k / 2) * 32 + (c % 16) * 2 + k % 2];
+  const uint8_t* chunk = block + (k / 4) * chunk_bytes(bits);
+  int lane = (c % 16) * 2 + k % 2, pair = (k % 4) / 2;
+  int v = pair ? chunk[lane] >> 4 : chunk[lane] & 0x0f;
+  for (int p = 0; p < bits - 4; p++)
+    v |= ((chunk[32 + 8 * p + 4 * pair + lane / 8] >> (lane % 8)) & 1) << (4 + p);
+  return bits == 6 ? v - 32 : v;
 }
 
 // Input rows quantized per group of 32 (see the top of this file).
@@ -201,15 +210,23 @@ static void lanes_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_
   vf a[R];
   for (int r = 0; r < R; r++) a[r] = vf_zero();
   for (int64_t g = 0; g < groups; g++) {
-    // lane c's two bytes of a 32-byte chunk are at 2 * (c % 16)
-    const uint8_t* w = block_at(q, BITS, gs, groups, u, lane0 / 16, g) + (lane0 % 16) * 2;
+    // lane c's two bytes of a 32-byte chunk are at 2 * (c % 16), its bits of a plane's four
+    // bytes at 2 * (c % 16)
+    const uint8_t* w = block_at(q, BITS, gs, groups, u, lane0 / 16, g);
     vi s[R];
     for (int r = 0; r < R; r++) s[r] = vi_zero();
     const int16_t* xg = x.q + m0 * x.K + g * gs;
-    if (BITS == 4) {
+    if (BITS != 8) {
       for (int j = 0; j < gs / 4; j++) {
+        const uint8_t* c = w + chunk_bytes(BITS) * j;
         vi lo, hi;
-        vi_nibbles(w + 32 * j, lo, hi);
+        vi_nibbles(c + (lane0 % 16) * 2, lo, hi);
+        for (int p = 0; p < BITS - 4; p++) {  // the high bits, planes after the nibbles
+          const uint8_t* plane = c + 32 + 8 * p + (lane0 % 16) / 4;
+          lo = vi_or(lo, vi_bits16(plane, (int16_t)(16 << p)));
+          hi = vi_or(hi, vi_bits16(plane + 4, (int16_t)(16 << p)));
+        }
+        if (BITS == 6) lo = vi_sub16(lo, 32), hi = vi_sub16(hi, 32);  // held as q + 32
         for (int r = 0; r < R; r++) {
           s[r] = vi_dot(s[r], lo, vi_pair(xg + r * x.K, 2 * j));
           s[r] = vi_dot(s[r], hi, vi_pair(xg + r * x.K, 2 * j + 1));
@@ -217,7 +234,7 @@ static void lanes_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_
       }
     } else {
       for (int j = 0; j < gs / 2; j++) {
-        vi v = vi_bytes(w + 32 * j);
+        vi v = vi_bytes(w + 32 * j + (lane0 % 16) * 2);
         for (int r = 0; r < R; r++) s[r] = vi_dot(s[r], v, vi_pair(xg + r * x.K, j));
       }
     }
@@ -254,8 +271,7 @@ typedef void (*unit_fn)(const QX&, int64_t, const uint8_t*, int, int64_t, int64_
 #define AS_UNITS(B)                                                                         \
   {nullptr, unit_rows<1, B>, unit_rows<2, B>, unit_rows<3, B>, unit_rows<4, B>,              \
    unit_rows<5, B>, unit_rows<6, B>, unit_rows<7, B>, unit_rows<8, B>}
-static const unit_fn UNITS4[9] = AS_UNITS(4);
-static const unit_fn UNITS8[9] = AS_UNITS(8);
+static const unit_fn UNITS[4][9] = {AS_UNITS(4), AS_UNITS(5), AS_UNITS(6), AS_UNITS(8)};
 #endif
 
 // Rows [m0, m0 + rows) of unit u, portably (the same sums and float steps, slower).
@@ -394,8 +410,8 @@ void as_qmm_q(const QX& x, int64_t M, int64_t N, const uint8_t* q, int bits, int
   each_unit(M, N, bias, add, out, ldo, nthreads,
             [&](int64_t u, int64_t m0, int64_t rows, float* acc) {
 #ifdef AS_VEC
-              (bits == 4 ? UNITS4 : UNITS8)[rows](x, m0, q, gs, groups, u, scale, offset, params,
-                                                  acc);
+              UNITS[bits == 8 ? 3 : bits - 4][rows](x, m0, q, gs, groups, u, scale, offset,
+                                                     params, acc);
 #else
               unit_portable(x, m0, rows, q, bits, gs, groups, u, scale, offset, params, acc);
 #endif

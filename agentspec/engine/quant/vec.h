@@ -80,6 +80,13 @@ static inline void vi_nibbles(const uint8_t* p, vi& lo, vi& hi) {  // the same, 
 static inline vi vi_int8(const int8_t* p) {  // LANES int8, widened
   return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p));
 }
+static inline vi vi_bits16(const uint8_t* p, int16_t value) {  // 2 * LANES bits (LANES / 4
+  uint32_t m;                                                     // bytes): each bit's 16-bit
+  memcpy(&m, p, 4);                                               // element value where set
+  return _mm512_maskz_mov_epi16((__mmask32)m, _mm512_set1_epi16(value));
+}
+static inline vi vi_or(vi a, vi b) { return _mm512_or_si512(a, b); }
+static inline vi vi_sub16(vi a, int16_t b) { return _mm512_sub_epi16(a, _mm512_set1_epi16(b)); }
 static inline vi vi_dot(vi s, vi w, vi x) {  // s + w.lo * x.lo + w.hi * x.hi per 32-bit lane
 #ifdef __AVX512VNNI__
   return _mm512_dpwssd_epi32(s, w, x);
@@ -145,6 +152,16 @@ static inline void vi_nibbles(const uint8_t* p, vi& lo, vi& hi) {
 static inline vi vi_int8(const int8_t* p) {
   return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p));
 }
+static inline vi vi_bits16(const uint8_t* p, int16_t value) {
+  uint16_t m;
+  memcpy(&m, p, 2);
+  const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048,
+                                        4096, 8192, 16384, (int16_t)0x8000);
+  __m256i on = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((int16_t)m), bit), bit);
+  return _mm256_and_si256(on, _mm256_set1_epi16(value));
+}
+static inline vi vi_or(vi a, vi b) { return _mm256_or_si256(a, b); }
+static inline vi vi_sub16(vi a, int16_t b) { return _mm256_sub_epi16(a, _mm256_set1_epi16(b)); }
 static inline vi vi_dot(vi s, vi w, vi x) { return _mm256_add_epi32(s, _mm256_madd_epi16(w, x)); }
 #elif defined(AS_NEON)
 static const int LANES = 4, PASS_ROWS = 8, TILE_RUNS = 1, VALUE_QUERIES = 4;
@@ -198,6 +215,15 @@ static inline vi vi_int8(const int8_t* p) {  // four bytes, no further
   int32_t w;
   memcpy(&w, p, 4);
   return vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)))));
+}
+static inline vi vi_bits16(const uint8_t* p, int16_t value) {
+  const uint16_t bit[8] = {1, 2, 4, 8, 16, 32, 64, 128};
+  uint16x8_t on = vtstq_u16(vdupq_n_u16(p[0]), vld1q_u16(bit));
+  return vreinterpretq_s32_u16(vandq_u16(on, vdupq_n_u16((uint16_t)value)));
+}
+static inline vi vi_or(vi a, vi b) { return vorrq_s32(a, b); }
+static inline vi vi_sub16(vi a, int16_t b) {
+  return vreinterpretq_s32_s16(vsubq_s16(vreinterpretq_s16_s32(a), vdupq_n_s16(b)));
 }
 static inline vi vi_dot(vi s, vi w, vi x) {  // each lane's two 16-bit products, added
   int16x8_t a = vreinterpretq_s16_s32(w), b = vreinterpretq_s16_s32(x);
