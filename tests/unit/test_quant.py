@@ -289,3 +289,21 @@ def test_without_a_compiler_the_default_is_the_dequantised_model_with_a_warning(
     with pytest.warns(UserWarning, match="no C\\+\\+ compiler"):
         target = load_target("smollm2-135m-instruct", device="cpu")
     assert weights_mode(target.model) == "float32"
+
+
+def _held_bytes(w: QuantWeight) -> tuple:
+    return (w.n, w.k, w.group, w.bits, w.params, w.q.numpy().tobytes(), w.scale.numpy().tobytes(),
+            w.offset.numpy().tobytes())
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_tensor_held_a_slice_at_a_time_is_the_tensor_held_whole(kind, monkeypatch):
+    from agentspec.engine.quant import formats
+
+    order = np.random.default_rng(0).permutation(N)  # a query weight's rows, permuted
+    whole = QuantWeight(_unpacked(kind).rows(order), kind)
+    monkeypatch.setattr(formats, "ROWS_AT_ONCE", 64)  # N = 160: slices of 64, 64 and 32 rows
+    assert _held_bytes(QuantWeight.of_blocks(kind, _data(kind), N, K, order)) == _held_bytes(whole)
+    # the control: slices that are no whole tiles pad each to one, and hold other bytes
+    monkeypatch.setattr(formats, "ROWS_AT_ONCE", 48)
+    assert _held_bytes(QuantWeight.of_blocks(kind, _data(kind), N, K, order)) != _held_bytes(whole)

@@ -38,6 +38,10 @@ from agentspec.engine.quant import native
 TILE = 64
 """Output rows per tile: a tile is computed whole by one thread."""
 
+ROWS_AT_ONCE = 8192
+"""Rows of a tensor unpacked at a time as it is held (a multiple of :data:`TILE`): a whole
+vocabulary's output matrix unpacked at once would take several times its held bytes."""
+
 FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 WIDER = ("Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K")
 FORMATS = (*FOUR_BIT, *WIDER)
@@ -242,6 +246,30 @@ class QuantWeight:
                                    for p in params)
         if none:
             self.offset = self.offset.reshape(-1)[:0]
+
+    @classmethod
+    def of_blocks(cls, kind: str, data: np.ndarray, n: int, k: int,
+                  order: np.ndarray | None = None) -> QuantWeight:
+        """A ``kind`` tensor of ``n`` rows and ``k`` inputs held from its raw blocks (``data``,
+        ``[n, bytes a row]``; its rows in ``order`` where given), :data:`ROWS_AT_ONCE` rows
+        unpacked at a time: bitwise ``QuantWeight(unpack(...).rows(order))``, whose layout is
+        unit by unit, at a fraction of its peak memory. Where the slices would hold their
+        scales differently (float16 in one, float32 in another) the tensor is held whole."""
+        rows = np.asarray(data).reshape(n, -1)
+        if order is not None:
+            rows = rows[order]
+        parts = [cls(unpack(kind, rows[r0 : r0 + ROWS_AT_ONCE], min(ROWS_AT_ONCE, n - r0), k), kind)
+                 for r0 in range(0, n, ROWS_AT_ONCE)]
+        first = parts[0]
+        if len(parts) > 1 and any((p.params, p.offset.numel() == 0)
+                                  != (first.params, first.offset.numel() == 0) for p in parts):
+            return cls(unpack(kind, rows, n, k), kind)
+        out = cls.__new__(cls)
+        out.n, out.k, out.group, out.bits, out.kind, out.params = (
+            n, k, first.group, first.bits, kind, first.params)
+        out.q, out.scale, out.offset = (torch.cat([getattr(p, a) for p in parts])
+                                        for a in ("q", "scale", "offset"))
+        return out
 
     @classmethod
     def bfloat16(cls, weight: torch.Tensor, kind: str = "bf16") -> QuantWeight:

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from agentspec.engine import pages
-from agentspec.engine.quant.formats import FORMATS, QuantWeight, unpack
+from agentspec.engine.quant.formats import FORMATS, QuantWeight
 
 
 class QuantLinear(torch.nn.Module):
@@ -163,10 +163,8 @@ class _File:
                              f"stored (held: {', '.join(FORMATS)}); load the model with "
                              "dtype='float32' or 'bfloat16'")
         k, n = int(t.shape[0]), int(t.shape[1])
-        u = unpack(kind, t.data, n, k)
-        if heads is not None:
-            u = u.rows(_permute_order(n, heads))
-        return QuantWeight(u, kind)
+        order = None if heads is None else _permute_order(n, heads)
+        return QuantWeight.of_blocks(kind, t.data, n, k, order)
 
     def dense(self, name: str) -> torch.Tensor:
         from gguf import quants
