@@ -22,10 +22,11 @@ from agentspec.bench.synthetic import SHAPES, write_synthetic
 TINY = SHAPES["tiny"]
 
 
-# Q8_0 (tied) in `make test-long`: the format's blocks are held bitwise in make test by
-# tests/unit/test_quant.py, and the writer and loader by the Q4_0 case.
+# Q8_0 (tied) and Q5_K in `make test-long`: the formats' blocks are held bitwise in make test
+# by tests/unit/test_quant.py, and the writer and loader by the Q4_0 case.
 @pytest.mark.parametrize(("qtype", "tied"), [pytest.param("Q8_0", True, marks=pytest.mark.long),
-                                             ("Q4_0", False), ("Q5_K", False)])
+                                             ("Q4_0", False),
+                                             pytest.param("Q5_K", False, marks=pytest.mark.long)])
 def test_synthetic_file_loads_held_as_stored(tmp_path: Path, qtype: str, tied: bool) -> None:
     from agentspec.engine.load import load_target
     from agentspec.engine.plan import draft_member
