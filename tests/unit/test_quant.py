@@ -301,7 +301,7 @@ def test_a_tensor_held_a_slice_at_a_time_is_the_tensor_held_whole(kind, monkeypa
     from agentspec.engine.quant import formats
 
     order = np.random.default_rng(0).permutation(N)  # a query weight's rows, permuted
-    whole = QuantWeight(_unpacked(kind).rows(order), kind)
+    whole = QuantWeight(unpack(kind, _data(kind)[order], N, K), kind)
     monkeypatch.setattr(formats, "ROWS_AT_ONCE", 64)  # N = 160: slices of 64, 64 and 32 rows
     assert _held_bytes(QuantWeight.of_blocks(kind, _data(kind), N, K, order)) == _held_bytes(whole)
     # the control: slices that are no whole tiles pad each to one, and hold other bytes

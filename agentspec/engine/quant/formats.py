@@ -65,12 +65,6 @@ class Unpacked:
     bits: int
     factors: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
 
-    def rows(self, order: np.ndarray) -> Unpacked:
-        """The same weight with its output rows in ``order``."""
-        factors = None if self.factors is None else tuple(f[order] for f in self.factors)
-        return Unpacked(self.q[order], self.scale[order], self.offset[order], self.group,
-                        self.bits, factors)  # type: ignore[arg-type]
-
 
 def _f16(raw: np.ndarray) -> np.ndarray:
     return raw.copy().view(np.float16).astype(np.float32)
@@ -252,7 +246,7 @@ class QuantWeight:
                   order: np.ndarray | None = None) -> QuantWeight:
         """A ``kind`` tensor of ``n`` rows and ``k`` inputs held from its raw blocks (``data``,
         ``[n, bytes a row]``; its rows in ``order`` where given), :data:`ROWS_AT_ONCE` rows
-        unpacked at a time: bitwise ``QuantWeight(unpack(...).rows(order))``, whose layout is
+        unpacked at a time: bitwise ``QuantWeight(unpack(kind, data[order], n, k))``, whose layout is
         unit by unit, at a fraction of its peak memory. Where the slices would hold their
         scales differently (float16 in one, float32 in another) the tensor is held whole."""
         rows = np.asarray(data).reshape(n, -1)

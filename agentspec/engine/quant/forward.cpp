@@ -63,24 +63,6 @@ struct Batch {
   float* const* values;
 };
 
-static inline float exp_fixed(float x) {
-  x = fminf(fmaxf(x, -87.0f), 88.0f);
-  float n = nearbyintf(x * 1.44269504088896341f);
-  float r = fmaf(n, -0.693145751953125f, x);
-  r = fmaf(n, -1.428606765330187e-06f, r);
-  float p = 1.3888889e-03f;
-  p = fmaf(p, r, 8.3333333e-03f);
-  p = fmaf(p, r, 4.1666668e-02f);
-  p = fmaf(p, r, 1.6666667e-01f);
-  p = fmaf(p, r, 0.5f);
-  p = fmaf(p, r, 1.0f);
-  p = fmaf(p, r, 1.0f);
-  uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-  float s;
-  memcpy(&s, &bits, 4);
-  return p * s;
-}
-
 // Sixteen partial sums of a[i] * b[i] by i modulo sixteen (n a multiple of 16), added in a
 // fixed tree.
 static inline float dot16(const float* a, const float* b, int64_t n) {

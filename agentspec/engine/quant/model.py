@@ -102,10 +102,10 @@ def loads_as_stored(path: Path) -> bool:
 def default_as_stored(path: Path) -> bool:
     """Whether the GGUF file ``path`` loads as stored when no dtype is named (on the CPU): where
     it can (:func:`loads_as_stored`) and the native kernels build here with vectors (AVX-512,
-    AVX2 or ARM's NEON, ``native.lanes``). Without vectors the file's weights run many times slower than the
-    dequantised model's modules, so there the default is the float32 model, unless its copy
-    would take more than half the memory available (then the weights as stored: slow, but
-    loaded); either way a warning says so once."""
+    AVX2 or ARM's NEON, ``native.lanes``). Without vectors the file's weights run many times
+    slower than the dequantised model's modules, so there the default is the float32 model,
+    unless its copy would take more than half the memory available (then the weights as
+    stored: slow, but loaded); either way a warning says so once."""
     from agentspec.engine.quant import native
     from agentspec.errors import warn_once
 

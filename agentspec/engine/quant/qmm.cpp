@@ -11,9 +11,10 @@
 // ones. 5- and 6-bit formats (Q5_x, Q5_K: 0..31; Q6_K: -32..31, held as q + 32): the 4-bit
 // chunk of the values' low nibbles, then per high bit an 8-byte plane, bit 2c + i of its first
 // four bytes that bit of row c's input 4j + i, of the next four of input 4j + 2 + i; the
-// products widen the nibbles and OR the planes' bits in (less 32). The scales and offsets (params: 0 float16, 1 float32) are [unit][group][32]; a
-// K-quant's (params 2) per unit the float16 d of each 256 inputs ([supers][32]), then the int8
-// sc of each group ([groups][32]): the scale is d * sc, exact in float32 (the offset alike).
+// products widen the nibbles and OR the planes' bits in (less 32). The scales and offsets
+// (params: 0 float16, 1 float32) are [unit][group][32]; a K-quant's (params 2) per unit the
+// float16 d of each 256 inputs ([supers][32]), then the int8 sc of each group ([groups][32]):
+// the scale is d * sc, exact in float32 (the offset alike).
 // A weight whose offsets are all +0 (Q8_0, Q6_K) holds none (a null pointer).
 //
 // bfloat16 weights (bits 16: a float checkpoint held in bfloat16, no scales): per unit and
@@ -30,13 +31,16 @@
 // summation noise of the dequantised weights' (8-bit activations, llama.cpp's, would not on
 // the packaged model). So a row's bits depend on its own inputs only, whatever M is, whichever
 // row of the call it is and whichever thread computes its unit (threads split units, never K);
-// and the vector paths (vec.h: 16 lanes on AVX-512, 8 on AVX2) and the portable one give the
-// same bits: integer sums are exact and the float operations the same, in the same order.
+// and the vector paths (vec.h: 16 lanes on AVX-512, 8 on AVX2, 4 on NEON) and the portable
+// one give the same bits: integer sums are exact and the float operations the same, in the same order.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+
+#include <type_traits>
+
 #include "vec.h"
 
 static inline float half_to_float(uint16_t h) {
@@ -251,19 +255,26 @@ static void lanes_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_
   for (int r = 0; r < R; r++) vf_store(acc + r * 32 + lane0, a[r]);
 }
 
-// Rows [m0, m0 + R) of unit u, LANES output rows and PASS_ROWS rows a pass.
-template <int R, int BITS>
-static void unit_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_t groups,
-                      int64_t u, const void* scale, const void* offset, int params, float* acc) {
+// R rows of a unit's 32 outputs in passes: each LANES outputs, PASS_ROWS rows a pass (the
+// rest in one more), as pass(rows, r, lane0) with rows a compile-time count.
+template <int R, typename Pass>
+static inline void in_passes(Pass pass) {
   for (int lane0 = 0; lane0 < 32; lane0 += LANES) {
     int r = 0;
     for (; r + PASS_ROWS <= R; r += PASS_ROWS)
-      lanes_rows<PASS_ROWS, BITS>(x, m0 + r, q, gs, groups, u, lane0, scale, offset, params,
-                                  acc + r * 32);
-    if constexpr (R % PASS_ROWS != 0)
-      lanes_rows<R % PASS_ROWS, BITS>(x, m0 + r, q, gs, groups, u, lane0, scale, offset,
-                                      params, acc + r * 32);
+      pass(std::integral_constant<int, PASS_ROWS>(), r, lane0);
+    if constexpr (R % PASS_ROWS != 0) pass(std::integral_constant<int, R % PASS_ROWS>(), r, lane0);
   }
+}
+
+// Rows [m0, m0 + R) of unit u.
+template <int R, int BITS>
+static void unit_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_t groups,
+                      int64_t u, const void* scale, const void* offset, int params, float* acc) {
+  in_passes<R>([&](auto rows, int r, int lane0) {
+    lanes_rows<decltype(rows)::value, BITS>(x, m0 + r, q, gs, groups, u, lane0, scale, offset,
+                                            params, acc + r * 32);
+  });
 }
 
 typedef void (*unit_fn)(const QX&, int64_t, const uint8_t*, int, int64_t, int64_t, const void*,
@@ -333,17 +344,13 @@ static void lanes_bf16(const float* x, int64_t ldx, int64_t m0, const uint8_t* q
   for (int r = 0; r < R; r++) vf_store(acc + r * 32 + lane0, vf_add(e[r], o[r]));
 }
 
-// Rows [m0, m0 + R) of a bfloat16 weight's unit u, PASS_ROWS rows a pass.
+// Rows [m0, m0 + R) of a bfloat16 weight's unit u.
 template <int R>
 static void unit_bf16(const float* x, int64_t ldx, int64_t m0, const uint8_t* q, int64_t K,
                       int64_t u, float* acc) {
-  for (int lane0 = 0; lane0 < 32; lane0 += LANES) {
-    int r = 0;
-    for (; r + PASS_ROWS <= R; r += PASS_ROWS)
-      lanes_bf16<PASS_ROWS>(x, ldx, m0 + r, q, K, u, lane0, acc + r * 32);
-    if constexpr (R % PASS_ROWS != 0)
-      lanes_bf16<R % PASS_ROWS>(x, ldx, m0 + r, q, K, u, lane0, acc + r * 32);
-  }
+  in_passes<R>([&](auto rows, int r, int lane0) {
+    lanes_bf16<decltype(rows)::value>(x, ldx, m0 + r, q, K, u, lane0, acc + r * 32);
+  });
 }
 
 typedef void (*bf16_fn)(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, float*);

@@ -232,27 +232,43 @@ static inline vi vi_dot(vi s, vi w, vi x) {  // each lane's two 16-bit products,
 }
 #endif
 
+// exp by one fixed polynomial, the same on every path (not the C library's, which differs
+// between libraries): x clamped, n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), a
+// degree-6 polynomial in r, times 2^n. vf_exp computes the same, lane by lane.
+static const float EXP_LOW = -87.0f, EXP_HIGH = 88.0f, EXP_LOG2E = 1.44269504088896341f;
+static const float EXP_LN2[2] = {0.693145751953125f, 1.428606765330187e-06f};
+static const float EXP_POLY[7] = {1.3888889e-03f, 8.3333333e-03f, 4.1666668e-02f,
+                                  1.6666667e-01f, 0.5f, 1.0f, 1.0f};
+
+static inline float exp_fixed(float x) {
+  x = fminf(fmaxf(x, EXP_LOW), EXP_HIGH);
+  float n = nearbyintf(x * EXP_LOG2E);
+  float r = fmaf(n, -EXP_LN2[0], x);
+  r = fmaf(n, -EXP_LN2[1], r);
+  float p = EXP_POLY[0];
+  for (int i = 1; i < 7; i++) p = fmaf(p, r, EXP_POLY[i]);
+  uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+  float s;
+  memcpy(&s, &bits, 4);
+  return p * s;
+}
+
 #ifdef AS_VEC
-// Lanes from fixed-point steps shared by both widths.
+// Lanes from fixed-point steps shared by every width.
 static inline vi vi_pair(const int16_t* x, int64_t i) {  // inputs 2i, 2i + 1 in every lane
   int32_t v;
   memcpy(&v, x + 2 * i, 4);
   return vi_set(v);
 }
 
-// exp as exp_fixed (forward.cpp) computes it, lane by lane.
+// exp as exp_fixed computes it, lane by lane.
 static inline vf vf_exp(vf x) {
-  x = vf_min(vf_max(x, vf_set(-87.0f)), vf_set(88.0f));
-  vf n = vf_round(vf_mul(x, vf_set(1.44269504088896341f)));
-  vf r = vf_fma(n, vf_set(-0.693145751953125f), x);
-  r = vf_fma(n, vf_set(-1.428606765330187e-06f), r);
-  vf p = vf_set(1.3888889e-03f);
-  p = vf_fma(p, r, vf_set(8.3333333e-03f));
-  p = vf_fma(p, r, vf_set(4.1666668e-02f));
-  p = vf_fma(p, r, vf_set(1.6666667e-01f));
-  p = vf_fma(p, r, vf_set(0.5f));
-  p = vf_fma(p, r, vf_set(1.0f));
-  p = vf_fma(p, r, vf_set(1.0f));
+  x = vf_min(vf_max(x, vf_set(EXP_LOW)), vf_set(EXP_HIGH));
+  vf n = vf_round(vf_mul(x, vf_set(EXP_LOG2E)));
+  vf r = vf_fma(n, vf_set(-EXP_LN2[0]), x);
+  r = vf_fma(n, vf_set(-EXP_LN2[1]), r);
+  vf p = vf_set(EXP_POLY[0]);
+  for (int i = 1; i < 7; i++) p = vf_fma(p, r, vf_set(EXP_POLY[i]));
   return vf_mul(p, vf_bits(vi_shl(vi_add(vf_int(n), vi_set(127)), 23)));
 }
 #endif
