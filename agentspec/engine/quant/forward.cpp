@@ -85,16 +85,17 @@ static void rmsnorm(const float* x, int64_t rows, int64_t dim, const float* w, f
   }
 }
 
-// out = add + x @ w^T (+ bias), output rows ldo apart (x: qmm.cpp's Rows).
-static void product(Rows& x, const QW& w, const float* add, float* out, int64_t ldo) {
-  rows_product(x, w.n, w.q, w.bits, w.gs, w.scale, w.offset, w.params, w.bias, add, out, ldo);
+// The product of a weight into out (+ add), output rows ldo apart, as a qmm.cpp Job.
+static inline Job job(const QW& w, const float* add, float* out, int64_t ldo) {
+  return Job{w.n, w.q, w.bits, w.gs, w.params, w.scale, w.offset, w.bias, add, out, ldo};
 }
 
-// The same from float rows x[rows][w.k] no other product reads.
+// out = add + x @ w^T from float rows x[rows][w.k] no other product reads.
 static void product(const float* x, int64_t rows, const QW& w, const float* add, float* out,
                     int64_t ldo, int nthreads) {
   Rows in(x, rows, w.k, nthreads);
-  product(in, w, add, out, ldo);
+  Job j = job(w, add, out, ldo);
+  products(in, &j, 1);
 }
 
 // Rotary embedding of heads [0, heads) of each row of x ([rows][stride], heads of dim at the
@@ -312,8 +313,9 @@ static void attention_keys(const Model* m, const Batch* b, const float* qkv, int
   }
   run[runs] = b->rows;
   most = (most + 15) / 16 * 16;
-  // Still few tasks (a step of one row): a key/value head's query heads split among tasks, so
-  // every thread has work (each part reads the keys again).
+  // Still few tasks (a step of a few rows): a run's queries of a key/value head, in (row, head)
+  // order, split into equal slices, so every thread has work and the same work (each slice
+  // reads the keys again).
   int64_t parts = 1;
   while (runs * m->kv_heads * parts < 2 * nthreads && parts < group) parts++;
   const uint16_t* kh = (const uint16_t*)keys;
@@ -325,15 +327,15 @@ static void attention_keys(const Model* m, const Batch* b, const float* qkv, int
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < runs * m->kv_heads * parts; task++) {
       int64_t ru = task / (m->kv_heads * parts), kvh = task / parts % m->kv_heads;
-      int64_t g0 = task % parts * group / parts, g1 = (task % parts + 1) * group / parts;
-      int64_t r0 = run[ru], count = run[ru + 1] - r0, gn = g1 - g0, tq = count * gn;
+      int64_t r0 = run[ru], count = run[ru + 1] - r0, all = count * group;
+      int64_t q0 = task % parts * all / parts, tq = (task % parts + 1) * all / parts - q0;
       int64_t mem = b->member[r0], kv = b->kv[mem], n = b->nrows[mem], len = kv + n;
       const int64_t* table = b->tables + b->table_at[mem];
       int64_t qis[8 * 16];
       const float* qs[8 * 16];
       for (int64_t t = 0; t < tq; t++) {
-        int64_t ri = t / gn, g = g0 + t % gn;
-        qis[t] = ri * group + g;
+        int64_t ri = (q0 + t) / group, g = (q0 + t) % group;
+        qis[t] = q0 + t;
         qs[t] = qkv + (r0 + ri) * stride + (kvh * group + g) * dim;
       }
       vf top[8 * 16];
@@ -498,9 +500,9 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
     LAP(1);
     {
       Rows in(h, rows, hid, nthreads);
-      product(in, L.q, nullptr, qkv, stride);
-      product(in, L.k, nullptr, qkv + qw, stride);
-      product(in, L.v, nullptr, qkv + qw + kw, stride);
+      Job qkv_jobs[3] = {job(L.q, nullptr, qkv, stride), job(L.k, nullptr, qkv + qw, stride),
+                         job(L.v, nullptr, qkv + qw + kw, stride)};
+      products(in, qkv_jobs, 3);
     }
     LAP(2);
     if (L.norm_q) {  // each head of a row alone, in place, as the model's norm does
@@ -521,8 +523,9 @@ extern "C" void as_forward(const Model* m, const Batch* b, float* logits, float*
     LAP(1);
     {
       Rows in(h, rows, hid, nthreads);
-      product(in, L.gate, nullptr, gu, 2 * m->inter);
-      product(in, L.up, nullptr, gu + m->inter, 2 * m->inter);
+      Job mlp_jobs[2] = {job(L.gate, nullptr, gu, 2 * m->inter),
+                         job(L.up, nullptr, gu + m->inter, 2 * m->inter)};
+      products(in, mlp_jobs, 2);
     }
     LAP(6);
     silu_mul(gu, rows, m->inter, act, nthreads);

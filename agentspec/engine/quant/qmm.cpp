@@ -373,56 +373,46 @@ static void unit_bf16_portable(const float* x, int64_t ldx, int64_t m0, int64_t 
     }
 }
 
-// out[m][n] = add[m][n] + (x @ W^T + bias)[m][n], output rows ldo apart (bias, add optional;
-// add may be out), each unit of 32 outputs (units: 2 * ceil(N / 64)) eight rows at a time by
-// `unit(u, m0, rows, acc)` into acc [rows][32]; nthreads threads share the units, never K.
+// One weight of a products() call (held as above: bits 16 bfloat16, else quantized) and where
+// its outputs go: out[m][n] = add[m][n] + (x @ W^T + bias)[m][n], output rows ldo apart (bias,
+// add optional; add may be out).
+struct Job {
+  int64_t N;
+  const uint8_t* q;
+  int bits, gs, params;
+  const void* scale;
+  const void* offset;
+  const float* bias;
+  const float* add;
+  float* out;
+  int64_t ldo;
+};
+
+// Each unit of 32 outputs of each job (a job's units: 2 * ceil(N / 64)), eight rows at a time by
+// `unit(job, u, m0, rows, acc)` into acc [rows][32], then stored; nthreads threads share the
+// jobs' units as one list in one parallel region (never K), so the products of one input (a
+// layer's query, key and value; its gate and up) cost one fork and join and split evenly.
 template <typename Unit>
-static void each_unit(int64_t M, int64_t N, const float* bias, const float* add, float* out,
-                      int64_t ldo, int nthreads, Unit unit) {
-  int64_t units = 2 * ((N + 63) / 64);
+static void each_unit(int64_t M, const Job* jobs, int count, int nthreads, Unit unit) {
+  int64_t first[9] = {0};
+  for (int j = 0; j < count; j++) first[j + 1] = first[j] + 2 * ((jobs[j].N + 63) / 64);
 #pragma omp parallel num_threads(nthreads)
   {
     float acc[8 * 32];
 #pragma omp for schedule(static)
-    for (int64_t u = 0; u < units; u++) {
-      int64_t n0 = u * 32;
-      if (n0 >= N) continue;
+    for (int64_t i = 0; i < first[count]; i++) {
+      int j = 0;
+      while (i >= first[j + 1]) j++;
+      const Job& w = jobs[j];
+      int64_t u = i - first[j], n0 = u * 32;
+      if (n0 >= w.N) continue;
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         int64_t rows = M - m0 < 8 ? M - m0 : 8;
-        unit(u, m0, rows, acc);
-        store(acc, rows, m0, N, n0, bias, add, out, ldo);
+        unit(w, u, m0, rows, acc);
+        store(acc, rows, m0, w.N, n0, w.bias, w.add, w.out, w.ldo);
       }
     }
   }
-}
-
-// The product of M float rows x (ldx apart) and a bfloat16 weight (bits 16), as each_unit's.
-void as_bmm(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t N, const uint8_t* q,
-            const float* bias, const float* add, float* out, int64_t ldo, int nthreads) {
-  each_unit(M, N, bias, add, out, ldo, nthreads,
-            [&](int64_t u, int64_t m0, int64_t rows, float* acc) {
-#ifdef AS_VEC
-              UNITS16[rows](x, ldx, m0, q, K, u, acc);
-#else
-              unit_bf16_portable(x, ldx, m0, rows, q, K, u, acc);
-#endif
-            });
-}
-
-// The product of the M quantized rows x and a quantized weight, as each_unit's.
-void as_qmm_q(const QX& x, int64_t M, int64_t N, const uint8_t* q, int bits, int gs,
-              const void* scale, const void* offset, int params, const float* bias,
-              const float* add, float* out, int64_t ldo, int nthreads) {
-  int64_t groups = x.K / gs;
-  each_unit(M, N, bias, add, out, ldo, nthreads,
-            [&](int64_t u, int64_t m0, int64_t rows, float* acc) {
-#ifdef AS_VEC
-              UNITS[bits == 8 ? 3 : bits - 4][rows](x, m0, q, gs, groups, u, scale, offset,
-                                                     params, acc);
-#else
-              unit_portable(x, m0, rows, q, bits, gs, groups, u, scale, offset, params, acc);
-#endif
-            });
 }
 
 // A product's input rows (M rows of K floats, K apart), quantized at most once, when a product
@@ -447,18 +437,31 @@ struct Rows {
   }
 };
 
-// out[m][n] = add[m][n] + (x @ W^T + bias)[m][n] for a weight of N outputs held as above (bits
-// 16: bfloat16, over the rows as they are; else quantized, over the rows quantized), output
-// rows ldo apart.
-static void rows_product(Rows& x, int64_t N, const uint8_t* q, int bits, int gs,
-                         const void* scale, const void* offset, int params, const float* bias,
-                         const float* add, float* out, int64_t ldo) {
-  if (bits == 16) {
-    as_bmm(x.x, x.K, x.rows, x.K, N, q, bias, add, out, ldo, x.nthreads);
-    return;
-  }
-  as_qmm_q(x.quantized(), x.rows, N, q, bits, gs, scale, offset, params, bias, add, out, ldo,
-           x.nthreads);
+// The jobs' products (at most 8) of the rows x: a bfloat16 weight's over the rows as they are, a
+// quantized one's over the rows quantized.
+static void products(Rows& x, const Job* jobs, int count) {
+  const QX* qx = nullptr;
+  for (int j = 0; j < count; j++)
+    if (jobs[j].bits != 16) qx = &x.quantized();  // before the threads share it
+  each_unit(x.rows, jobs, count, x.nthreads,
+            [&](const Job& w, int64_t u, int64_t m0, int64_t rows, float* acc) {
+              if (w.bits == 16) {
+#ifdef AS_VEC
+                UNITS16[rows](x.x, x.K, m0, w.q, x.K, u, acc);
+#else
+                unit_bf16_portable(x.x, x.K, m0, rows, w.q, x.K, u, acc);
+#endif
+                return;
+              }
+              int64_t groups = x.K / w.gs;
+#ifdef AS_VEC
+              UNITS[w.bits == 8 ? 3 : w.bits - 4][rows](*qx, m0, w.q, w.gs, groups, u, w.scale,
+                                                         w.offset, w.params, acc);
+#else
+              unit_portable(*qx, m0, rows, w.q, w.bits, w.gs, groups, u, w.scale, w.offset,
+                            w.params, acc);
+#endif
+            });
 }
 
 // out[M][N] = x[M][K] @ W^T (+ bias[N] when given).
@@ -466,7 +469,8 @@ extern "C" void as_qmm(const float* x, int64_t M, int64_t K, int64_t N, const ui
                        int bits, int gs, const void* scale, const void* offset, int params,
                        const float* bias, float* out, int nthreads) {
   Rows in(x, M, K, nthreads);
-  rows_product(in, N, q, bits, gs, scale, offset, params, bias, nullptr, out, N);
+  Job job = {N, q, bits, gs, params, scale, offset, bias, nullptr, out, N};
+  products(in, &job, 1);
 }
 
 // Rows ids[i] of the weight (an embedding table held as above), dequantised as gguf does (a
