@@ -95,7 +95,7 @@ class Forward:
         # A GGUF's weights held as stored, on the CPU: the native forward where it covers the
         # layers (agentspec.engine.quant.runner), else the modules over the native products.
         self.native: NativeForward | None = None
-        if not cuda and holds_quantized(model):
+        if self.fused is None and not cuda and holds_quantized(model):
             from agentspec.engine.quant.runner import NativeForward, unsupported
 
             if unsupported(model) is None:

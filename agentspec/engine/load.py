@@ -259,8 +259,10 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = No
             ``"cpu"``.
         dtype: a ``torch.dtype`` or its name (``"bfloat16"``, ``"float32"``, ``"float16"``),
             or ``"gguf"``: a GGUF model's weights held as the file stores them (Q4_0, Q4_1,
-            Q5_0, Q5_1, Q8_0, Q4_K, Q6_K; no full-precision copy), its products on the CPU in
-            float32 over them (:mod:`agentspec.engine.quant`). Default: bfloat16 on CUDA; on
+            Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; no full-precision copy), its products on the
+            CPU in float32 over them (:mod:`agentspec.engine.quant`), on CUDA the fused
+            forward's, each weight tile dequantised as it is loaded: bitwise the bfloat16
+            model's outputs (Llama, Qwen2, Qwen3 layers). Default: bfloat16 on CUDA; on
             the CPU ``"gguf"`` for a GGUF model of Llama, Qwen2 or Qwen3 layers whose matrices
             are all of those types (the packaged SmolLM2 included), else float32. bfloat16 on
             the CPU holds a model of Llama, Mistral, Qwen2 or Qwen3 layers in bfloat16 tables
@@ -293,11 +295,11 @@ def load_target(name_or_path: str = "smollm2-135m-instruct", *, device: Any = No
     if dtype is None and device.startswith("cpu") and _held_as_stored(name_or_path):
         dtype = QUANTIZED[0]  # else (no compiler, no vectors) the dequantised model, with a warning
     if quantized(dtype):
-        if not device.startswith("cpu"):
-            raise ValueError(f"dtype {dtype!r} (the file's own quantization) runs on the CPU; "
-                             f"device {device!r} takes dtype 'bfloat16' or 'float16'")
+        if torch.device(device).type not in ("cpu", "cuda"):
+            raise ValueError(f"dtype {dtype!r} (the file's own quantization) runs on the CPU "
+                             f"or on CUDA, not on device {device!r}")
         return for_device(torch.device(device), _load_quantized, name_or_path,
-                          prefix_cache_bytes)
+                          prefix_cache_bytes, device)
     torch_dtype = as_dtype(dtype)
     torch_dtype = torch_dtype or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     # On the CPU the load (a GGUF's dequantising, the weights' copies) runs on the torch
@@ -384,7 +386,8 @@ def _held_as_stored(name_or_path: str) -> bool:
         return False  # not installed, not a file: the usual load says why
 
 
-def _load_quantized(name_or_path: str, prefix_cache_bytes: int | None) -> HFTarget:
+def _load_quantized(name_or_path: str, prefix_cache_bytes: int | None,
+                    device: str = "cpu") -> HFTarget:
     from agentspec.engine.quant.model import load_quantized
 
     path = gguf_file(name_or_path)
@@ -393,7 +396,13 @@ def _load_quantized(name_or_path: str, prefix_cache_bytes: int | None) -> HFTarg
         _check_packaged(name_or_path)
     config, tokenizer = _gguf_meta(path)
     compat.check_architecture(config, name_or_path)
-    model = load_quantized(path, config)
+    model = load_quantized(path, config, device)
+    if not device.startswith("cpu"):  # on CUDA the fused forward runs the weights as held
+        from agentspec.engine.fused import llama
+
+        if (reason := llama.unsupported(model)) is not None:
+            raise ValueError(f"dtype 'gguf' on {device} runs the fused forward, which does not "
+                             f"cover {path.name}: {reason}; load it with dtype='bfloat16'")
     if name_or_path in PACKAGED_MODELS:
         give_turn_format(PACKAGED_MODELS[name], model, tokenizer)
     return HFTarget(model, tokenizer, name=name, prefix_cache_bytes=prefix_cache_bytes)

@@ -213,8 +213,8 @@ def test_the_cpus_default_for_a_gguf_model_is_its_weights_as_stored():
     assert weights_mode(target.model) == "gguf" and target.forward.native is not None
 
 
-def test_gguf_weights_are_refused_off_the_cpu_by_name():
-    with pytest.raises(ValueError, match="runs on the CPU"):
+def test_gguf_weights_are_refused_off_the_cpu_and_cuda_by_name():
+    with pytest.raises(ValueError, match="runs on the CPU or on CUDA, not on device 'meta'"):
         load_target("smollm2-135m-instruct", device="meta", dtype="gguf")
 
 

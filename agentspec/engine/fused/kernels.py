@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from agentspec.engine.fused import interpret_without_gpu
+from agentspec.engine.quant.tiles import TileWeight, kernel_args, outputs
 
 INTERPRETED = interpret_without_gpu()
 """Whether the kernels run in Triton's interpreter (on the CPU's tensors)."""
@@ -104,6 +105,34 @@ if AVAILABLE:
         return tl.dot(a, b)
 
     @triton.jit
+    def weight_tile(w_ptr, s_ptr, o_ptr, cols, ks, inside, K: tl.constexpr, WB: tl.constexpr,
+                    GS: tl.constexpr, OFS: tl.constexpr, dt: tl.constexpr):
+        # The [BK, BN] tile of w.T at inputs ks and outputs cols (outputs not inside: zeros),
+        # in dt. WB 0: a dense weight [N, K]. Else a TileWeight (agentspec.engine.quant.tiles):
+        # WB 4, two 4-bit values a byte along K; WB 8, a signed byte each; per output row and
+        # group of GS inputs a scale (and with OFS an offset): scale * q + offset in float32,
+        # rounded to dt, to nearest even (to bfloat16 in integers: Triton's interpreter
+        # truncates a cast, and its rounding cast is not to nearest even).
+        mask = inside[None, :]
+        if WB == 0:
+            return tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=mask, other=0.0)
+        if WB == 4:
+            byte = tl.load(w_ptr + cols[None, :] * (K // 2) + ks[:, None] // 2, mask=mask,
+                           other=0).to(tl.int32)
+            q = ((byte >> ((ks[:, None] % 2) * 4)) & 15).to(tl.float32)
+        else:
+            q = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=mask, other=0).to(tl.float32)
+        at = cols[None, :] * (K // GS) + ks[:, None] // GS
+        w = tl.load(s_ptr + at, mask=mask, other=0.0).to(tl.float32) * q
+        if OFS:
+            w = w + tl.load(o_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        if dt == tl.bfloat16:
+            bits = w.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return w.to(dt)
+
+    @triton.jit
     def row_rstd(x_ptr, rows, eps, K: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
         # 1 / sqrt(mean(x^2) + eps) of BM rows, summed over the row in BK chunks, in order.
         sq = tl.zeros([BM], tl.float32)
@@ -168,11 +197,12 @@ if AVAILABLE:
             tl.store(at + half, x2.to(dt), mask=keep[:, None])
 
     @triton.jit
-    def _qkv_rope(x_ptr, norm_ptr, eps, w_ptr, bias_ptr, qn_ptr, kn_ptr, head_eps, ins_ptr,
-                  cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, W, K: tl.constexpr, H: tl.constexpr,
-                  KVH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+    def _qkv_rope(x_ptr, norm_ptr, eps, w_ptr, s_ptr, o_ptr, bias_ptr, qn_ptr, kn_ptr, head_eps,
+                  ins_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, W, K: tl.constexpr,
+                  H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                   BK: tl.constexpr, SLOTS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  HEAD_NORM: tl.constexpr, F32_DOT: tl.constexpr):
+                  HEAD_NORM: tl.constexpr, WB: tl.constexpr, GS: tl.constexpr,
+                  OFS: tl.constexpr, F32_DOT: tl.constexpr):
         # Program (row tile, head): RMSNorm of the rows, their product with the head's
         # weights (its two halves apart, for the rotation), with HEAD_NORM the head's RMSNorm
         # over its own dimensions (Qwen3's q_norm and k_norm), then the head written out
@@ -188,8 +218,11 @@ if AVAILABLE:
         for k0 in range(0, K, BK):
             x = _chunk(x_ptr, norm_ptr, rows, rstd, k0, K, BK, True, False)
             cols = k0 + tl.arange(0, BK)
-            w_lo = tl.load(w_ptr + w_rows[None, :] * K + cols[:, None])  # [BK, half]
-            w_hi = tl.load(w_ptr + (w_rows[None, :] + half) * K + cols[:, None])
+            every = w_rows >= 0
+            w_lo = weight_tile(w_ptr, s_ptr, o_ptr, w_rows, cols, every, K, WB, GS, OFS,
+                               x.dtype)  # [BK, half]
+            w_hi = weight_tile(w_ptr, s_ptr, o_ptr, w_rows + half, cols, every, K, WB, GS, OFS,
+                               x.dtype)
             lo = lo + dot(x, w_lo, F32_DOT)
             hi = hi + dot(x, w_hi, F32_DOT)
         if HAS_BIAS:
@@ -214,9 +247,10 @@ if AVAILABLE:
                    H, KVH, D, SLOTS)
 
     @triton.jit
-    def _matmul_add(a_ptr, w_ptr, res_ptr, mult, K: tl.constexpr, N: tl.constexpr,
+    def _matmul_add(a_ptr, w_ptr, s_ptr, o_ptr, res_ptr, mult, K: tl.constexpr, N: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    SCALED: tl.constexpr, F32_DOT: tl.constexpr):
+                    SCALED: tl.constexpr, WB: tl.constexpr, GS: tl.constexpr,
+                    OFS: tl.constexpr, F32_DOT: tl.constexpr):
         # Program (row tile, column tile): res += a @ w.T as a bf16 linear then a bf16 add (the
         # product rounded; SCALED: then times mult, rounded: Granite's residual multiplier).
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -226,7 +260,7 @@ if AVAILABLE:
         for k0 in range(0, K, BK):
             ks = k0 + tl.arange(0, BK)
             a = tl.load(a_ptr + rows[:, None] * K + ks[None, :])
-            w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=inside[None, :], other=0.0)
+            w = weight_tile(w_ptr, s_ptr, o_ptr, cols, ks, inside, K, WB, GS, OFS, a.dtype)
             acc = acc + dot(a, w, F32_DOT)
         at = res_ptr + rows[:, None] * N + cols[None, :]
         r = tl.load(at, mask=inside[None, :], other=0.0)
@@ -237,9 +271,10 @@ if AVAILABLE:
         tl.store(at, out.to(r.dtype), mask=inside[None, :])
 
     @triton.jit
-    def _norm_gate_up(x_ptr, norm_ptr, eps, w_ptr, out_ptr, K: tl.constexpr, N: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      NORM: tl.constexpr, F32_DOT: tl.constexpr):
+    def _norm_gate_up(x_ptr, norm_ptr, eps, w_ptr, s_ptr, o_ptr, out_ptr, K: tl.constexpr,
+                      N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      NORM: tl.constexpr, WB: tl.constexpr, GS: tl.constexpr,
+                      OFS: tl.constexpr, F32_DOT: tl.constexpr):
         # Program (row tile, column tile): RMSNorm of the rows (where NORM), their gate and up
         # products (weights stacked gate first), and silu(gate) * up rounded as LlamaMLP rounds.
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -254,9 +289,8 @@ if AVAILABLE:
         for k0 in range(0, K, BK):
             x = _chunk(x_ptr, norm_ptr, rows, rstd, k0, K, BK, NORM, False)
             ks = k0 + tl.arange(0, BK)
-            w_g = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=inside[None, :], other=0.0)
-            w_u = tl.load(w_ptr + (cols[None, :] + N) * K + ks[:, None], mask=inside[None, :],
-                          other=0.0)
+            w_g = weight_tile(w_ptr, s_ptr, o_ptr, cols, ks, inside, K, WB, GS, OFS, x.dtype)
+            w_u = weight_tile(w_ptr, s_ptr, o_ptr, cols + N, ks, inside, K, WB, GS, OFS, x.dtype)
             gate = gate + dot(x, w_g, F32_DOT)
             up = up + dot(x, w_u, F32_DOT)
         dt = out_ptr.dtype.element_ty
@@ -266,10 +300,11 @@ if AVAILABLE:
         tl.store(out_ptr + rows[:, None] * N + cols[None, :], out.to(dt), mask=inside[None, :])
 
     @triton.jit
-    def _norm_matmul(x_ptr, norm_ptr, eps, w_ptr, bias_ptr, out_ptr, row0, divisor,
+    def _norm_matmul(x_ptr, norm_ptr, eps, w_ptr, s_ptr, o_ptr, bias_ptr, out_ptr, row0, divisor,
                      K: tl.constexpr, N: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                      BK: tl.constexpr, NORM: tl.constexpr, ONE_ROUNDING: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, DIVIDED: tl.constexpr, F32_DOT: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, DIVIDED: tl.constexpr, WB: tl.constexpr,
+                     GS: tl.constexpr, OFS: tl.constexpr, F32_DOT: tl.constexpr):
         # Program (row tile, column tile): RMSNorm of the rows from row0 on (where NORM) and
         # their product with w (the output head, or a plain linear), plus the bias, rounded to
         # the dtype; DIVIDED: then divided by divisor, rounded (Granite's logits scaling).
@@ -284,7 +319,7 @@ if AVAILABLE:
         for k0 in range(0, K, BK):
             x = _chunk(x_ptr, norm_ptr, rows, rstd, k0, K, BK, NORM, ONE_ROUNDING)
             ks = k0 + tl.arange(0, BK)
-            w = tl.load(w_ptr + cols[None, :] * K + ks[:, None], mask=inside[None, :], other=0.0)
+            w = weight_tile(w_ptr, s_ptr, o_ptr, cols, ks, inside, K, WB, GS, OFS, x.dtype)
             acc = acc + dot(x, w, F32_DOT)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=inside, other=0.0)[None, :].to(tl.float32)
@@ -310,7 +345,7 @@ def check_depth(k: int, what: str) -> None:
         raise ValueError(f"the fused kernels take {what} in multiples of {BLOCK_K}, got {k}")
 
 
-def qkv_rope(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor,
+def qkv_rope(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tensor | TileWeight,
              bias: torch.Tensor | None, ins: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              keys: torch.Tensor, values: torch.Tensor, heads: int, kv_heads: int, *,
              head_norms: tuple[Norm, Norm] | None = None) -> torch.Tensor:
@@ -324,10 +359,11 @@ def qkv_rope(x: torch.Tensor, norm: torch.Tensor, eps: float, weight: torch.Tens
     dim = cos.shape[-1]
     q = torch.empty((width, heads * dim), dtype=x.dtype, device=x.device)
     (qn, _), (kn, head_eps) = head_norms if head_norms is not None else ((norm, 0.0), (norm, 0.0))
-    launch(_qkv_rope, (width // BLOCK_M, heads + 2 * kv_heads), x, norm, eps, weight,
-           bias if bias is not None else weight, qn, kn, head_eps, ins, cos, sin, q, keys,
+    ptrs, meta = kernel_args(weight)
+    launch(_qkv_rope, (width // BLOCK_M, heads + 2 * kv_heads), x, norm, eps, *ptrs,
+           bias if bias is not None else norm, qn, kn, head_eps, ins, cos, sin, q, keys,
            values, width, K=hidden, H=heads, KVH=kv_heads, D=dim, BM=BLOCK_M, BK=BLOCK_K,
-           SLOTS=SPLIT, HAS_BIAS=bias is not None, HEAD_NORM=head_norms is not None)
+           SLOTS=SPLIT, HAS_BIAS=bias is not None, HEAD_NORM=head_norms is not None, **meta)
     return q
 
 
@@ -353,33 +389,36 @@ def staging(ids: list[int], positions: list[int], slots: list[int],
     return [*ids, *positions, *slots, *kv, *row0, *rows, *table]
 
 
-def matmul_add(a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, *,
+def matmul_add(a: torch.Tensor, weight: torch.Tensor | TileWeight, residual: torch.Tensor, *,
                scale: float = 1.0) -> None:
     """``residual += a @ weight.T`` in place (the product rounded first, as a linear's; with
     ``scale`` other than 1 then multiplied by it and rounded, Granite's residual multiplier)."""
     width, k = rows_of(a), a.shape[1]
     check_depth(k, "product depths")
-    n = weight.shape[0]
+    n = outputs(weight)
     block = 32
-    launch(_matmul_add, (width // BLOCK_M, -(-n // block)), a, weight, residual, scale, K=k,
-           N=n, BM=BLOCK_M, BN=block, BK=BLOCK_K, SCALED=scale != 1.0)
+    ptrs, meta = kernel_args(weight)
+    launch(_matmul_add, (width // BLOCK_M, -(-n // block)), a, *ptrs, residual, scale, K=k,
+           N=n, BM=BLOCK_M, BN=block, BK=BLOCK_K, SCALED=scale != 1.0, **meta)
 
 
-def norm_gate_up(x: torch.Tensor, norm: Norm | None, weight: torch.Tensor) -> torch.Tensor:
+def norm_gate_up(x: torch.Tensor, norm: Norm | None,
+                 weight: torch.Tensor | TileWeight) -> torch.Tensor:
     """``silu(gate) * up`` of RMSNorm(``x``) (``weight`` stacked gate, up; ``norm`` None: of
     ``x`` itself, as OLMo 2's MLP takes it): ``[width, n]``."""
     width, hidden = rows_of(x), x.shape[1]
     check_depth(hidden, "hidden sizes")
-    n = weight.shape[0] // 2
+    n = outputs(weight) // 2
     out = torch.empty((width, n), dtype=x.dtype, device=x.device)
     block = 64
-    w, eps = norm if norm is not None else (weight, 0.0)
-    launch(_norm_gate_up, (width // BLOCK_M, -(-n // block)), x, w, eps, weight, out,
-           K=hidden, N=n, BM=BLOCK_M, BN=block, BK=BLOCK_K, NORM=norm is not None)
+    w, eps = norm if norm is not None else (x, 0.0)
+    ptrs, meta = kernel_args(weight)
+    launch(_norm_gate_up, (width // BLOCK_M, -(-n // block)), x, w, eps, *ptrs, out,
+           K=hidden, N=n, BM=BLOCK_M, BN=block, BK=BLOCK_K, NORM=norm is not None, **meta)
     return out
 
 
-def norm_matmul(x: torch.Tensor, norm: Norm | None, weight: torch.Tensor,
+def norm_matmul(x: torch.Tensor, norm: Norm | None, weight: torch.Tensor | TileWeight,
                 first: int | None = None, *, one_rounding: bool = False,
                 bias: torch.Tensor | None = None, divisor: float = 1.0) -> torch.Tensor:
     """RMSNorm(``x``) ``@ weight.T`` (+ ``bias``): ``[rows, n]``, for every row or the tiles of
@@ -388,13 +427,14 @@ def norm_matmul(x: torch.Tensor, norm: Norm | None, weight: torch.Tensor,
     (Granite's logits scaling)."""
     width, hidden = rows_of(x), x.shape[1]
     check_depth(hidden, "product depths")
-    n = weight.shape[0]
+    n = outputs(weight)
     rows = width if first is None else max(-(-first // BLOCK_M), 1) * BLOCK_M
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     block = 64
-    w, eps = norm if norm is not None else (weight, 0.0)
-    launch(_norm_matmul, (rows // BLOCK_M, -(-n // block)), x, w, eps, weight,
-           bias if bias is not None else weight, out, 0, divisor, K=hidden, N=n, BM=BLOCK_M,
+    w, eps = norm if norm is not None else (x, 0.0)
+    ptrs, meta = kernel_args(weight)
+    launch(_norm_matmul, (rows // BLOCK_M, -(-n // block)), x, w, eps, *ptrs,
+           bias if bias is not None else x, out, 0, divisor, K=hidden, N=n, BM=BLOCK_M,
            BN=block, BK=BLOCK_K, NORM=norm is not None, ONE_ROUNDING=one_rounding,
-           HAS_BIAS=bias is not None, DIVIDED=divisor != 1.0)
+           HAS_BIAS=bias is not None, DIVIDED=divisor != 1.0, **meta)
     return out

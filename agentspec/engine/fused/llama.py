@@ -34,6 +34,7 @@ import torch
 from agentspec.engine import compat
 from agentspec.engine.fused import attention, kernels, post_norm
 from agentspec.engine.fused.kernels import Norm
+from agentspec.engine.quant.tiles import TileWeight
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,29 @@ def _concat(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor 
     return weight, bias
 
 
+def _stack(modules: list[Any]) -> tuple[TileWeight, torch.Tensor | None]:
+    """The quantized modules' weights (:class:`TileWeight`) stacked by output row, each
+    module's weight re-pointed to its rows of the stack (held once), and their biases."""
+    weight = TileWeight.stacked([m.qweight for m in modules])
+    bias = None
+    if any(m.bias is not None for m in modules):
+        bias = torch.cat([m.bias.detach() if m.bias is not None else
+                          torch.zeros(m.out_features, dtype=weight.dtype, device=weight.codes.device)
+                          for m in modules])
+    row = 0
+    for m in modules:
+        m.qweight = weight.view_rows(row, row + m.out_features)
+        row += m.out_features
+    return weight, bias
+
+
+def _weight(module: Any) -> torch.Tensor | TileWeight:
+    """A product's weight as the kernels take it: a dense one's tensor, a quantized one's
+    :class:`TileWeight`."""
+    held = getattr(module, "qweight", None)
+    return held if isinstance(held, TileWeight) else module.weight.detach()
+
+
 def _norm(module: Any) -> Norm:
     return module.weight.detach(), float(module.variance_epsilon)
 
@@ -213,11 +237,11 @@ class _Layer:
     """One decoder layer's weights as the kernels take them; a norm the family does not
     place is None."""
 
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * dim, hidden]: q, k, v stacked
+    qkv: torch.Tensor | TileWeight  # [(heads + 2 * kv_heads) * dim, hidden]: q, k, v stacked
     qkv_bias: torch.Tensor | None
-    out: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate, up stacked
-    down: torch.Tensor
+    out: torch.Tensor | TileWeight
+    gate_up: torch.Tensor | TileWeight  # [2 * intermediate, hidden]: gate, up stacked
+    down: torch.Tensor | TileWeight
     norm_in: Norm | None = None  # before attention (Llama's input_layernorm)
     norm_mlp_in: Norm | None = None  # before the MLP (Llama's post_attention_layernorm)
     head_norms: tuple[Norm, Norm] | None = None  # the queries' and keys' (q_norm, k_norm)
@@ -231,10 +255,13 @@ def _layer(layer: Any, family: Family) -> _Layer:
         qkv, qkv_bias = a.qkv_proj.weight.detach(), a.qkv_proj.bias
         qkv_bias = qkv_bias.detach() if qkv_bias is not None else None
         gate_up = f.gate_up_proj.weight.detach()
+    elif isinstance(getattr(a.q_proj, "qweight", None), TileWeight):  # held quantized
+        qkv, qkv_bias = _stack([a.q_proj, a.k_proj, a.v_proj])
+        gate_up, _ = _stack([f.gate_proj, f.up_proj])
     else:
         qkv, qkv_bias = _concat([a.q_proj, a.k_proj, a.v_proj])
         gate_up, _ = _concat([f.gate_proj, f.up_proj])
-    out = _Layer(qkv, qkv_bias, a.o_proj.weight.detach(), gate_up, f.down_proj.weight.detach())
+    out = _Layer(qkv, qkv_bias, _weight(a.o_proj), gate_up, _weight(f.down_proj))
     if family.head_norm:
         out.head_norms = (_norm(a.q_norm), _norm(a.k_norm))
     if family.post_norms:
@@ -274,7 +301,7 @@ class FusedLlama:
         self.residual_scale = float(config.residual_multiplier) if multipliers else 1.0
         self.logits_divisor = float(config.logits_scaling) if multipliers else 1.0
         self.embed = base.embed_tokens
-        self.head = model.get_output_embeddings().weight.detach()
+        self.head = _weight(model.get_output_embeddings())
 
     def scratch(self, width: int, splits: int) -> tuple[torch.Tensor, ...]:
         """Attention's split state for forwards of ``width`` rows over sequences of up to
@@ -312,7 +339,8 @@ class FusedLlama:
         act = kernels.norm_gate_up(residual, layer.norm_mlp_in, layer.gate_up)
         self._add(act, layer.down, residual)
 
-    def _add(self, a: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor) -> None:
+    def _add(self, a: torch.Tensor, weight: torch.Tensor | TileWeight,
+             residual: torch.Tensor) -> None:
         if self.residual_scale == 1.0:
             kernels.matmul_add(a, weight, residual)
         else:

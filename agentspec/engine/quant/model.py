@@ -26,12 +26,14 @@ from tqdm import tqdm
 
 from agentspec.engine import pages
 from agentspec.engine.quant.formats import FORMATS, QuantWeight
+from agentspec.engine.quant.tiles import TileWeight
 
 
 class QuantLinear(torch.nn.Module):
-    """A linear layer over a :class:`QuantWeight` (float32 in and out)."""
+    """A linear layer over a :class:`QuantWeight` (float32 in and out; on a GPU a
+    :class:`~agentspec.engine.quant.tiles.TileWeight`, the fused forward's, in its dtype)."""
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: QuantWeight | TileWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.qweight = weight
         self.in_features, self.out_features = weight.k, weight.n
@@ -52,9 +54,10 @@ class QuantLinear(torch.nn.Module):
 
 
 class QuantEmbedding(torch.nn.Module):
-    """An embedding table held as a :class:`QuantWeight`: a lookup dequantises its rows."""
+    """An embedding table held as a :class:`QuantWeight` (or a
+    :class:`~agentspec.engine.quant.tiles.TileWeight`): a lookup dequantises its rows."""
 
-    def __init__(self, weight: QuantWeight) -> None:
+    def __init__(self, weight: QuantWeight | TileWeight) -> None:
         super().__init__()
         self.qweight = weight
         self.num_embeddings, self.embedding_dim = weight.n, weight.k
@@ -166,6 +169,19 @@ class _File:
         order = None if heads is None else _permute_order(n, heads)
         return QuantWeight.of_blocks(kind, t.data, n, k, order)
 
+    def tiles(self, name: str, device: torch.device, dtype: torch.dtype, *,
+              heads: int | None = None) -> TileWeight:
+        """The tensor as the fused forward holds it on ``device`` (:mod:`.tiles`)."""
+        t = self._tensor(name)
+        kind = t.tensor_type.name
+        if kind not in FORMATS:
+            raise ValueError(f"{self.path.name}: tensor {name} is {kind}, which is not held as "
+                             f"stored (held: {', '.join(FORMATS)}); load the model with "
+                             "dtype='bfloat16'")
+        k, n = int(t.shape[0]), int(t.shape[1])
+        order = None if heads is None else _permute_order(n, heads)
+        return TileWeight.of_blocks(kind, t.data, n, k, order, device=device, dtype=dtype)
+
     def dense(self, name: str) -> torch.Tensor:
         from gguf import quants
 
@@ -180,8 +196,13 @@ def set_module(root: torch.nn.Module, name: str, module: torch.nn.Module) -> Non
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
 
-def load_quantized(path: Path, config: Any) -> Any:
-    """The causal LM of ``config`` with the GGUF ``path``'s weights held as stored.
+def load_quantized(path: Path, config: Any, device: str = "cpu",
+                   tiles: bool | None = None) -> Any:
+    """The causal LM of ``config`` on ``device`` with the GGUF ``path``'s weights held as
+    stored: for the CPU's native products as :class:`QuantWeight`, the other parameters
+    float32; with ``tiles`` (default: on a GPU) as
+    :class:`~agentspec.engine.quant.tiles.TileWeight` for the fused forward, the other
+    parameters bfloat16 (the norms and biases of the bfloat16 model).
 
     Raises:
         ValueError: a tensor in a type not held as stored, a layer with no tensor in the file,
@@ -204,8 +225,10 @@ def load_quantized(path: Path, config: Any) -> Any:
                          "agentspec knows")
     layers = int(config.num_hidden_layers)
     names = gguf.get_tensor_name_map(arch, layers)
+    as_tiles = torch.device(device).type != "cpu" if tiles is None else tiles
+    dtype = torch.bfloat16 if as_tiles else torch.float32
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
@@ -219,8 +242,14 @@ def load_quantized(path: Path, config: Any) -> Any:
         return found
 
     arena = pages.Arena()  # each weight moved in as it is read: the peak is one weight over
+
+    def held(key: str, heads: int | None = None) -> QuantWeight | TileWeight:
+        if as_tiles:
+            return file.tiles(key, torch.device(device), dtype, heads=heads)
+        return keep(file.quantized(key, heads=heads), arena)
+
     with torch.inference_mode(False), torch.no_grad():
-        embed = QuantEmbedding(keep(file.quantized(gguf_name(embed_name) + ".weight"), arena))
+        embed = QuantEmbedding(held(gguf_name(embed_name) + ".weight"))
         set_module(model, embed_name, embed)
         for name, module in tqdm(linears, desc=f"loading {path.name}", unit="layer",
                                  disable=len(linears) < 64, leave=False):
@@ -233,10 +262,12 @@ def load_quantized(path: Path, config: Any) -> Any:
                     order = heads
                 elif file.arch == "llama" and key.endswith(".attn_k"):
                     order = kv_heads
-                weight = keep(file.quantized(key + ".weight", heads=order), arena)
-            bias = file.dense(key + ".bias") if module.bias is not None else None
+                weight = held(key + ".weight", order)
+            bias = None
+            if module.bias is not None:
+                bias = file.dense(key + ".bias").to(device, dtype)
             set_module(model, name, QuantLinear(weight, bias))
-        model.to_empty(device="cpu")
+        model.to_empty(device=device)
         for name, param in model.named_parameters():
             if name.endswith(".bias") and isinstance(model.get_submodule(name.rpartition(".")[0]),
                                                      QuantLinear):
@@ -252,7 +283,7 @@ def load_quantized(path: Path, config: Any) -> Any:
         base = compat.base_model(model)
         rotary = getattr(base, "rotary_emb", None)
         if rotary is not None:
-            base.rotary_emb = type(rotary)(config=model.config)
+            base.rotary_emb = type(rotary)(config=model.config).to(device)
     return model.eval()
 
 
@@ -285,7 +316,7 @@ def weights_mode(model: Any) -> str:
     cost model and the bench's reports are kept per mode."""
     if holds_quantized(model):
         kinds = {w.kind for m in model.modules()
-                 if isinstance(w := getattr(m, "qweight", None), QuantWeight)}
+                 if isinstance(w := getattr(m, "qweight", None), (QuantWeight, TileWeight))}
         if kinds == {"bf16"}:
             return "bfloat16"
         return kinds.pop() if len(kinds) == 1 and kinds <= set(AT_LOAD) else "gguf"
@@ -299,5 +330,9 @@ def weight_bytes(model: Any) -> int:
         weight = getattr(module, "qweight", None)
         if isinstance(weight, QuantWeight):
             seen[id(weight)] = weight.nbytes
+        elif isinstance(weight, TileWeight):  # a stacked weight's views: its memory, once
+            seen[weight.codes.untyped_storage().data_ptr()] = sum(
+                t.untyped_storage().nbytes() for t in (weight.codes, weight.scale, weight.offset)
+                if t is not None)
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     return sum(seen.values()) + dense

@@ -82,8 +82,9 @@ def unsupported(model: Any, *, held: bool = True) -> str | None:
     for layer in base.layers:
         a, f = layer.self_attn, layer.mlp
         products = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, f.gate_proj, f.up_proj, f.down_proj)
-        if held and not all(isinstance(p, QuantLinear) for p in products):
-            return "a product not held as stored"
+        if held and not all(isinstance(p, QuantLinear) and isinstance(p.qweight, QuantWeight)
+                            for p in products):
+            return "a product not held as stored for the CPU's products"
         if any(p.bias is not None for p in products[3:]):
             return "a bias on the output or MLP products"
         if hasattr(a, "q_norm") != (kind == "qwen3"):
@@ -114,6 +115,7 @@ def _qw(weight: QuantWeight, bias: torch.Tensor | None = None) -> _QW:
 
 
 def _linear(module: QuantLinear) -> _QW:
+    assert isinstance(module.qweight, QuantWeight)  # unsupported() says where not
     return _qw(module.qweight, None if module.bias is None else module.bias.detach())
 
 
