@@ -16,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from agentspec import SamplingParams, Speculator, SpecConfig
+from agentspec import SamplingParams, SpecConfig, Speculator
 from tests.prompts import ALL_PROMPTS, GROUNDED
 from tests.solo import solo
 
