@@ -94,7 +94,7 @@ def bench(
                          "cuda when available, else cpu.")] = None,
     dtype: Annotated[str | None, typer.Option(
         "--dtype", help="The target's weights, for every system: bf16, fp16, fp32, or gguf "
-                        "(a GGUF model's weights as the file stores them, on the CPU). "
+                        "(a GGUF model's weights as the file stores them, on the CPU or CUDA). "
                         "Default bf16 on CUDA, fp32 on the CPU.")] = None,
     quantize: Annotated[str | None, typer.Option(
         "--quantize", help="The target's weights quantized at load, for every system: int8 "

@@ -23,7 +23,7 @@ def placement(model: str, device: str | None, dtype: str | None,
 
 
 def resolve_dtype(text: str | None, device: str) -> str:
-    """``--dtype``: bf16, fp16, fp32 or gguf (a GGUF's weights as stored, on the CPU); default
+    """``--dtype``: bf16, fp16, fp32 or gguf (a GGUF's weights as stored, CPU or CUDA); default
     bf16 on CUDA, fp32 on the CPU."""
     from agentspec.bench.results import DTYPES
 

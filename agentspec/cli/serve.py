@@ -42,7 +42,7 @@ def serve(ctx: typer.Context,
               "--dtype", help="The model's weights: float32 (fp32), bfloat16 (bf16: on the "
                               "CPU a Llama, Mistral or Qwen model's held in bf16 for the native "
                               "forward), float16 (fp16), or gguf: a GGUF model's weights as the "
-                              "file stores them (CPU). Default: bfloat16 on CUDA; on the CPU "
+                              "file stores them (CPU or CUDA). Default: bfloat16 on CUDA; on the CPU "
                               "gguf for a GGUF that loads so (the packaged models), else "
                               "float32.")] = None,
           quantize: Annotated[str | None, typer.Option(

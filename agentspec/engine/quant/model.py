@@ -158,7 +158,9 @@ class _File:
             raise ValueError(f"{self.path.name}: no tensor {name} in the file")
         return t
 
-    def quantized(self, name: str, *, heads: int | None = None) -> QuantWeight:
+    def _blocks(self, name: str, heads: int | None) -> tuple[str, Any, int, int, Any]:
+        """A quantized tensor's type, blocks, rows, inputs and row order (None: as stored;
+        a query or key projection's rotary halves put back as transformers' loader does)."""
         t = self._tensor(name)
         kind = t.tensor_type.name
         if kind not in FORMATS:
@@ -166,21 +168,15 @@ class _File:
                              f"stored (held: {', '.join(FORMATS)}); load the model with "
                              "dtype='float32' or 'bfloat16'")
         k, n = int(t.shape[0]), int(t.shape[1])
-        order = None if heads is None else _permute_order(n, heads)
-        return QuantWeight.of_blocks(kind, t.data, n, k, order)
+        return kind, t.data, n, k, None if heads is None else _permute_order(n, heads)
+
+    def quantized(self, name: str, *, heads: int | None = None) -> QuantWeight:
+        return QuantWeight.of_blocks(*self._blocks(name, heads))
 
     def tiles(self, name: str, device: torch.device, dtype: torch.dtype, *,
               heads: int | None = None) -> TileWeight:
         """The tensor as the fused forward holds it on ``device`` (:mod:`.tiles`)."""
-        t = self._tensor(name)
-        kind = t.tensor_type.name
-        if kind not in FORMATS:
-            raise ValueError(f"{self.path.name}: tensor {name} is {kind}, which is not held as "
-                             f"stored (held: {', '.join(FORMATS)}); load the model with "
-                             "dtype='bfloat16'")
-        k, n = int(t.shape[0]), int(t.shape[1])
-        order = None if heads is None else _permute_order(n, heads)
-        return TileWeight.of_blocks(kind, t.data, n, k, order, device=device, dtype=dtype)
+        return TileWeight.of_blocks(*self._blocks(name, heads), device=device, dtype=dtype)
 
     def dense(self, name: str) -> torch.Tensor:
         from gguf import quants
