@@ -204,6 +204,12 @@ static inline vf params_v(const void* p, int params, int64_t u, int lane0, int64
   return vf_half((const uint16_t*)p + at);
 }
 
+// Groups ahead whose values a pass of several rows asks the cache for before it reads them:
+// at a few rows a product streams its weights from memory while it computes, and the
+// hardware's prefetcher alone leaves it waiting (at one row the product is the memory's
+// speed either way, and asking changes nothing). A prefetch changes no bits.
+static const int PREFETCH_GROUPS = 8;
+
 // Rows [m0, m0 + R) of unit u, output rows [lane0, lane0 + LANES): per group the R rows'
 // integer sums in registers (pairwise products of the widened chunks, exact), then the
 // group's float step.
@@ -217,6 +223,10 @@ static void lanes_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_
     // lane c's two bytes of a 32-byte chunk are at 2 * (c % 16), its bits of a plane's four
     // bytes at 2 * (c % 16)
     const uint8_t* w = block_at(q, BITS, gs, groups, u, lane0 / 16, g);
+    if constexpr (R >= 4) {  // the values PREFETCH_GROUPS on (the next block's, past the end)
+      const int64_t bytes = block_bytes(BITS, gs);
+      for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(w + PREFETCH_GROUPS * bytes + o, 0, 3);
+    }
     vi s[R];
     for (int r = 0; r < R; r++) s[r] = vi_zero();
     const int16_t* xg = x.q + m0 * x.K + g * gs;
