@@ -112,9 +112,11 @@ def bandwidth(device: torch.device, mib: int) -> float:
 
 
 def measure(shape: str | Shape, modes: list[str], context: int, repeats: int, probe_mib: int,
-            device: torch.device, rows: tuple[int, ...] = ROWS) -> dict[str, Any]:
+            device: torch.device, rows: tuple[int, ...] = ROWS,
+            width: int | None = None) -> dict[str, Any]:
     """The figures the module's docstring describes (``shape``: a :data:`SHAPES` name, or the
-    dimensions themselves), at ``rows``."""
+    dimensions themselves), at ``rows``; ``width``: every forward at that one width, no
+    widths probed (default: the engine's widths)."""
     dims = shape if isinstance(shape, Shape) else SHAPES[shape]
     name = shape if isinstance(shape, str) else "custom"
     rate = bandwidth(device, probe_mib)
@@ -123,8 +125,10 @@ def measure(shape: str | Shape, modes: list[str], context: int, repeats: int, pr
     for mode in modes:
         model = build(dims, mode, device, context + 256)
         held = weight_bytes(model)
+        fixed: dict[str, Any] = {} if width is None else {"widths": (width,),
+                                                           "prefill_widths": ()}
         target = HFTarget(model, _Ids(dims.vocab), name=f"{name}-{mode}", reuse_prefix=False,
-                          fused=True)
+                          fused=True, **fixed)
         ms = forward_ms(target, tuple(r - 1 for r in rows), context, repeats)
         read_ms = 1000 * held / rate
         out["modes"][mode] = {"forward_ms": ms, "weights_bytes": held,
