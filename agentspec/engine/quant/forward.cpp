@@ -294,7 +294,7 @@ static inline void values_tile(const float* const* p, const float* total, int64_
 
 // Attention with the keys in the lanes, over the pool's float16 keys in transposed runs of 16
 // and float16 value rows: each run of up to eight rows of one member and one key/value head
-// (or a share of its query heads, when there are few such tasks) is a task. Its queries' scores
+// (or an equal slice of its queries, when there are few such tasks) is a task. Its queries' scores
 // four queries and TILE_RUNS runs of keys a tile (each key vector read once for four queries,
 // each query's q[d] once for the tile's keys), exp a vector of keys at a time, the weights' sum
 // in sixteen partials by key modulo sixteen, the values VALUE_QUERIES queries and 4 * LANES

@@ -225,7 +225,8 @@ static void lanes_rows(const QX& x, int64_t m0, const uint8_t* q, int gs, int64_
     const uint8_t* w = block_at(q, BITS, gs, groups, u, lane0 / 16, g);
     if constexpr (R >= 4) {  // the values PREFETCH_GROUPS on (the next block's, past the end)
       const int64_t bytes = block_bytes(BITS, gs);
-      for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(w + PREFETCH_GROUPS * bytes + o, 0, 3);
+      for (int64_t o = 0; o < bytes; o += 64)
+        __builtin_prefetch(w + PREFETCH_GROUPS * bytes + o, 0, 3);
     }
     vi s[R];
     for (int r = 0; r < R; r++) s[r] = vi_zero();
