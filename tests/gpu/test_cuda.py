@@ -198,35 +198,10 @@ def test_drafts_leave_outputs_unchanged_on_the_modules_too(gpu_spec):
 def test_concurrent_calls_equal_their_solo_runs_on_cuda(gpu_spec):
     """Many calls at once share the fused forward's steps (row tiles of several sequences, one
     graph per width): every output is its solo run's, bitwise, greedy and seeded."""
-    import threading
+    from tests.gpu.concurrent import concurrent_and_solo
 
-    from agentspec import SamplingParams, SpecConfig
-    from agentspec.engine.target import HFTarget
-    from tests.prompts import ALL_PROMPTS
-
-    base = gpu_spec.target
-    sampled = [SamplingParams(temperature=0.8, seed=5 + i) if i % 3 == 2 else None
-               for i in range(len(ALL_PROMPTS))]
-    solo = Speculator(HFTarget(base.model, base.tokenizer, reuse_prefix=False), speculate=False,
-                      memory=None)
-    want = [solo.generate(p, 32, sampling=s).token_ids
-            for p, s in zip(ALL_PROMPTS, sampled, strict=True)]
-    target = HFTarget(base.model, base.tokenizer)
-    widths = []
-    run = target.run
-    target.run = lambda members, **kw: (widths.append(len(members)), run(members, **kw))[1]
-    spec = Speculator(target, memory=None, config=SpecConfig(max_batch=16))
-    got: dict[int, tuple[int, ...]] = {}
-
-    def call(i: int) -> None:
-        got[i] = spec.generate(ALL_PROMPTS[i], 32, sampling=sampled[i]).token_ids
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(ALL_PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert [got[i] for i in range(len(ALL_PROMPTS))] == want
+    want, got, widths = concurrent_and_solo(gpu_spec.target)
+    assert got == want
     assert max(widths) >= 8  # the calls shared forwards
 
 

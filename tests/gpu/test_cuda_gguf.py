@@ -11,13 +11,11 @@ tests/unit/test_fused_quant.py runs the same kernels in Triton's interpreter).
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
-from agentspec import SamplingParams, SpecConfig, Speculator
-from tests.prompts import ALL_PROMPTS, GROUNDED
+from agentspec import Speculator
+from tests.prompts import GROUNDED
 from tests.solo import solo
 
 pytestmark = [
@@ -65,25 +63,7 @@ def test_held_weights_give_the_bfloat16_models_logits_bitwise_at_any_width(held,
 
 
 def test_concurrent_calls_on_held_weights_equal_their_solo_runs(held):
-    from agentspec.engine.target import HFTarget
+    from tests.gpu.concurrent import concurrent_and_solo
 
-    base = held.target
-    sampled = [SamplingParams(temperature=0.8, seed=5 + i) if i % 3 == 2 else None
-               for i in range(len(ALL_PROMPTS))]
-    plain = Speculator(HFTarget(base.model, base.tokenizer, reuse_prefix=False), speculate=False,
-                       memory=None)
-    want = [plain.generate(p, 32, sampling=s).token_ids
-            for p, s in zip(ALL_PROMPTS, sampled, strict=True)]
-    spec = Speculator(HFTarget(base.model, base.tokenizer), memory=None,
-                      config=SpecConfig(max_batch=16))
-    got: dict[int, tuple[int, ...]] = {}
-
-    def call(i: int) -> None:
-        got[i] = spec.generate(ALL_PROMPTS[i], 32, sampling=sampled[i]).token_ids
-
-    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(ALL_PROMPTS))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert [got[i] for i in range(len(ALL_PROMPTS))] == want
+    want, got, _ = concurrent_and_solo(held.target)
+    assert got == want

@@ -32,7 +32,7 @@ from agentspec.engine.target import HFTarget
 from agentspec.types import Draft
 from tests.solo import solo
 from tests.tiny_model import TinyTokenizer
-from tests.unit.test_fused import PROMPT, V, tiny_llama
+from tests.unit.test_fused import PROMPT, V, WrongThenRight, _generate, tiny_llama
 from tests.unit.test_quant import K, N, _data
 
 pytestmark = pytest.mark.skipif(
@@ -155,51 +155,13 @@ def test_a_model_whose_tiles_read_the_wrong_nibbles_does_not(pair):
 
 
 def test_speculative_decoding_over_held_weights_gives_plain_decodings_tokens(pair):
-    from agentspec.config import SamplingParams
     from agentspec.decoding.loop import NoDrafter
-    from agentspec.protocols import DraftContext
-    from agentspec.scheduler import decode
 
     held, _ = pair
     t = _target(held)
-
-    def run(drafter) -> list[int]:
-        context = DraftContext(tokens=list(SHORT), prompt_len=len(SHORT))
-        out: list[int] = []
-        for step in decode(t, drafter, context, sampling=SamplingParams(), max_new_tokens=8,
-                           stop_token_ids=frozenset()):
-            out.extend(step.new_tokens)
-        return out
-
-    plain = run(NoDrafter())
+    plain = _generate(t, NoDrafter(), SHORT, 8)
     assert len(plain) == 8
-    assert run(_Replay(plain, len(SHORT))) == plain
-
-
-class _Replay:
-    """Drafts of the plain continuation with one token wrong at a moving place."""
-
-    name = "replay"
-
-    def __init__(self, reference: list[int], prompt_len: int) -> None:
-        self.reference, self.prompt_len, self.calls = reference, prompt_len, 0
-
-    def begin(self, context) -> None:
-        pass
-
-    def propose(self, context, *, max_tokens: int) -> Draft:
-        self.calls += 1
-        done = len(context.tokens) - self.prompt_len
-        ahead = list(self.reference[done : done + min(max_tokens, 6)])
-        if len(ahead) > 1:
-            ahead[self.calls % len(ahead)] = (ahead[self.calls % len(ahead)] + 5) % (V - 1)
-        return Draft.chain(ahead, self.name) if ahead else Draft()
-
-    def observe(self, context, draft, verdict) -> None:
-        pass
-
-    def end(self, context) -> None:
-        pass
+    assert _generate(t, WrongThenRight(plain, len(SHORT)), SHORT, 8) == plain
 
 
 @pytest.mark.slow

@@ -187,36 +187,28 @@ def select(model: Any, *, required: bool) -> FusedLlama | None:
     return fused
 
 
-def _concat(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The modules' weights (and biases) concatenated by output row; each module's weight
-    becomes a view into the concatenation (the same values: the module path is unchanged)."""
-    weight = torch.cat([m.weight.detach() for m in modules])
-    biases = [m.bias for m in modules]
-    bias = None
-    if any(b is not None for b in biases):
-        bias = torch.cat([b.detach() if b is not None else weight.new_zeros(m.out_features)
-                          for b, m in zip(biases, modules, strict=True)])
-    row = 0
-    for m in modules:
-        m.weight.data = weight[row : row + m.out_features]
-        if m.bias is not None and bias is not None:
-            m.bias.data = bias[row : row + m.out_features]
-        row += m.out_features
-    return weight, bias
-
-
-def _stack(modules: list[Any]) -> tuple[TileWeight, torch.Tensor | None]:
-    """The quantized modules' weights (:class:`TileWeight`) stacked by output row, each
-    module's weight re-pointed to its rows of the stack (held once), and their biases."""
-    weight = TileWeight.stacked([m.qweight for m in modules])
+def _concat(modules: list[Any]) -> tuple[torch.Tensor | TileWeight, torch.Tensor | None]:
+    """The modules' weights (and biases) concatenated by output row, dense ones as one tensor,
+    ones held quantized as one :class:`TileWeight`; each module's weight and bias becomes a
+    view into the concatenation (held once, the same values: the module path is unchanged)."""
+    weight: torch.Tensor | TileWeight
+    if isinstance(getattr(modules[0], "qweight", None), TileWeight):
+        weight = TileWeight.stacked([m.qweight for m in modules])
+        like = weight.scale.new_zeros(0, dtype=weight.dtype)
+    else:
+        weight = like = torch.cat([m.weight.detach() for m in modules])
     bias = None
     if any(m.bias is not None for m in modules):
-        bias = torch.cat([m.bias.detach() if m.bias is not None else
-                          torch.zeros(m.out_features, dtype=weight.dtype, device=weight.codes.device)
+        bias = torch.cat([m.bias.detach() if m.bias is not None else like.new_zeros(m.out_features)
                           for m in modules])
     row = 0
     for m in modules:
-        m.qweight = weight.view_rows(row, row + m.out_features)
+        if isinstance(weight, TileWeight):
+            m.qweight = weight.view_rows(row, row + m.out_features)
+        else:
+            m.weight.data = weight[row : row + m.out_features]
+        if m.bias is not None and bias is not None:
+            m.bias.data = bias[row : row + m.out_features]
         row += m.out_features
     return weight, bias
 
@@ -255,9 +247,6 @@ def _layer(layer: Any, family: Family) -> _Layer:
         qkv, qkv_bias = a.qkv_proj.weight.detach(), a.qkv_proj.bias
         qkv_bias = qkv_bias.detach() if qkv_bias is not None else None
         gate_up = f.gate_up_proj.weight.detach()
-    elif isinstance(getattr(a.q_proj, "qweight", None), TileWeight):  # held quantized
-        qkv, qkv_bias = _stack([a.q_proj, a.k_proj, a.v_proj])
-        gate_up, _ = _stack([f.gate_proj, f.up_proj])
     else:
         qkv, qkv_bias = _concat([a.q_proj, a.k_proj, a.v_proj])
         gate_up, _ = _concat([f.gate_proj, f.up_proj])
